@@ -1,0 +1,27 @@
+"""Backend-neutral transfer handle shared by the NIXL and loopback endpoints."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import attrs
+
+DONE = "DONE"
+PROC = "PROC"
+
+_ids = itertools.count(1)
+
+
+@attrs.define(eq=False)
+class XferHandle:
+    """One posted transfer.  Identity equality: a handle is a resource."""
+
+    op: str  # "READ" | "WRITE"
+    remote_name: str
+    notif: bytes
+    num_blocks: int
+    # Backend object (nixl_xfer_handle, or the loopback's record).
+    raw: Any = attrs.field(repr=False)
+    id: int = attrs.field(factory=lambda: next(_ids))
+    released: bool = False

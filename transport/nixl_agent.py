@@ -1,0 +1,333 @@
+"""NixlEndpoint: one real NIXL agent, polled by its owner (no progress thread).
+
+The default NIXL progress thread busy-spins (~0.7 core per agent), so the agent
+is created with ``enable_prog_thread=False``; every side, including a purely
+passive one, must call :meth:`poll_notifs` / :meth:`poll_transfer` from its loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Sequence
+
+# Quiet NIXL's INFO chatter unless the operator asked for it.  UCX_NET_DEVICES
+# is deliberately NOT defaulted here: pinning it to "lo" would silently break
+# cross-host RDMA in production; tests and benches set it themselves.
+os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+
+try:  # plain `nixl` meta package
+    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+except ImportError:
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+    except ImportError:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+
+import attrs
+import torch
+
+from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed, TransportError
+from .handle import DONE, PROC, XferHandle
+from .layout import CacheLayout
+from .wire import METADATA_MAGIC
+
+# NIXL exception class name -> our type.  Matched by name because the classes
+# live in nixl/nixl_cu12/nixl_cu13 `_bindings` and share no base class.
+_BY_NAME: dict[str, type[TransportError]] = {
+    "nixlRemoteDisconnectError": PeerDisconnected,
+    "nixlNotFoundError": NotFound,
+}
+
+
+def _is_nixl_error(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    return name.startswith("nixl") and name.endswith("Error")
+
+
+def translate_nixl_error(
+    exc: BaseException, what: str, default: type[TransportError] = TransferFailed
+) -> TransportError:
+    """Map a NIXL exception to a TransportError, keeping its text."""
+    name = type(exc).__name__
+    cls = _BY_NAME.get(name, default)
+    return cls(f"{what}: {name}: {exc}", nixl_error=name)
+
+
+@contextlib.contextmanager
+def _nixl(what: str, default: type[TransportError] = TransferFailed) -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:
+        if _is_nixl_error(e):
+            raise translate_nixl_error(e, what, default) from e
+        raise
+
+
+class NixlEndpoint:
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
+        if not name:
+            raise ValueError("agent name must not be empty")
+        self.name = name
+        cfg = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
+        with _nixl(f"create agent {name!r}", TransportError):
+            self._agent = nixl_agent(name, cfg)
+        self._tensors: list[torch.Tensor] = []  # keep registered memory alive
+        self._reg_descs: list[object] = []
+        self._layout: CacheLayout | None = None
+        self._local_dlist = None
+        # (remote_name, layout) -> prepped remote dlist handle
+        self._remote_dlists: dict[tuple[str, CacheLayout], object] = {}
+        self._remotes: set[str] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------ memory
+
+    def register_kv_cache(self, tensor: torch.Tensor, block_size_bytes: int) -> CacheLayout:
+        """Register ``tensor`` ([num_blocks, ...], contiguous) as one more region.
+
+        Repeated calls add regions (e.g. one per layer); they must agree on
+        memory type, device, block size and block count.
+        """
+        self._check_open()
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError("tensor must be a torch.Tensor")
+        if not tensor.is_contiguous():
+            raise ValueError("KV cache tensor must be contiguous")
+        if tensor.dim() < 1 or tensor.shape[0] == 0:
+            raise ValueError("KV cache tensor must have shape [num_blocks, ...] with num_blocks > 0")
+        nbytes = tensor.numel() * tensor.element_size()
+        num_blocks = tensor.shape[0]
+        if block_size_bytes * num_blocks != nbytes:
+            raise ValueError(
+                f"block_size_bytes={block_size_bytes} x num_blocks={num_blocks} != "
+                f"tensor size {nbytes} B"
+            )
+        mem_type = "VRAM" if tensor.is_cuda else "DRAM"
+        device_id = tensor.get_device() if tensor.is_cuda else 0
+        base = tensor.data_ptr()
+        if self._layout is None:
+            layout = CacheLayout(mem_type, device_id, block_size_bytes, num_blocks, (base,))
+        else:
+            old = self._layout
+            if (old.mem_type, old.device_id, old.block_size, old.num_blocks) != (
+                mem_type, device_id, block_size_bytes, num_blocks
+            ):
+                raise ValueError(
+                    f"region ({mem_type}, dev {device_id}, {block_size_bytes} B x {num_blocks}) "
+                    f"does not match the cache ({old.mem_type}, dev {old.device_id}, "
+                    f"{old.block_size} B x {old.num_blocks})"
+                )
+            layout = attrs.evolve(old, base_addrs=old.base_addrs + (base,))
+        with _nixl("register_memory", TransportError):
+            reg = self._agent.register_memory(tensor)
+        self._tensors.append(tensor)
+        self._reg_descs.append(reg)
+        self._layout = layout
+        self._drop_local_dlist()  # descriptor indices changed
+        return layout
+
+    def describe_cache(self) -> dict:
+        """Serializable layout a peer passes to post_read/post_write."""
+        self._check_open()
+        if self._layout is None:
+            raise RuntimeError("no KV cache registered")
+        return self._layout.to_dict()
+
+    # ------------------------------------------------------------ peers
+
+    def local_metadata(self) -> bytes:
+        """Unframed NIXL agent metadata (frame it before it goes on the wire)."""
+        self._check_open()
+        with _nixl("get_agent_metadata", TransportError):
+            return bytes(self._agent.get_agent_metadata())
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's (unframed) metadata; returns the peer's agent name."""
+        self._check_open()
+        metadata = bytes(metadata)
+        if metadata.startswith(METADATA_MAGIC):
+            raise ValueError("metadata is still framed; call wire.unframe_metadata first")
+        with _nixl("add_remote_agent", MetadataRejected):
+            name = self._agent.add_remote_agent(metadata)
+        # NIXL returns the name as bytes here but keys notifications by str.
+        if isinstance(name, bytes):
+            name = name.decode()
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        self._check_open()
+        for key in [k for k in self._remote_dlists if k[0] == name]:
+            self._release_dlist(self._remote_dlists.pop(key))
+        self._remotes.discard(name)
+        with _nixl(f"remove_remote_agent {name!r}", NotFound):
+            self._agent.remove_remote_agent(name)
+
+    def connect(self, remote_name: str) -> None:
+        """Optional: set up the connection now so the first transfer is not slower."""
+        self._check_open()
+        with _nixl(f"make_connection {remote_name!r}", PeerDisconnected):
+            self._agent.make_connection(remote_name)
+
+    # ------------------------------------------------------------ transfers
+
+    def post_read(
+        self,
+        remote_name: str,
+        remote_desc: dict,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        notif: bytes = b"",
+    ) -> XferHandle:
+        """Pull remote blocks into local blocks; ``notif`` reaches the peer on completion."""
+        return self._post("READ", remote_name, remote_desc, remote_block_ids, local_block_ids, notif)
+
+    def post_write(
+        self,
+        remote_name: str,
+        remote_desc: dict,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        notif: bytes = b"",
+    ) -> XferHandle:
+        """Push local blocks into remote blocks (push mode)."""
+        return self._post("WRITE", remote_name, remote_desc, remote_block_ids, local_block_ids, notif)
+
+    def _post(self, op, remote_name, remote_desc, remote_block_ids, local_block_ids, notif):
+        self._check_open()
+        local = self._require_layout()
+        remote = CacheLayout.from_dict(remote_desc)
+        local.check_pairable(remote)
+        remote_block_ids, local_block_ids = list(remote_block_ids), list(local_block_ids)
+        if len(remote_block_ids) != len(local_block_ids):
+            raise ValueError(
+                f"{len(remote_block_ids)} remote blocks vs {len(local_block_ids)} local blocks"
+            )
+        if not local_block_ids:
+            raise ValueError("a transfer needs at least one block")
+        local.check_block_ids(local_block_ids, "local")
+        remote.check_block_ids(remote_block_ids, "remote")
+        notif = bytes(notif)
+        if remote_name not in self._remotes:
+            raise NotFound(f"{op} to unknown remote agent {remote_name!r} (add_remote first)")
+
+        local_dl = self._local_dlist_handle()
+        remote_dl = self._remote_dlist_handle(remote_name, remote)
+        with _nixl(f"{op} to {remote_name!r}"):
+            raw = self._agent.make_prepped_xfer(
+                op, local_dl, local.indices(local_block_ids),
+                remote_dl, remote.indices(remote_block_ids), notif,
+            )
+        handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw)
+        try:
+            with _nixl(f"post {op} to {remote_name!r}"):
+                state = self._agent.transfer(raw)
+            if state not in (DONE, PROC):
+                raise TransferFailed(f"post {op} to {remote_name!r} returned {state}")
+        except TransportError:
+            self.release(handle, missing_ok=True)
+            raise
+        return handle
+
+    def poll_transfer(self, handle: XferHandle) -> str:
+        """"DONE" or "PROC"; a failed transfer raises a TransportError subclass."""
+        self._check_open()
+        if handle.released:
+            raise NotFound(f"transfer {handle.id} was already released")
+        with _nixl(f"{handle.op} {handle.id} to {handle.remote_name!r}"):
+            state = self._agent.check_xfer_state(handle.raw)
+        if state == "ERR":
+            raise TransferFailed(f"{handle.op} {handle.id} to {handle.remote_name!r} failed")
+        return state
+
+    def release(self, handle: XferHandle, *, missing_ok: bool = False) -> None:
+        """Free a handle; NIXL tries to cancel a transfer still in flight."""
+        if handle.released:
+            if missing_ok:
+                return
+            raise NotFound(f"transfer {handle.id} was already released")
+        with _nixl(f"release {handle.op} {handle.id}"):
+            handle.raw.release()
+        handle.released = True
+
+    # ------------------------------------------------------------ notifications
+
+    def send_notif(self, remote_name: str, msg: bytes) -> None:
+        self._check_open()
+        with _nixl(f"send_notif to {remote_name!r}", PeerDisconnected):
+            self._agent.send_notif(remote_name, bytes(msg))
+
+    def poll_notifs(self) -> list[tuple[str, bytes]]:
+        """Drain notifications that arrived since the last call (also progresses UCX)."""
+        self._check_open()
+        with _nixl("get_new_notifs", TransportError):
+            got = self._agent.get_new_notifs()
+        out: list[tuple[str, bytes]] = []
+        for name, msgs in got.items():
+            name = name.decode() if isinstance(name, bytes) else name
+            out.extend((name, bytes(m)) for m in msgs)
+        return out
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for dl in self._remote_dlists.values():
+            self._release_dlist(dl)
+        self._remote_dlists.clear()
+        self._drop_local_dlist()
+        for reg in self._reg_descs:
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(reg)
+        self._reg_descs.clear()
+        self._tensors.clear()
+        del self._agent
+
+    def __enter__(self) -> "NixlEndpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"endpoint {self.name!r} is closed")
+
+    def _require_layout(self) -> CacheLayout:
+        if self._layout is None:
+            raise RuntimeError("register_kv_cache before posting transfers")
+        return self._layout
+
+    def _local_dlist_handle(self):
+        if self._local_dlist is None:
+            layout = self._require_layout()
+            with _nixl("prep local dlist", TransportError):
+                self._local_dlist = self._agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", layout.descriptors(), layout.mem_type
+                )
+        return self._local_dlist
+
+    def _remote_dlist_handle(self, remote_name: str, layout: CacheLayout):
+        key = (remote_name, layout)
+        dl = self._remote_dlists.get(key)
+        if dl is None:
+            # NotFound here usually means the descriptors are not registered on the peer.
+            with _nixl(f"prep remote dlist for {remote_name!r}", NotFound):
+                dl = self._agent.prep_xfer_dlist(remote_name, layout.descriptors(), layout.mem_type)
+            self._remote_dlists[key] = dl
+        return dl
+
+    def _drop_local_dlist(self) -> None:
+        if self._local_dlist is not None:
+            self._release_dlist(self._local_dlist)
+            self._local_dlist = None
+
+    @staticmethod
+    def _release_dlist(dl) -> None:
+        with contextlib.suppress(Exception):
+            dl.release()
