@@ -1,0 +1,87 @@
+"""Base types shared by every machine: events, actions, instances, timers.
+
+Events and actions are attrs frozen slots classes.  Each class says, as
+class variables, which resources it acquires or releases; the definition-time
+validator uses these to prove that every path to a terminal state releases
+everything a state holds.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+
+class Event:
+    """A stimulus.  Subclasses are ``@attrs.frozen`` classes.
+
+    ``machine`` names the machine kind the plane routes it to and ``key_field``
+    the attribute holding that machine's id.
+    """
+
+    __slots__ = ()
+    machine: ClassVar[str] = ""
+    key_field: ClassVar[str] = "request_id"
+    # Resources handed to the machine by the event itself (e.g. blocks the
+    # scheduler allocated) and obligations the event discharges (an abort
+    # discharges the duty to report a recv the scheduler no longer awaits).
+    acquires: ClassVar[frozenset[str]] = frozenset()
+    releases: ClassVar[frozenset[str]] = frozenset()
+
+
+class Action:
+    """An instruction for the world (transport, scheduler) or for the plane."""
+
+    __slots__ = ()
+    acquires: ClassVar[frozenset[str]] = frozenset()
+    releases: ClassVar[frozenset[str]] = frozenset()
+    # Internal actions are executed by the ControlPlane itself (timers,
+    # engine references, heartbeat registration) and never reach a transport.
+    internal: ClassVar[bool] = False
+
+    @classmethod
+    def build(cls, inst: Any, event: Any, config: Any, now: float) -> "Action":
+        raise NotImplementedError(f"{cls.__name__}.build")
+
+
+@attrs.define(slots=True)
+class Instance:
+    """Per-machine-instance data.  Subclasses add their own fields.
+
+    Mutable on purpose: a transition updates a few slots in place instead of
+    allocating a new object per event.
+    """
+
+    key: Any
+    state: str
+    deadline: float | None = None
+
+
+@attrs.frozen
+class TimerFired(Event):
+    """A deadline armed by ``ArmTimer`` came due.  ``at`` identifies which arm."""
+
+    kind: str
+    key: Any
+    at: float
+    machine: ClassVar[str] = ""  # routed by ``kind``
+    key_field: ClassVar[str] = "key"
+
+
+@attrs.frozen
+class ArmTimer(Action):
+    kind: str
+    key: Any
+    at: float
+    internal: ClassVar[bool] = True
+
+
+@attrs.frozen
+class CancelTimer(Action):
+    kind: str
+    key: Any
+    internal: ClassVar[bool] = True
+
+
+def resources(*names: str) -> frozenset[str]:
+    return frozenset(names)

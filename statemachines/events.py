@@ -1,0 +1,290 @@
+"""Every stimulus the machines understand.
+
+``machine`` routes an event to a machine kind, ``key_field`` to one instance.
+Events marked internal in their docstring are produced by the ControlPlane
+from another machine's actions; the rest come from the scheduler, the worker
+or the transport.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+from .base import Event, TimerFired
+
+def _ids(value: Any) -> tuple:
+    return tuple(value)
+
+
+# ----------------------------------------------------------------- decode side
+@attrs.frozen(kw_only=True)
+class NewRequest(Event):
+    """on_new_request: a request with remote KV arrives (before scheduling)."""
+
+    request_id: str
+    engine_id: str
+    remote_request_id: str
+    remote_block_ids: tuple = attrs.field(converter=_ids, default=())
+    remote_ranks: tuple = attrs.field(converter=_ids, default=(0,))
+    # Consumers P planned for these blocks; echoed in the completion notif.
+    expected_consumers: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    # Remote expiry of the blocks, in the remote engine's clock (turn-2 reads
+    # of blocks a decoder holds); None when the remote gave no deadline.
+    remote_expiry: float | None = None
+    push: bool = False
+    machine: ClassVar[str] = "decode_request"
+
+
+@attrs.frozen(kw_only=True)
+class BlocksAllocated(Event):
+    """update_state_after_alloc: local blocks allocated for the request.
+
+    ``awaiting`` says whether the scheduler waits for this recv to be
+    reported; a full-prefix hit may be notify-only.
+    """
+
+    request_id: str
+    block_ids: tuple = attrs.field(converter=_ids, default=())
+    num_remote_tokens: int = 0
+    awaiting: bool = True
+    machine: ClassVar[str] = "decode_request"
+
+
+@attrs.frozen(kw_only=True)
+class StartLoad(Event):
+    """start_load_kv on the worker: the load may begin."""
+
+    request_id: str
+    machine: ClassVar[str] = "decode_request"
+
+
+@attrs.frozen(kw_only=True)
+class EngineReady(Event):
+    """Internal: the remote engine a requester waits on is connected."""
+
+    kind: str
+    request_id: str
+    engine_id: str
+    clock_offset: float = 0.0
+    machine: ClassVar[str] = ""  # routed by ``kind``
+
+
+@attrs.frozen(kw_only=True)
+class EngineLost(Event):
+    """Internal: the remote engine was evicted, disconnected or never reached."""
+
+    kind: str
+    request_id: str
+    engine_id: str
+    reason: str = ""
+    machine: ClassVar[str] = ""
+
+
+@attrs.frozen(kw_only=True)
+class ReadDone(Event):
+    """The posted READ completed (transport)."""
+
+    request_id: str
+    machine: ClassVar[str] = "decode_request"
+
+
+@attrs.frozen(kw_only=True)
+class ReadFailed(Event):
+    request_id: str
+    reason: str = ""
+    machine: ClassVar[str] = "decode_request"
+
+
+@attrs.frozen(kw_only=True)
+class PushDone(Event):
+    """Push mode, decode side: P notified that its WRITE into our blocks completed."""
+
+    request_id: str
+    machine: ClassVar[str] = "decode_request"
+
+
+@attrs.frozen(kw_only=True)
+class RequestRunning(Event):
+    """The scheduler runs the request (after a reported recv)."""
+
+    request_id: str
+    machine: ClassVar[str] = "decode_request"
+
+
+@attrs.frozen(kw_only=True)
+class RequestFinished(Event):
+    """request_finished on the decode side.  ``hold_for_next_turn`` keeps the
+    blocks for a bidirectional turn 2 under a fixed TTL lease."""
+
+    request_id: str
+    block_ids: tuple = attrs.field(converter=_ids, default=())
+    hold_for_next_turn: bool = False
+    machine: ClassVar[str] = "decode_request"
+
+
+@attrs.frozen(kw_only=True)
+class Abort(Event):
+    """The scheduler dropped the request.  A recv it awaited is still reported
+    (as failed): its blocks may not be freed while a READ could write them."""
+
+    request_id: str
+    machine: ClassVar[str] = "decode_request"
+
+
+# -------------------------------------------------------------- lease (P, or D hold)
+@attrs.frozen(kw_only=True)
+class LeaseGranted(Event):
+    """Blocks handed to the lease: P after prefill, or D holding for turn 2.
+
+    ``renewable`` leases are extended by heartbeats; a decoder's hold has a
+    fixed TTL.
+    """
+
+    request_id: str
+    block_ids: tuple = attrs.field(converter=_ids, default=())
+    expected_consumers: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    duration: float | None = None  # None: config.kv_lease_duration
+    renewable: bool = True
+    machine: ClassVar[str] = "lease"
+    acquires: ClassVar[frozenset[str]] = frozenset({"blocks"})
+
+
+@attrs.frozen(kw_only=True)
+class LeaseHeartbeat(Event):
+    """One id of a ``HB:`` notification."""
+
+    request_id: str
+    machine: ClassVar[str] = "lease"
+
+
+@attrs.frozen(kw_only=True)
+class ConsumerDone(Event):
+    """Completion notification ``<id>:<expected_consumers>`` from ``consumer``."""
+
+    request_id: str
+    consumer: str
+    expected_consumers: int
+    machine: ClassVar[str] = "lease"
+
+
+@attrs.frozen(kw_only=True)
+class LeaseAbort(Event):
+    request_id: str
+    machine: ClassVar[str] = "lease"
+
+
+# ------------------------------------------------------------ push write (P side)
+@attrs.frozen(kw_only=True)
+class PushRegistered(Event):
+    """``PUSH_REG`` from D: its blocks are registered and waiting for our WRITE."""
+
+    request_id: str
+    engine_id: str
+    remote_request_id: str
+    remote_block_ids: tuple = attrs.field(converter=_ids, default=())
+    machine: ClassVar[str] = "push_write"
+
+
+@attrs.frozen(kw_only=True)
+class PushReady(Event):
+    """Internal: P's prefill finished and its blocks are leased; WRITE may start."""
+
+    request_id: str
+    block_ids: tuple = attrs.field(converter=_ids, default=())
+    machine: ClassVar[str] = "push_write"
+
+
+@attrs.frozen(kw_only=True)
+class WriteDone(Event):
+    request_id: str
+    machine: ClassVar[str] = "push_write"
+
+
+@attrs.frozen(kw_only=True)
+class WriteFailed(Event):
+    request_id: str
+    reason: str = ""
+    machine: ClassVar[str] = "push_write"
+
+
+@attrs.frozen(kw_only=True)
+class PushAbort(Event):
+    request_id: str
+    machine: ClassVar[str] = "push_write"
+
+
+# ------------------------------------------------------------------ remote engine
+@attrs.frozen(kw_only=True)
+class EngineAcquire(Event):
+    """Internal: a requester needs this engine connected and holds a reference."""
+
+    engine_id: str
+    requester_kind: str
+    requester_key: str
+    machine: ClassVar[str] = "remote_engine"
+    key_field: ClassVar[str] = "engine_id"
+
+
+@attrs.frozen(kw_only=True)
+class EngineRelease(Event):
+    """Internal: a requester drops its reference."""
+
+    engine_id: str
+    requester_kind: str
+    requester_key: str
+    machine: ClassVar[str] = "remote_engine"
+    key_field: ClassVar[str] = "engine_id"
+
+
+@attrs.frozen(kw_only=True)
+class HandshakeOk(Event):
+    """The side-channel handshake succeeded and the remote agent was added.
+
+    ``samples`` are (clock_offset, rtt) pairs; the lowest-RTT one is kept.
+    """
+
+    engine_id: str
+    samples: tuple = attrs.field(converter=lambda v: tuple(tuple(s) for s in v), default=())
+    notify_only: bool = False
+    machine: ClassVar[str] = "remote_engine"
+    key_field: ClassVar[str] = "engine_id"
+    acquires: ClassVar[frozenset[str]] = frozenset({"remote_agent"})
+
+
+@attrs.frozen(kw_only=True)
+class HandshakeFailed(Event):
+    engine_id: str
+    reason: str = ""
+    machine: ClassVar[str] = "remote_engine"
+    key_field: ClassVar[str] = "engine_id"
+
+
+@attrs.frozen(kw_only=True)
+class EngineActivity(Event):
+    """Anything observed from or done to the engine: READ, WRITE, completion, heartbeat."""
+
+    engine_id: str
+    machine: ClassVar[str] = "remote_engine"
+    key_field: ClassVar[str] = "engine_id"
+
+
+@attrs.frozen(kw_only=True)
+class PeerDisconnected(Event):
+    engine_id: str
+    reason: str = ""
+    machine: ClassVar[str] = "remote_engine"
+    key_field: ClassVar[str] = "engine_id"
+
+
+ALL_EVENTS: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        NewRequest, BlocksAllocated, StartLoad, EngineReady, EngineLost, ReadDone, ReadFailed,
+        PushDone, RequestRunning, RequestFinished, Abort,
+        LeaseGranted, LeaseHeartbeat, ConsumerDone, LeaseAbort,
+        PushRegistered, PushReady, WriteDone, WriteFailed, PushAbort,
+        EngineAcquire, EngineRelease, HandshakeOk, HandshakeFailed, EngineActivity, PeerDisconnected,
+        TimerFired,
+    )
+}

@@ -1,0 +1,119 @@
+"""Lease on blocks that remote consumers will read.
+
+On the prefill side the lease starts when prefill finishes, lasts
+``kv_lease_duration`` and is extended by heartbeats to
+max(old deadline, now + extension).  On the decode side the same machine
+holds a finished request's blocks for a bidirectional turn 2, with a fixed
+TTL (``decoder_kv_blocks_ttl``) that heartbeats do not extend.
+
+Consumers are counted by sender, so a duplicated completion notification
+cannot free blocks another consumer is still reading.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from ..actions import FreeBlocks
+from ..base import Instance, TimerFired
+from ..events import ConsumerDone, LeaseAbort, LeaseGranted, LeaseHeartbeat
+from ..spec import Spec, State
+from ..table import error, ignore, on, rows
+
+
+@attrs.define(slots=True)
+class Lease(Instance):
+    KIND: ClassVar[str] = "lease"
+    block_ids: tuple = ()
+    expected_consumers: int = 1
+    consumers: frozenset = frozenset()
+    renewable: bool = True
+    expiry: float = 0.0
+    extensions: int = 0
+
+
+def _grant(lease: Lease, ev: LeaseGranted, cfg, now) -> None:
+    lease.block_ids = ev.block_ids
+    lease.expected_consumers = ev.expected_consumers
+    lease.renewable = ev.renewable
+    lease.expiry = now + (ev.duration if ev.duration is not None else cfg.kv_lease_duration)
+
+
+def _extend(lease: Lease, ev, cfg, now) -> None:
+    new = now + cfg.lease_extension
+    if new > lease.expiry:
+        lease.expiry = new
+        lease.extensions += 1
+
+
+def _consumed(lease: Lease, ev: ConsumerDone, cfg, now) -> None:
+    lease.consumers = lease.consumers | {ev.consumer}
+
+
+def renewable(lease: Lease, ev, cfg, now) -> bool:
+    """renewable lease"""
+    return lease.renewable
+
+
+def duplicate_consumer(lease: Lease, ev: ConsumerDone, cfg, now) -> bool:
+    """consumer already counted"""
+    return ev.consumer in lease.consumers
+
+
+def wrong_consumer_count(lease: Lease, ev: ConsumerDone, cfg, now) -> bool:
+    """notif disagrees with planned consumers"""
+    return ev.expected_consumers != lease.expected_consumers
+
+
+def last_consumer(lease: Lease, ev: ConsumerDone, cfg, now) -> bool:
+    """last expected consumer"""
+    return len(lease.consumers) + 1 >= lease.expected_consumers
+
+
+_expiry = lambda lease, cfg, now: lease.expiry  # noqa: E731  (a deadline is data on the instance)
+
+STATES = (
+    State("PREFILLING", doc="blocks still owned by the running prefill"),
+    State("LEASED", holds={"blocks"}, waits_on_remote=True, deadline=_expiry),
+    State("PARTIALLY_READ", holds={"blocks"}, waits_on_remote=True, deadline=_expiry,
+          doc="some, not all, expected consumers have read"),
+    State("EXPIRED", terminal=True, doc="blocks reclaimed at the deadline: the consumers went silent"),
+    State("RELEASED", terminal=True),
+)
+EVENTS = (LeaseGranted, LeaseHeartbeat, ConsumerDone, LeaseAbort, TimerFired)
+HELD = ["LEASED", "PARTIALLY_READ"]
+
+TABLE = rows(
+    on("PREFILLING", LeaseGranted, "LEASED", do=_grant),
+    error(HELD, LeaseGranted, "lease granted twice"),
+    ignore("PREFILLING", LeaseHeartbeat, "not leased yet; the grant starts a full lease"),
+    error("PREFILLING", ConsumerDone, "consumer finished before the blocks were leased"),
+    on("PREFILLING", LeaseAbort, "RELEASED"),
+
+    on(HELD, TimerFired, "EXPIRED", FreeBlocks),
+    on(HELD, LeaseAbort, "RELEASED", FreeBlocks),
+    # Guards are tried in order: a duplicate never counts as the last consumer.
+    on("PARTIALLY_READ", ConsumerDone, "PARTIALLY_READ", when=duplicate_consumer),
+    on(HELD, ConsumerDone, "RELEASED", FreeBlocks, when=wrong_consumer_count),
+    on(HELD, ConsumerDone, "RELEASED", FreeBlocks, when=last_consumer, do=_consumed),
+    *(
+        rows(
+            on(s, LeaseHeartbeat, s, when=renewable, do=_extend),
+            on(s, LeaseHeartbeat, s),  # fixed TTL: a decoder's hold is not extended
+        )
+        for s in HELD
+    ),
+    on(HELD, ConsumerDone, "PARTIALLY_READ", do=_consumed),
+)
+
+SPEC = Spec(
+    name="lease",
+    instance_type=Lease,
+    initial="PREFILLING",
+    states=STATES,
+    events=EVENTS,
+    table=TABLE,
+    fail_closed_event=LeaseAbort,
+    doc=__doc__,
+)

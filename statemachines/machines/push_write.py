@@ -1,0 +1,99 @@
+"""Push mode, prefill side: WRITE our leased blocks into a decoder's blocks.
+
+D registers its blocks (``PUSH_REG``) and P's prefill finishes, in either
+order; the WRITE starts when both have happened.  A registration waiting
+for the prefill and a prefill waiting for the registration each have a
+deadline.  WRITE activity refreshes the decoder engine's liveness, and the
+engine reference held while writing keeps it from being evicted.  A
+completed WRITE consumes the lease like a READ would.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from ..actions import AcquireEngine, CancelXfer, ConsumeLease, NoteActivity, PostWrite, ReleaseEngine, ReleaseXfer
+from ..base import Instance, TimerFired
+from ..events import EngineLost, EngineReady, PushAbort, PushReady, PushRegistered, WriteDone, WriteFailed
+from ..spec import Spec, State
+from ..table import error, ignore, on, rows
+
+
+@attrs.define(slots=True)
+class PushWrite(Instance):
+    KIND: ClassVar[str] = "push_write"
+    engine_id: str = ""
+    remote_request_id: str = ""
+    remote_block_ids: tuple = ()
+    block_ids: tuple = ()
+    wait_deadline: float = 0.0
+    transfer_deadline: float = 0.0
+
+
+def _registered(p: PushWrite, ev: PushRegistered, cfg, now) -> None:
+    p.engine_id = ev.engine_id
+    p.remote_request_id = ev.remote_request_id
+    p.remote_block_ids = ev.remote_block_ids
+    p.wait_deadline = now + cfg.push_registration_timeout
+
+
+def _ready(p: PushWrite, ev: PushReady, cfg, now) -> None:
+    p.block_ids = ev.block_ids
+    p.wait_deadline = now + cfg.push_registration_timeout
+
+
+def _writing(p: PushWrite, ev, cfg, now) -> None:
+    p.transfer_deadline = now + cfg.transfer_timeout
+
+
+_wait = lambda p, cfg, now: p.wait_deadline  # noqa: E731
+
+STATES = (
+    State("NEW"),
+    State("REGISTERED", waits_on_remote=True, deadline=_wait, doc="D registered; our prefill still runs"),
+    State("AWAITING_REG", waits_on_remote=True, deadline=_wait, doc="prefill done; deferred until D registers"),
+    State("CONNECTING", holds={"engine_ref"}, waits_on_remote=True, deadline=_wait),
+    State("WRITING", holds={"engine_ref", "xfer"}, waits_on_remote=True,
+          deadline=lambda p, cfg, now: p.transfer_deadline),
+    State("DONE", terminal=True),
+    State("FAILED", terminal=True, doc="nothing written; the lease expires or is aborted on its own"),
+)
+EVENTS = (PushRegistered, PushReady, EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort, TimerFired)
+LIVE = ["REGISTERED", "AWAITING_REG", "CONNECTING", "WRITING"]
+
+TABLE = rows(
+    on("NEW", PushRegistered, "REGISTERED", do=_registered),
+    on("NEW", PushReady, "AWAITING_REG", do=_ready),
+    error("NEW", [EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort], "no push was registered or readied"),
+    on("REGISTERED", PushReady, "CONNECTING", AcquireEngine, do=_ready),
+    on("AWAITING_REG", PushRegistered, "CONNECTING", AcquireEngine, do=_registered),
+    ignore(["REGISTERED", "CONNECTING", "WRITING"], PushRegistered, "duplicate PUSH_REG"),
+    error(["AWAITING_REG", "CONNECTING", "WRITING"], PushReady, "prefill finished twice"),
+
+    on("CONNECTING", EngineReady, "WRITING", PostWrite, NoteActivity, do=_writing),
+    ignore(["REGISTERED", "AWAITING_REG", "WRITING"], EngineReady, "stale wake-up"),
+    on("CONNECTING", [EngineLost, TimerFired], "FAILED", ReleaseEngine),
+    on("WRITING", [EngineLost, TimerFired], "FAILED", CancelXfer, ReleaseEngine),
+    ignore(["REGISTERED", "AWAITING_REG"], EngineLost, "no engine reference held yet"),
+    on(["REGISTERED", "AWAITING_REG"], TimerFired, "FAILED"),
+
+    on("WRITING", WriteDone, "DONE", ReleaseXfer, NoteActivity, ConsumeLease, ReleaseEngine),
+    on("WRITING", WriteFailed, "FAILED", ReleaseXfer, ReleaseEngine),
+    ignore(["REGISTERED", "AWAITING_REG", "CONNECTING"], [WriteDone, WriteFailed], "no WRITE in flight"),
+
+    on(["REGISTERED", "AWAITING_REG"], PushAbort, "FAILED"),
+    on("CONNECTING", PushAbort, "FAILED", ReleaseEngine),
+    on("WRITING", PushAbort, "FAILED", CancelXfer, ReleaseEngine),
+)
+
+SPEC = Spec(
+    name="push_write",
+    instance_type=PushWrite,
+    initial="NEW",
+    states=STATES,
+    events=EVENTS,
+    table=TABLE,
+    fail_closed_event=PushAbort,
+    doc=__doc__,
+)

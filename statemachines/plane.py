@@ -1,0 +1,227 @@
+"""The ControlPlane: every machine of one instance (P or D), composed.
+
+Sans-I/O, like dask's WorkerState: ``handle(event, now)`` and
+``fire_due(now)`` return the actions the world must execute; nothing else
+leaves.  The plane routes events by machine kind and id, creates a machine
+on its creating event, discards it when it reaches a terminal state, and
+executes internal actions itself (timers, engine references, heartbeat
+registration), feeding the resulting events to the other machines in FIFO
+order within the same call.  One timer heap serves every machine.
+
+Late, duplicate and unknown-id events are counted ignores; an event the
+table declares a protocol error is counted and fails the machine closed
+through its ordinary release path.  Neither ever raises out of ``handle``.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import Counter, deque
+from typing import Any, Callable, Iterable
+
+from . import actions as A
+from . import events as E
+from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
+from .config import PlaneConfig
+from .heartbeats import HeartbeatBatcher
+from .machines import MACHINES
+from .spec import IGNORED, Machine, ProtocolViolation
+
+HEARTBEAT_TIMER = "heartbeat"
+
+# Events that create a machine when no instance with their id exists.
+CREATORS: dict[type, str] = {
+    E.NewRequest: "decode_request",
+    E.LeaseGranted: "lease",
+    E.PushRegistered: "push_write",
+    E.PushReady: "push_write",
+    E.EngineAcquire: "remote_engine",
+}
+
+# Observer of every stimulus handled: (event, now, label, state_before,
+# state_after, actions).  Used by the event log; None costs nothing.
+Recorder = Callable[[Event, float, str, str | None, str | None, list], None]
+
+
+class ControlPlane:
+    def __init__(self, config: PlaneConfig | None = None, machines: dict[str, Machine] | None = None):
+        self.config = config or PlaneConfig()
+        self.machines = dict(machines or MACHINES)
+        self.instances: dict[str, dict[Any, Any]] = {kind: {} for kind in self.machines}
+        self.heartbeats = HeartbeatBatcher(self.config.heartbeat_interval)
+        self._timers: list[tuple[float, int, str, Any]] = []
+        self._seq = 0
+        self.stats: Counter = Counter()
+        # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
+        self.anomalies: deque = deque(maxlen=256)
+        self.recorder: Recorder | None = None
+
+    # ------------------------------------------------------------------ input
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Feed one external stimulus; returns the actions for the world."""
+        out: list[Action] = []
+        queue: deque = deque()
+        self._dispatch(event, now, out, queue, top=True)
+        while queue:
+            self._dispatch(queue.popleft(), now, out, queue, top=False)
+        return out
+
+    def handle_all(self, events: Iterable[Event], now: float) -> list[Action]:
+        out: list[Action] = []
+        for ev in events:
+            out.extend(self.handle(ev, now))
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest armed timer, or None."""
+        timers = self._timers
+        while timers and not self._timer_live(timers[0]):
+            heapq.heappop(timers)
+        return timers[0][0] if timers else None
+
+    def fire_due(self, now: float) -> list[Action]:
+        """Fire every timer due at ``now``; returns the actions for the world."""
+        out: list[Action] = []
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            entry = heapq.heappop(timers)
+            if not self._timer_live(entry):
+                continue
+            at, _, kind, key = entry
+            if kind == HEARTBEAT_TIMER:
+                self._fire_heartbeat(key, now, out)
+            else:
+                out.extend(self.handle(TimerFired(kind, key, at), now))
+        return out
+
+    # ---------------------------------------------------------------- queries
+    def get(self, kind: str, key: Any):
+        return self.instances[kind].get(key)
+
+    def live(self) -> dict[str, int]:
+        return {kind: len(insts) for kind, insts in self.instances.items()}
+
+    def held(self) -> list[tuple[str, Any, str, tuple[str, ...]]]:
+        """Every live machine that holds a resource: the leak report."""
+        report = []
+        for kind, insts in self.instances.items():
+            states = self.machines[kind].states
+            for key, inst in insts.items():
+                holds = states[inst.state].holds
+                if holds:
+                    report.append((kind, key, inst.state, tuple(sorted(holds))))
+        return report
+
+    # --------------------------------------------------------------- dispatch
+    def _route(self, event: Event) -> tuple[str, Any]:
+        cls = type(event)
+        kind = cls.machine or event.kind
+        return kind, getattr(event, cls.key_field)
+
+    def _dispatch(self, event: Event, now: float, out: list, queue: deque, top: bool) -> None:
+        kind, key = self._route(event)
+        insts = self.instances.get(kind)
+        if insts is None:
+            self._anomaly("unknown_kind", kind, key, event)
+            return
+        machine = self.machines[kind]
+        inst = insts.get(key)
+        created = inst is None
+        if created:
+            if CREATORS.get(type(event)) != kind:
+                self._anomaly("unknown_id", kind, key, event)
+                return
+            inst = insts[key] = machine.new(key)
+        before = inst.state
+        try:
+            acts = machine.handle(inst, event, self.config, now)
+        except ProtocolViolation as exc:
+            self._anomaly("protocol_violation", kind, key, event, exc.reason)
+            acts = self._fail_closed(machine, inst, now)
+        if acts is IGNORED:
+            self.stats[f"ignored:{kind}:{before}:{type(event).__name__}"] += 1
+        if top and self.recorder is not None:
+            self.recorder(event, now, f"{kind}:{key}", before, inst.state, acts)
+        if machine.is_terminal(inst):
+            del insts[key]
+            self.stats[f"final:{kind}:{inst.state}"] += 1
+        elif created and inst.state == machine.spec.initial:
+            del insts[key]  # the creating event was refused: keep no empty machine
+        for a in acts:
+            if a.internal:
+                self._execute_internal(a, now, queue)
+            else:
+                out.append(a)
+
+    def _fail_closed(self, machine: Machine, inst, now: float) -> list:
+        fc = machine.spec.fail_closed_event
+        if fc is None or machine.is_terminal(inst) or inst.state == machine.spec.initial:
+            return []
+        self.stats[f"fail_closed:{machine.name}"] += 1
+        return machine.handle(inst, _fail_closed_event(fc, machine.name, inst.key), self.config, now)
+
+    def _anomaly(self, what: str, kind: str, key: Any, event: Event, detail: str = "") -> None:
+        self.stats[f"{what}:{kind}:{type(event).__name__}"] += 1
+        self.anomalies.append((what, kind, key, type(event).__name__, detail))
+
+    # -------------------------------------------------------- internal actions
+    def _execute_internal(self, a: Action, now: float, queue: deque) -> None:
+        cls = type(a)
+        if cls is ArmTimer:
+            self._arm(a.at, a.kind, a.key)
+        elif cls is CancelTimer:
+            pass  # lazy deletion: a popped entry whose deadline moved is skipped
+        elif cls is A.StartHeartbeat:
+            at = self.heartbeats.start(a.engine_id, a.remote_request_id, a.ranks, now)
+            if at is not None:
+                self._arm(at, HEARTBEAT_TIMER, a.engine_id)
+        elif cls is A.StopHeartbeat:
+            self.heartbeats.stop(a.engine_id, a.remote_request_id)
+        elif cls is A.AcquireEngine:
+            queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=a.kind, requester_key=a.key))
+        elif cls is A.ReleaseEngine:
+            if a.engine_id in self.instances["remote_engine"]:
+                queue.append(E.EngineRelease(engine_id=a.engine_id, requester_kind=a.kind, requester_key=a.key))
+        elif cls is A.NoteActivity:
+            if a.engine_id in self.instances["remote_engine"]:
+                queue.append(E.EngineActivity(engine_id=a.engine_id))
+        elif cls is A.WakeRequesters:
+            for kind, key in a.requesters:
+                queue.append(E.EngineReady(kind=kind, request_id=key, engine_id=a.engine_id,
+                                           clock_offset=a.clock_offset))
+        elif cls is A.FailRequesters:
+            for kind, key in a.requesters:
+                queue.append(E.EngineLost(kind=kind, request_id=key, engine_id=a.engine_id, reason=a.reason))
+        elif cls is A.GrantHold:
+            queue.append(E.LeaseGranted(request_id=a.request_id, block_ids=a.block_ids, expected_consumers=1,
+                                        duration=self.config.decoder_kv_blocks_ttl, renewable=False))
+        elif cls is A.ConsumeLease:
+            lease = self.instances["lease"].get(a.request_id)
+            if lease is not None:
+                queue.append(E.ConsumerDone(request_id=a.request_id, consumer=a.consumer,
+                                            expected_consumers=lease.expected_consumers))
+        else:  # pragma: no cover - a new internal action without a handler is a bug
+            raise TypeError(f"no handler for internal action {cls.__name__}")
+
+    def _arm(self, at: float, kind: str, key: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._timers, (at, self._seq, kind, key))
+
+    def _timer_live(self, entry) -> bool:
+        at, _, kind, key = entry
+        if kind == HEARTBEAT_TIMER:
+            return self.heartbeats.is_due(key, at)
+        inst = self.instances[kind].get(key)
+        return inst is not None and inst.deadline == at
+
+    def _fire_heartbeat(self, engine_id: str, now: float, out: list) -> None:
+        action, at = self.heartbeats.fire(engine_id, now)
+        if action is not None:
+            self.stats["heartbeats_sent"] += 1
+            out.append(action)
+        if at is not None:
+            self._arm(at, HEARTBEAT_TIMER, engine_id)
+
+
+def _fail_closed_event(cls: type, kind: str, key: Any) -> Event:
+    field = cls.key_field
+    return cls(**{field: key})

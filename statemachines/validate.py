@@ -1,0 +1,160 @@
+"""Definition-time validation: a machine that fails here is never built.
+
+Checks, each reported with the state (and event) at fault:
+- every (non-terminal state, event) pair is declared exactly once: guarded
+  transitions, an ignore with a reason, or a protocol error; terminal
+  instances are discarded by the plane, so they accept nothing;
+- a state that waits on a remote party has a deadline, and a state with a
+  deadline handles TimerFired with a transition;
+- every state is reachable from the initial one and can reach a terminal one;
+- resources balance on every transition:
+    held(dest) == held(src) + acquired - released, released <= held(src) + acquired
+  and terminal states hold nothing.  By induction every path to a terminal
+  state releases everything any state on it acquired, and nothing is
+  released twice;
+- an ignored event never carries resources (ignoring it would drop them).
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+from .base import TimerFired
+from .spec import Ignore, MachineDefinitionError, ProtocolError, Spec, Transition
+
+
+def _name(cls: type) -> str:
+    return cls.__name__
+
+
+def validate(spec: Spec) -> None:
+    errors: list[str] = []
+    err = errors.append
+    states = {s.name: s for s in spec.states}
+    if len(states) != len(spec.states):
+        err("duplicate state names")
+    if spec.initial not in states:
+        err(f"initial state {spec.initial!r} is not declared")
+    alphabet = set(spec.events)
+
+    entries: dict[tuple[str, type], list] = defaultdict(list)
+    for e in spec.table:
+        where = f"{e.src} x {_name(e.event)}"
+        if e.src not in states:
+            err(f"{where}: unknown source state {e.src!r}")
+            continue
+        if e.event not in alphabet:
+            err(f"{where}: event {_name(e.event)} is not in the machine's events")
+        if isinstance(e, Transition) and e.dest not in states:
+            err(f"{where}: unknown destination state {e.dest!r}")
+            continue
+        if states[e.src].terminal:
+            err(f"{where}: terminal state {e.src} accepts no events (the plane discards it)")
+        entries[(e.src, e.event)].append(e)
+
+    # Completeness and well-formed entries.
+    for s in spec.states:
+        if s.terminal:
+            continue
+        for ev in spec.events:
+            got = entries.get((s.name, ev), [])
+            where = f"{s.name} x {_name(ev)}"
+            if not got:
+                err(f"{where}: undeclared (declare a transition, an Ignore with a reason, or a ProtocolError)")
+                continue
+            kinds = {type(x) for x in got}
+            if len(kinds) > 1 or (kinds != {Transition} and len(got) > 1):
+                err(f"{where}: declared more than once ({', '.join(type(x).__name__ for x in got)})")
+                continue
+            if kinds == {Transition}:
+                for t in got[:-1]:
+                    if t.guard is None:
+                        err(f"{where}: unguarded transition to {t.dest} shadows the ones after it")
+            else:
+                (only,) = got
+                if not only.reason.strip():
+                    err(f"{where}: {type(only).__name__} needs a reason")
+                if isinstance(only, Ignore) and (ev.acquires or ev.releases):
+                    err(f"{where}: ignoring {_name(ev)} would drop resources {sorted(ev.acquires | ev.releases)}")
+
+    # Deadlines.
+    for s in spec.states:
+        if s.terminal:
+            if s.deadline is not None:
+                err(f"{s.name}: terminal state has a deadline")
+            if s.holds:
+                err(f"{s.name}: terminal state holds {sorted(s.holds)}; they would leak")
+            continue
+        if s.waits_on_remote and s.deadline is None:
+            err(f"{s.name}: waits on a remote party but has no deadline")
+        timer = entries.get((s.name, TimerFired), [])
+        if s.deadline is not None and not all(isinstance(t, Transition) for t in timer):
+            err(f"{s.name} x TimerFired: state has a deadline, so its expiry must be a transition")
+    if spec.initial in states and states[spec.initial].holds:
+        err(f"{spec.initial}: the initial state cannot hold resources")
+
+    # Resource accounting on every transition.
+    for t in spec.table:
+        if not isinstance(t, Transition) or t.src not in states or t.dest not in states:
+            continue
+        where = f"{t.src} -> {t.dest} on {_name(t.event)}"
+        held_src, held_dst = states[t.src].holds, states[t.dest].holds
+        acquired = set(t.event.acquires) | set(t.acquires)
+        released = set(t.event.releases)
+        for a in t.actions:
+            acquired |= a.acquires
+            released |= a.releases
+        available = held_src | acquired
+        for r in sorted(released - available):
+            err(f"{where}: releases {r!r}, which is not held (double release or unawaited report)")
+        expected = available - released
+        for r in sorted(expected - held_dst):
+            err(f"{where}: {r!r} is held in {t.src} or acquired here but neither released nor held in {t.dest}")
+        for r in sorted(held_dst - expected):
+            err(f"{where}: {t.dest} holds {r!r}, which this transition neither had nor acquired")
+
+    # Reachability, both ways.
+    graph: dict[str, set[str]] = defaultdict(set)
+    for t in spec.table:
+        if isinstance(t, Transition):
+            graph[t.src].add(t.dest)
+    if spec.initial in states:
+        seen = _closure(spec.initial, graph)
+        for s in spec.states:
+            if s.name not in seen:
+                err(f"{s.name}: unreachable from {spec.initial}")
+    reverse: dict[str, set[str]] = defaultdict(set)
+    for src, dests in graph.items():
+        for d in dests:
+            reverse[d].add(src)
+    can_finish: set[str] = set()
+    for s in spec.states:
+        if s.terminal:
+            can_finish |= _closure(s.name, reverse)
+    if not any(s.terminal for s in spec.states):
+        err("machine has no terminal state")
+    for s in spec.states:
+        if s.name not in can_finish:
+            err(f"{s.name}: cannot reach a terminal state")
+
+    if spec.fail_closed_event is not None:
+        fc = spec.fail_closed_event
+        if fc not in alphabet:
+            err(f"fail_closed_event {_name(fc)} is not in the machine's events")
+        for s in spec.states:
+            got = entries.get((s.name, fc), [])
+            if not s.terminal and s.name != spec.initial and not all(isinstance(t, Transition) for t in got):
+                err(f"{s.name} x {_name(fc)}: the fail-closed event must be a transition in every state")
+
+    if errors:
+        raise MachineDefinitionError(f"machine {spec.name!r} is invalid:\n  " + "\n  ".join(errors))
+
+
+def _closure(start: str, graph: dict[str, set[str]]) -> set[str]:
+    seen = {start}
+    todo = deque([start])
+    while todo:
+        for nxt in graph.get(todo.popleft(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
