@@ -258,7 +258,10 @@ class FreeBlocks(Action):
 
     @classmethod
     def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, inst.block_ids, inst.state.lower())
+        return cls(inst.key, inst.block_ids, _FREE_REASONS.get(type(ev).__name__, type(ev).__name__))
+
+
+_FREE_REASONS = {"TimerFired": "expired", "ConsumerDone": "consumed", "LeaseAbort": "aborted"}
 
 
 @attrs.frozen

@@ -1,0 +1,111 @@
+"""The ``kvplane`` command line.
+
+    kvplane run            prefill + decode processes over real NIXL (the main job)
+    kvplane diagrams       render diagrams/ from the machine tables (--check: compare only)
+    kvplane replay LOG     replay an event log; non-zero on divergence or leak
+    kvplane check-log LOG  liveness monitors over a log
+    kvplane explore        exhaustive interleavings with faults (model checker)
+    kvplane bench          the benchmark suite
+
+Subcommands import their modules lazily so that ``kvplane diagrams`` does
+not pay for NIXL or torch.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _diagrams(args) -> int:
+    from connector import diagrams
+
+    out = Path(args.out) if args.out else diagrams.DEFAULT_DIR
+    if args.check:
+        stale = diagrams.stale_files(out)
+        if stale:
+            print(f"stale diagrams in {out}: {', '.join(stale)} (run `kvplane diagrams`)")
+            return 1
+        print(f"diagrams in {out} are up to date")
+        return 0
+    if not diagrams.have_dot():
+        print("note: graphviz `dot` not found; writing Mermaid only (apt-get install graphviz for SVG)")
+    for path in diagrams.write_all(out):
+        print(f"wrote {path}")
+    return 0
+
+
+def _replay(args) -> int:
+    from connector.cli_checks import cmd_replay
+
+    return cmd_replay(args.log)
+
+
+def _check_log(args) -> int:
+    from connector.cli_checks import cmd_check_log
+
+    return cmd_check_log(args.log)
+
+
+def _explore(args) -> int:
+    from connector.cli_checks import cmd_explore
+
+    return cmd_explore(args)
+
+
+def _run(args) -> int:
+    from connector.mainjob import cmd_run
+
+    return cmd_run(args)
+
+
+def _bench(args) -> int:
+    from bench.__main__ import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("diagrams", help="render state diagrams from the machine tables")
+    d.add_argument("--out", help="output folder (default: the repo's diagrams/)")
+    d.add_argument("--check", action="store_true", help="fail if the committed diagrams are stale")
+    d.set_defaults(fn=_diagrams)
+
+    r = sub.add_parser("replay", help="replay an event log through fresh machines")
+    r.add_argument("log")
+    r.set_defaults(fn=_replay)
+
+    c = sub.add_parser("check-log", help="run the liveness monitors over an event log")
+    c.add_argument("log")
+    c.set_defaults(fn=_check_log)
+
+    e = sub.add_parser("explore", help="model-check the composed machines with faults")
+    e.add_argument("--requests", type=int, default=2)
+    e.add_argument("--engines", type=int, default=1)
+    e.add_argument("--depth", type=int, default=None)
+    e.add_argument("--no-symmetry", action="store_true")
+    e.add_argument("--counterexample", help="write a found counterexample here as JSONL")
+    e.set_defaults(fn=_explore)
+
+    b = sub.add_parser("bench", help="run the benchmark suite (python -m bench)")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=_bench)
+
+    from connector.mainjob_args import add_run_arguments
+
+    run = sub.add_parser("run", help="the main job: P and D processes exchanging KV over NIXL")
+    add_run_arguments(run)
+    run.set_defaults(fn=_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Write every machine's diagram into ``diagrams/`` from the same tables.
+
+``.mmd`` (Mermaid) always; ``.svg`` through graphviz when the ``dot``
+binary is installed.  ``check`` compares the committed files with what the
+code renders now.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from statemachines.machines import SPECS
+from statemachines.reference import render_dot, render_mermaid
+
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "diagrams"
+
+
+def have_dot() -> bool:
+    return shutil.which("dot") is not None
+
+
+def render_all(svg: bool = True) -> dict[str, bytes]:
+    """File name -> content for every machine."""
+    files: dict[str, bytes] = {}
+    for name, spec in SPECS.items():
+        files[f"{name}.mmd"] = render_mermaid(spec).encode()
+        if svg:
+            files[f"{name}.svg"] = render_dot(spec).pipe(format="svg")
+    return files
+
+
+def write_all(out_dir: Path = DEFAULT_DIR, svg: bool | None = None) -> list[Path]:
+    svg = have_dot() if svg is None else svg
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fname, content in render_all(svg).items():
+        path = out_dir / fname
+        path.write_bytes(content)
+        written.append(path)
+    return written
+
+
+def stale_files(out_dir: Path = DEFAULT_DIR, svg: bool | None = None) -> list[str]:
+    """Names of diagram files that are missing or differ from a fresh render."""
+    svg = have_dot() if svg is None else svg
+    return [
+        fname
+        for fname, content in render_all(svg).items()
+        if not (out_dir / fname).exists() or (out_dir / fname).read_bytes() != content
+    ]

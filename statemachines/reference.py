@@ -1,0 +1,175 @@
+"""The same tables, interpreted by the ``transitions`` library.
+
+Two uses: ``graph_machine`` builds a GraphMachine that renders the diagrams
+(Mermaid or graphviz), and ``ReferenceMachine`` is a second, independent
+interpreter of a Spec (one ``transitions.Machine`` per instance), used to
+cross-check the compiled dispatch and as the slow baseline in the
+benchmarks.  Neither is on the hot path.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from transitions import Machine as TMachine
+from transitions import MachineError
+from transitions.extensions import GraphMachine
+from transitions.extensions.states import Tags, add_state_features
+
+from .base import ArmTimer, CancelTimer, TimerFired
+from .spec import IGNORED, Ignore, NoGuardMatched, ProtocolError, ProtocolViolation, Spec, Transition
+
+
+@add_state_features(Tags)
+class _TaggedGraphMachine(GraphMachine):
+    pass
+
+
+def state_tags(state) -> list[str]:
+    tags = []
+    if state.holds:
+        tags.append("holds: " + ", ".join(sorted(state.holds)))
+    if state.deadline is not None:
+        tags.append("deadline")
+    if state.terminal:
+        tags.append("terminal")
+    return tags
+
+
+def edge_label(t: Transition) -> str:
+    event = "timeout" if t.event is TimerFired else t.event.__name__
+    acts = ", ".join(a.__name__ for a in t.actions)
+    return f"{event} / {acts}" if acts else event
+
+
+def _named_guard(doc: str):
+    # transitions labels a condition by its callable's name: use the guard's doc.
+    def cond(*_a, **_k):  # never evaluated when rendering
+        return True
+
+    cond.__name__ = doc
+    return cond
+
+
+def graph_machine(spec: Spec, engine: str = "mermaid") -> Any:
+    """A GraphMachine of the spec; ``model.get_graph()`` renders it."""
+
+    class Model:
+        pass
+
+    model = Model()
+    states = [{"name": s.name, "tags": state_tags(s)} for s in spec.states]
+    trans = [
+        {
+            "trigger": t.event.__name__,
+            "source": t.src,
+            "dest": t.dest,
+            "label": edge_label(t),
+            **({"conditions": [_named_guard(t.guard_doc)]} if t.guard is not None else {}),
+        }
+        for t in spec.table
+        if isinstance(t, Transition)
+    ]
+    _TaggedGraphMachine(
+        model=model, states=states, transitions=trans, initial=spec.initial, graph_engine=engine,
+        show_conditions=True, show_state_attributes=True, auto_transitions=False, title=spec.name,
+    )
+    return model
+
+
+def render_mermaid(spec: Spec) -> str:
+    text = graph_machine(spec, "mermaid").get_graph().draw(None)
+    # Mermaid has a native end marker; transitions does not emit it.
+    finals = [f"  {s.name} --> [*]" for s in spec.states if s.terminal]
+    return text.rstrip("\n") + "\n" + "\n".join(finals) + "\n"
+
+
+def render_dot(spec: Spec):
+    """A graphviz.Digraph (``.pipe(format='svg')`` needs the ``dot`` binary)."""
+    return graph_machine(spec, "graphviz").get_graph()
+
+
+class _Model:
+    """What one transitions.Machine drives: the instance plus the current stimulus."""
+
+
+class ReferenceMachine:
+    """Interprets a Spec with one ``transitions.Machine`` per instance."""
+
+    def __init__(self, spec: Spec):
+        from .spec import with_timer_ignores
+
+        self.spec = spec = with_timer_ignores(spec)
+        self.name = spec.name
+        self._states = {s.name: s for s in spec.states}
+        self._outcome = {(e.src, e.event): e for e in spec.table if not isinstance(e, Transition)}
+        self._transitions = [
+            {
+                "trigger": t.event.__name__,
+                "source": t.src,
+                "dest": t.dest,
+                "conditions": [self._guard(t)] if t.guard is not None else [],
+                "after": [self._after(t)],
+            }
+            for t in spec.table
+            if isinstance(t, Transition)
+        ]
+
+    @staticmethod
+    def _guard(t: Transition):
+        return lambda m: t.guard(m.inst, m.event, m.config, m.now)
+
+    @staticmethod
+    def _after(t: Transition):
+        def after(m):
+            if t.effect is not None:
+                t.effect(m.inst, m.event, m.config, m.now)
+            m.actions.extend(a.build(m.inst, m.event, m.config, m.now) for a in t.actions)
+
+        return after
+
+    def new(self, key: Any, **data: Any):
+        inst = self.spec.instance_type(key=key, state=self.spec.initial, **data)
+        model = _Model()
+        model.inst = inst
+        TMachine(model=model, states=[s.name for s in self.spec.states], transitions=self._transitions,
+                 initial=inst.state, auto_transitions=False, send_event=False)
+        return _RefInstance(inst, model)
+
+    def handle(self, ref: "_RefInstance", event, config, now: float):
+        inst, model = ref.inst, ref.model
+        outcome = self._outcome.get((model.state, type(event)))
+        if isinstance(outcome, Ignore):
+            return IGNORED
+        if isinstance(outcome, ProtocolError):
+            raise ProtocolViolation(self.name, inst.key, model.state, event, outcome.reason)
+        model.event, model.config, model.now, model.actions = event, config, now, []
+        old_deadline = inst.deadline
+        try:
+            fired = model.trigger(type(event).__name__)
+        except MachineError as exc:
+            raise ProtocolViolation(self.name, inst.key, model.state, event, str(exc)) from None
+        if not fired:
+            raise NoGuardMatched(self.name, inst.key, model.state, event, "no guard matched")
+        inst.state = model.state
+        actions = model.actions
+        dl = self._states[inst.state].deadline
+        if dl is not None:
+            at = dl(inst, config, now)
+            if at != old_deadline:
+                inst.deadline = at
+                actions.append(ArmTimer(self.name, inst.key, at))
+        elif old_deadline is not None:
+            inst.deadline = None
+            actions.append(CancelTimer(self.name, inst.key))
+        return actions
+
+
+class _RefInstance:
+    __slots__ = ("inst", "model")
+
+    def __init__(self, inst, model):
+        self.inst, self.model = inst, model
+
+    @property
+    def state(self) -> str:
+        return self.inst.state
