@@ -145,7 +145,7 @@ class ReferenceMachine:
         model.event, model.config, model.now, model.actions = event, config, now, []
         old_deadline = inst.deadline
         try:
-            fired = model.trigger(type(event).__name__)
+            fired = model.trigger(type(event).__name__, model)
         except MachineError as exc:
             raise ProtocolViolation(self.name, inst.key, model.state, event, str(exc)) from None
         if not fired:
