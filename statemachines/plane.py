@@ -27,6 +27,10 @@ from .machines import MACHINES
 from .spec import IGNORED, Machine, ProtocolViolation
 
 HEARTBEAT_TIMER = "heartbeat"
+# Requester kind under which the heartbeat batcher holds an engine reference:
+# heartbeats start at arrival, so the engine must be connected from then on,
+# and it must not be evicted while heartbeats for it still flow.
+HEARTBEAT_REQUESTER = "heartbeat"
 
 # Events that create a machine when no instance with their id exists.
 CREATORS: dict[type, str] = {
@@ -88,7 +92,8 @@ class ControlPlane:
                 continue
             at, _, kind, key = entry
             if kind == HEARTBEAT_TIMER:
-                self._fire_heartbeat(key, now, out)
+                if not self._fire_heartbeat(key, now, out):
+                    out.extend(self._release_heartbeat_engine(key, now))
             else:
                 out.extend(self.handle(TimerFired(kind, key, at), now))
         return out
@@ -119,6 +124,11 @@ class ControlPlane:
 
     def _dispatch(self, event: Event, now: float, out: list, queue: deque, top: bool) -> None:
         kind, key = self._route(event)
+        if kind == HEARTBEAT_REQUESTER:
+            # The batcher needs no wake-up: it sends when its timer fires and
+            # the transport skips engines that are not connected yet.
+            self.stats[f"heartbeat_engine:{type(event).__name__}"] += 1
+            return
         insts = self.instances.get(kind)
         if insts is None:
             self._anomaly("unknown_kind", kind, key, event)
@@ -174,6 +184,8 @@ class ControlPlane:
             at = self.heartbeats.start(a.engine_id, a.remote_request_id, a.ranks, now)
             if at is not None:
                 self._arm(at, HEARTBEAT_TIMER, a.engine_id)
+                queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=HEARTBEAT_REQUESTER,
+                                             requester_key=a.engine_id))
         elif cls is A.StopHeartbeat:
             self.heartbeats.stop(a.engine_id, a.remote_request_id)
         elif cls is A.AcquireEngine:
@@ -213,13 +225,21 @@ class ControlPlane:
         inst = self.instances[kind].get(key)
         return inst is not None and inst.deadline == at
 
-    def _fire_heartbeat(self, engine_id: str, now: float, out: list) -> None:
+    def _fire_heartbeat(self, engine_id: str, now: float, out: list) -> bool:
+        """Send the engine's batch; False once nothing is left to keep alive."""
         action, at = self.heartbeats.fire(engine_id, now)
         if action is not None:
             self.stats["heartbeats_sent"] += 1
             out.append(action)
         if at is not None:
             self._arm(at, HEARTBEAT_TIMER, engine_id)
+        return at is not None
+
+    def _release_heartbeat_engine(self, engine_id: str, now: float) -> list[Action]:
+        if engine_id not in self.instances["remote_engine"]:
+            return []
+        return self.handle(E.EngineRelease(engine_id=engine_id, requester_kind=HEARTBEAT_REQUESTER,
+                                           requester_key=engine_id), now)
 
 
 def _fail_closed_event(cls: type, kind: str, key: Any) -> Event:
