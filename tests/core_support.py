@@ -1,0 +1,62 @@
+"""Helpers shared by the state-machine core tests (tests/test_core_*.py).
+
+Nothing here decides an expected result: the helpers drive machines with
+real events and collect what comes out.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from statemachines import actions as A
+from statemachines import events as E
+from statemachines.base import Action, ArmTimer, CancelTimer
+from statemachines.config import PlaneConfig
+from statemachines.plane import ControlPlane
+
+TIMER_ACTIONS = (ArmTimer, CancelTimer)
+
+
+def of_type(actions: Iterable[Action], cls: type) -> list:
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def names(actions: Iterable[Action]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+def held_by(plane: ControlPlane, key) -> list:
+    """The leak report restricted to machines with this id."""
+    return [h for h in plane.held() if h[1] == key]
+
+
+def run_timers(plane: ControlPlane, until: float) -> list[tuple[float, Action]]:
+    """Fire every timer of ``plane`` up to ``until`` in deadline order, each at
+    its own deadline; returns (time, action) pairs."""
+    out: list[tuple[float, Action]] = []
+    while True:
+        at = plane.next_deadline()
+        if at is None or at > until:
+            return out
+        out.extend((at, a) for a in plane.fire_due(at))
+
+
+def new_request(rid: str, engine: str, remote: str, **kw) -> E.NewRequest:
+    kw.setdefault("remote_block_ids", (100, 101))
+    return E.NewRequest(request_id=rid, engine_id=engine, remote_request_id=remote, **kw)
+
+
+def connect(plane: ControlPlane, engine: str, now: float, offset: float = 0.0, rtt: float = 0.001) -> list[Action]:
+    return plane.handle(E.HandshakeOk(engine_id=engine, samples=((offset, rtt),)), now)
+
+
+def heartbeats_to_leases(actions: Iterable[Action], peer: ControlPlane, now: float) -> list[Action]:
+    """Deliver every SendHeartbeat as the ``HB:`` ids it carries to the peer's leases."""
+    out: list[Action] = []
+    for hb in of_type(actions, A.SendHeartbeat):
+        for rid in hb.request_ids:
+            out.extend(peer.handle(E.LeaseHeartbeat(request_id=rid), now))
+    return out
+
+
+def plane(**cfg) -> ControlPlane:
+    return ControlPlane(PlaneConfig(**cfg))
