@@ -136,10 +136,13 @@ class HandshakeServer:
         *,
         curve_keypair: tuple[bytes, bytes] | None = None,
         context: zmq.Context | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if payload_fn is None:
             raise TypeError("payload_fn is required")
         self._payload_fn = payload_fn
+        # The clock the control plane runs on (a skewed one in fault tests).
+        self._clock = clock
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -193,7 +196,7 @@ class HandshakeServer:
             }
             self.requests_served += 1
         # Stamp as late as possible: the sample's error is bounded by RTT/2.
-        stamp = msgpack.packb(time.perf_counter())
+        stamp = msgpack.packb(self._clock())
         self._sock.send_multipart([ident, b"", msgpack.packb(reply, use_bin_type=True), stamp])
 
     def serve_in_thread(self, poll_ms: int = 50) -> threading.Thread:
@@ -239,6 +242,7 @@ def handshake(
     server_public_key: bytes | None = None,
     client_keypair: tuple[bytes, bytes] | None = None,
     context: zmq.Context | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> HandshakeResult:
     """One handshake attempt; retries and backoff belong to the caller's FSM.
 
@@ -266,7 +270,7 @@ def handshake(
                 raise HandshakeTimeout(f"handshake with {endpoint_url} timed out after {timeout_s} s")
             sock.setsockopt(zmq.SNDTIMEO, remaining_ms)
             sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
-            t_send = time.perf_counter()
+            t_send = clock()
             try:
                 sock.send(request)
                 frames = sock.recv_multipart()
@@ -274,7 +278,7 @@ def handshake(
                 raise HandshakeTimeout(
                     f"handshake with {endpoint_url} timed out after {timeout_s} s"
                 ) from e
-            t_recv = time.perf_counter()
+            t_recv = clock()
             payload, remote_clock = _parse_reply(endpoint_url, frames)
             got.append(clock_sample(t_send, t_recv, remote_clock))
     finally:
