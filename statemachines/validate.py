@@ -9,14 +9,15 @@ Checks, each reported with the state (and event) at fault:
 - every state is reachable from the initial one and can reach a terminal one;
 - resources balance on every transition:
     held(dest) == held(src) + acquired - released, released <= held(src) + acquired
-  and terminal states hold nothing.  By induction every path to a terminal
+  and no transition releases or acquires one resource twice, and terminal
+  states hold nothing.  By induction every path to a terminal
   state releases everything any state on it acquired, and nothing is
   released twice;
 - an ignored event never carries resources (ignoring it would drop them).
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 
 from .base import TimerFired
 from .spec import Ignore, MachineDefinitionError, ProtocolError, Spec, Transition
@@ -100,9 +101,20 @@ def validate(spec: Spec) -> None:
         held_src, held_dst = states[t.src].holds, states[t.dest].holds
         acquired = set(t.event.acquires) | set(t.acquires)
         released = set(t.event.releases)
+        # Sets would hide a resource released (or acquired) twice by one transition.
+        release_counts = Counter(t.event.releases)
+        acquire_counts = Counter(acquired)
         for a in t.actions:
             acquired |= a.acquires
             released |= a.releases
+            release_counts.update(a.releases)
+            acquire_counts.update(a.acquires)
+        for r, n in sorted(release_counts.items()):
+            if n > 1:
+                err(f"{where}: releases {r!r} more than once (double release)")
+        for r, n in sorted(acquire_counts.items()):
+            if n > 1:
+                err(f"{where}: acquires {r!r} more than once (the second would leak)")
         available = held_src | acquired
         for r in sorted(released - available):
             err(f"{where}: releases {r!r}, which is not held (double release or unawaited report)")
