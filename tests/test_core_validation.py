@@ -1,0 +1,195 @@
+"""Definition-time validation refuses bad machines, naming state and event.
+
+Each test mutates a real spec with attrs.evolve and checks that compiling it
+fails with a message that names the state (and event) at fault.  The real
+specs compile cleanly, so each message is caused by the mutation alone.
+"""
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from statemachines import actions as A
+from statemachines import events as E
+from statemachines.base import TimerFired
+from statemachines.machines import SPECS, decode_request, lease, push_write, remote_engine
+from statemachines.spec import (
+    Ignore, MachineDefinitionError, ProtocolError, State, Transition, compile_machine, with_timer_ignores,
+)
+from statemachines.table import error as error_rows
+from statemachines.table import ignore, on
+from statemachines.validate import validate
+
+
+def errors_of(spec) -> list[str]:
+    with pytest.raises(MachineDefinitionError) as info:
+        compile_machine(spec)
+    msg = str(info.value)
+    assert msg.startswith(f"machine {spec.name!r} is invalid:")
+    return [line.strip() for line in msg.splitlines()[1:]]
+
+
+def replace_rows(spec, match, new=()):
+    """Drop the rows for which ``match(row)`` holds, and append ``new``."""
+    kept = tuple(r for r in spec.table if not match(r))
+    assert len(kept) < len(spec.table), "mutation matched no row"
+    return attrs.evolve(spec, table=kept + tuple(new))
+
+
+def replace_state(spec, name, **changes):
+    states = tuple(attrs.evolve(s, **changes) if s.name == name else s for s in spec.states)
+    return attrs.evolve(spec, states=states)
+
+
+def is_row(kind, src, event, dest=None):
+    def match(r):
+        return (isinstance(r, kind) and r.src == src and r.event is event
+                and (dest is None or getattr(r, "dest", None) == dest))
+    return match
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_real_specs_validate(name):
+    validate(with_timer_ignores(SPECS[name]))
+    compile_machine(SPECS[name])
+
+
+def test_undeclared_pair():
+    spec = replace_rows(decode_request.SPEC, is_row(ProtocolError, "HEARTBEATING", E.StartLoad))
+    assert errors_of(spec) == [
+        "HEARTBEATING x StartLoad: undeclared (declare a transition, an Ignore with a reason, or a ProtocolError)"
+    ]
+
+
+def test_remote_waiting_state_without_deadline():
+    spec = replace_state(decode_request.SPEC, "READING", deadline=None)
+    errs = errors_of(spec)
+    assert "READING: waits on a remote party but has no deadline" in errs
+    # Without a deadline its TimerFired rows describe a timer that is never armed; nothing else is reported.
+    assert all(e.startswith("READING") for e in errs), errs
+
+
+def test_deadline_expiry_must_be_a_transition():
+    spec = replace_rows(lease.SPEC, is_row(Transition, "PARTIALLY_READ", TimerFired),
+                        ignore("PARTIALLY_READ", TimerFired, "pretend it cannot happen"))
+    errs = errors_of(spec)
+    assert "PARTIALLY_READ x TimerFired: state has a deadline, so its expiry must be a transition" in errs
+
+
+def test_unreachable_state():
+    orphan = State("ORPHAN", doc="nothing leads here")
+    spec = attrs.evolve(lease.SPEC, states=lease.SPEC.states + (orphan,),
+                        table=lease.SPEC.table + tuple(on("ORPHAN", list(lease.EVENTS[1:]), "RELEASED"))
+                        + tuple(error_rows("ORPHAN", E.LeaseGranted, "blocks cannot be granted here")))
+    assert errors_of(spec) == ["ORPHAN: unreachable from PREFILLING"]
+
+
+def test_state_that_cannot_reach_a_terminal_state():
+    trap = State("TRAP")
+    spec = replace_rows(attrs.evolve(lease.SPEC, states=lease.SPEC.states + (trap,)),
+                        is_row(Transition, "PREFILLING", E.LeaseAbort),
+                        on("PREFILLING", E.LeaseAbort, "TRAP") + on("TRAP", E.LeaseAbort, "TRAP")
+                        + ignore("TRAP", [E.LeaseHeartbeat, E.ConsumerDone, TimerFired], "stuck")
+                        + error_rows("TRAP", E.LeaseGranted, "blocks cannot be granted here"))
+    assert errors_of(spec) == ["TRAP: cannot reach a terminal state"]
+
+
+def test_resource_not_released_on_a_path():
+    # The lease expiry forgets to free the blocks.
+    spec = replace_rows(lease.SPEC, is_row(Transition, "LEASED", TimerFired), on("LEASED", TimerFired, "EXPIRED"))
+    assert errors_of(spec) == [
+        "LEASED -> EXPIRED on TimerFired: 'blocks' is held in LEASED or acquired here but neither released nor held in EXPIRED"
+    ]
+
+
+def test_release_of_something_not_held_double_report():
+    # Reporting again when the request starts running: the recv would be reported twice.
+    spec = replace_rows(decode_request.SPEC, is_row(Transition, "RECV_DONE", E.RequestRunning),
+                        on("RECV_DONE", E.RequestRunning, "RUNNING", A.ReportRecv))
+    assert errors_of(spec) == [
+        "RECV_DONE -> RUNNING on RequestRunning: releases 'report', which is not held (double release or unawaited report)"
+    ]
+
+
+def test_double_release_within_one_transition():
+    spec = replace_rows(lease.SPEC, is_row(Transition, "LEASED", E.LeaseAbort),
+                        on("LEASED", E.LeaseAbort, "RELEASED", A.FreeBlocks, A.FreeBlocks))
+    errs = errors_of(spec)
+    assert len(errs) == 1 and errs[0].startswith("LEASED -> RELEASED on LeaseAbort:") and "'blocks'" in errs[0]
+    assert "more than once" in errs[0]
+
+
+def test_double_acquire_within_one_transition():
+    spec = replace_rows(decode_request.SPEC, is_row(Transition, "NEW", E.NewRequest),
+                        on("NEW", E.NewRequest, "HEARTBEATING", A.StartHeartbeat, A.StartHeartbeat,
+                           do=decode_request._accept))
+    errs = errors_of(spec)
+    assert len(errs) == 1 and errs[0].startswith("NEW -> HEARTBEATING on NewRequest:") and "'heartbeat'" in errs[0]
+
+
+def test_unawaited_notify_only_recv_cannot_report():
+    # A notify-only recv (nobody awaits it) must never be reported.
+    spec = replace_rows(decode_request.SPEC, is_row(Transition, "NOTIFYING", E.EngineReady),
+                        on("NOTIFYING", E.EngineReady, "RELEASED", A.SendNotif, A.StopHeartbeat, A.ReleaseEngine,
+                           A.ReportRecv))
+    errs = errors_of(spec)
+    assert errs == ["NOTIFYING -> RELEASED on EngineReady: releases 'report', which is not held "
+                    "(double release or unawaited report)"]
+
+
+def test_ignore_that_would_drop_resources():
+    spec = replace_rows(lease.SPEC, is_row(ProtocolError, "LEASED", E.LeaseGranted),
+                        ignore("LEASED", E.LeaseGranted, "already leased"))
+    assert errors_of(spec) == ["LEASED x LeaseGranted: ignoring LeaseGranted would drop resources ['blocks']"]
+
+
+def test_terminal_state_holding_a_resource():
+    spec = replace_state(lease.SPEC, "EXPIRED", holds={"blocks"})
+    errs = errors_of(spec)
+    assert "EXPIRED: terminal state holds ['blocks']; they would leak" in errs
+
+
+def test_terminal_state_accepts_no_events():
+    spec = attrs.evolve(lease.SPEC, table=lease.SPEC.table + tuple(ignore("RELEASED", E.LeaseHeartbeat, "late")))
+    assert errors_of(spec) == ["RELEASED x LeaseHeartbeat: terminal state RELEASED accepts no events (the plane discards it)"]
+
+
+def test_shadowing_unguarded_transition():
+    spec = attrs.evolve(decode_request.SPEC, table=tuple(
+        on("HEARTBEATING", E.BlocksAllocated, "NOTIFY_ONLY", do=decode_request._allocated)) + decode_request.SPEC.table)
+    errs = errors_of(spec)
+    assert errs == ["HEARTBEATING x BlocksAllocated: unguarded transition to NOTIFY_ONLY shadows the ones after it"]
+
+
+def test_fail_closed_event_must_be_a_transition_everywhere():
+    spec = replace_rows(push_write.SPEC, is_row(Transition, "CONNECTING", E.PushAbort),
+                        ignore("CONNECTING", E.PushAbort, "let the deadline handle it"))
+    assert errors_of(spec) == ["CONNECTING x PushAbort: the fail-closed event must be a transition in every state"]
+
+
+def test_pair_declared_twice():
+    spec = attrs.evolve(remote_engine.SPEC, table=remote_engine.SPEC.table
+                        + tuple(ignore("CONNECTED", E.EngineActivity, "twice")))
+    assert errors_of(spec) == ["CONNECTED x EngineActivity: declared more than once (Transition, Ignore)"]
+
+
+def test_ignore_needs_a_reason():
+    spec = replace_rows(lease.SPEC, is_row(Ignore, "PREFILLING", E.LeaseHeartbeat),
+                        ignore("PREFILLING", E.LeaseHeartbeat, "  "))
+    assert errors_of(spec) == ["PREFILLING x LeaseHeartbeat: Ignore needs a reason"]
+
+
+def test_unknown_states_are_named():
+    spec = attrs.evolve(lease.SPEC, table=lease.SPEC.table + tuple(on("GHOST", E.LeaseAbort, "RELEASED")))
+    assert errors_of(spec) == ["GHOST x LeaseAbort: unknown source state 'GHOST'"]
+    spec = replace_rows(lease.SPEC, is_row(Transition, "PREFILLING", E.LeaseAbort),
+                        on("PREFILLING", E.LeaseAbort, "NOWHERE"))
+    assert "PREFILLING x LeaseAbort: unknown destination state 'NOWHERE'" in errors_of(spec)
+
+
+def test_every_error_is_reported_at_once():
+    spec = replace_state(decode_request.SPEC, "READING", deadline=None)
+    spec = replace_rows(spec, is_row(ProtocolError, "HEARTBEATING", E.StartLoad))
+    errs = errors_of(spec)
+    assert any(e.startswith("READING: waits on a remote party") for e in errs)
+    assert any(e.startswith("HEARTBEATING x StartLoad: undeclared") for e in errs)
