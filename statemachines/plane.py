@@ -132,6 +132,8 @@ class ControlPlane:
         insts = self.instances.get(kind)
         if insts is None:
             self._anomaly("unknown_kind", kind, key, event)
+            if top and self.recorder is not None:
+                self.recorder(event, now, f"{kind}:{key}", None, None, IGNORED)
             return
         machine = self.machines[kind]
         inst = insts.get(key)
@@ -139,6 +141,9 @@ class ControlPlane:
         if created:
             if CREATORS.get(type(event)) != kind:
                 self._anomaly("unknown_id", kind, key, event)
+                if top and self.recorder is not None:
+                    # Logged too, so a log holds every stimulus; no instance: no states.
+                    self.recorder(event, now, f"{kind}:{key}", None, None, IGNORED)
                 return
             inst = insts[key] = machine.new(key)
         before = inst.state
