@@ -92,7 +92,7 @@ class ControlPlane:
                 continue
             at, _, kind, key = entry
             if kind == HEARTBEAT_TIMER:
-                if not self._fire_heartbeat(key, now, out):
+                if not self._fire_heartbeat(key, at, now, out):
                     out.extend(self._release_heartbeat_engine(key, now))
             else:
                 out.extend(self.handle(TimerFired(kind, key, at), now))
@@ -230,12 +230,17 @@ class ControlPlane:
         inst = self.instances[kind].get(key)
         return inst is not None and inst.deadline == at
 
-    def _fire_heartbeat(self, engine_id: str, now: float, out: list) -> bool:
+    def _fire_heartbeat(self, engine_id: str, due: float, now: float, out: list) -> bool:
         """Send the engine's batch; False once nothing is left to keep alive."""
         action, at = self.heartbeats.fire(engine_id, now)
         if action is not None:
             self.stats["heartbeats_sent"] += 1
             out.append(action)
+        if self.recorder is not None:
+            # Logged as the timer it is, so replay reproduces the batcher's
+            # schedule (and what follows from it) by calling fire_due.
+            self.recorder(TimerFired(HEARTBEAT_TIMER, engine_id, due), now, f"{HEARTBEAT_TIMER}:{engine_id}",
+                          None, None, [action] if action is not None else IGNORED)
         if at is not None:
             self._arm(at, HEARTBEAT_TIMER, engine_id)
         return at is not None
