@@ -1,0 +1,215 @@
+"""Replay an event log into a fresh ControlPlane.
+
+How timers are replayed: a ``TimerFired`` line (machine or heartbeat
+timer) is reproduced by calling ``fire_due(t)`` at the line's time, never
+by feeding the event: the replayed plane decides itself which timers are
+due, so a timer the recorded plane fired and the replayed one would not
+(or the reverse) shows as a divergence instead of being forced.  Everything
+``fire_due`` records (several firings, and stimuli they cause such as the
+heartbeat batcher's EngineRelease) is matched, in order, against the next
+log lines.  Lines of any other event are fed with ``handle(event, t)``.
+
+- A recorded line (with state_after/actions) must be reproduced exactly:
+  machine, state_before, state_after and actions.  The first difference is
+  reported as a ``Divergence`` (seq, line, expected vs got), and replay stops.
+  ``fire_due`` is only called where the log has a TimerFired line, exactly as
+  the recorded plane was driven.
+- A stimuli-only line advances time first (``fire_due(t)``), then is fed; a
+  hand-written TimerFired line simply means "advance time to t".
+
+The config comes from the argument, else the log's header line
+(``{"v":1,"config":{...}}``), else the defaults.  The result summarizes
+requests per final state, lease and engine counts, and the leak report
+(``ControlPlane.held()`` at the end); a divergence or a leak fails it.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Any, Callable
+
+import attrs
+
+from .base import TimerFired
+from .config import PlaneConfig
+from .eventlog import EventLog, LogRecord, action_json, read_log
+from .machines import MACHINES
+from .plane import ControlPlane
+from .spec import Machine
+
+# observer(kind, inst, event, state_before, deadline_before, actions, now)
+Observer = Callable[[str, Any, Any, str, Any, Any, float], None]
+
+
+class ObservedMachine(Machine):
+    """A compiled machine that reports every transition (top-level and
+    cascaded) to an observer; the plane needs no hook for it."""
+
+    __slots__ = ("_inner", "_observer")
+
+    def __init__(self, inner: Machine, observer: Observer):
+        super().__init__(inner.spec, inner._table)
+        self._inner = inner
+        self._observer = observer
+
+    def handle(self, inst, event, config, now):
+        before, deadline = inst.state, inst.deadline
+        acts = self._inner.handle(inst, event, config, now)
+        self._observer(self.name, inst, event, before, deadline, acts, now)
+        return acts
+
+
+def observed(machines: dict[str, Machine], observer: Observer) -> dict[str, Machine]:
+    return {k: ObservedMachine(m, observer) for k, m in machines.items()}
+
+
+@attrs.define
+class Divergence:
+    seq: int
+    line: int
+    what: str  # "machine", "state_before", "state_after", "actions", "event", "missing", "extra"
+    expected: Any
+    got: Any
+
+    def __str__(self) -> str:
+        return f"seq {self.seq} (line {self.line}): {self.what} differs: expected {self.expected!r}, got {self.got!r}"
+
+
+@attrs.define
+class ReplayResult:
+    lines: int = 0
+    recorded_lines: int = 0
+    config: PlaneConfig | None = None
+    divergence: Divergence | None = None
+    requests: Counter = attrs.Factory(Counter)  # decode_request final (or current) state -> count
+    leases: Counter = attrs.Factory(Counter)  # granted / extended / expired / released
+    engines_evicted: int = 0
+    held: list = attrs.Factory(list)  # the leak report: ControlPlane.held() at the end
+    anomalies: Counter = attrs.Factory(Counter)
+    end_time: float | None = None
+    plane: ControlPlane | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None and not self.held
+
+
+class _Counts:
+    """Observer that tallies lease and engine lifecycles."""
+
+    def __init__(self, result: ReplayResult, chained: Observer | None):
+        self.r = result
+        self.chained = chained
+
+    def __call__(self, kind, inst, event, before, deadline_before, acts, now):
+        after = inst.state
+        if kind == "lease":
+            if before == "PREFILLING" and after == "LEASED":
+                self.r.leases["granted"] += 1
+            elif before == after and type(event).__name__ == "LeaseHeartbeat" and inst.deadline != deadline_before:
+                self.r.leases["extended"] += 1
+            elif after in ("EXPIRED", "RELEASED") and before != after:
+                self.r.leases[after.lower()] += 1
+        elif kind == "remote_engine" and after == "EVICTED" and before != after:
+            self.r.engines_evicted += 1
+        if self.chained is not None:
+            self.chained(kind, inst, event, before, deadline_before, acts, now)
+
+
+def _produced_fields(rec_tuple) -> tuple:
+    event, now, label, before, after, acts = rec_tuple
+    return label, before, after, action_json(acts), event
+
+
+def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Machine] | None = None,
+           observer: Observer | None = None, after_line: Callable[[LogRecord, ControlPlane], None] | None = None,
+           until: float | None = None) -> ReplayResult:
+    """Replay ``source`` (a path, an open file, an iterable of lines, or an
+    ``EventLog``).  ``until`` advances time after the last line (to see what
+    timers would still release).  Raises ``EventLogError`` on bad input."""
+    log = source if isinstance(source, EventLog) else read_log(source)
+    cfg = config or log.config or PlaneConfig()
+    result = ReplayResult(config=cfg)
+    counts = _Counts(result, observer)
+    plane = ControlPlane(cfg, machines=observed(dict(machines or MACHINES), counts))
+    produced: deque = deque()
+    plane.recorder = lambda *rec: produced.append(rec)
+    result.plane = plane
+
+    for rec in log.records:
+        result.lines += 1
+        result.end_time = rec.t
+        if rec.recorded:
+            result.recorded_lines += 1
+            if not produced and type(rec.event) is TimerFired:
+                plane.fire_due(rec.t)
+                if not produced:
+                    result.divergence = Divergence(rec.seq, rec.line, "missing", _describe(rec),
+                                                   "no timer due at this time in replay")
+                    break
+            if produced:
+                # This line was caused by fire_due: match it, do not feed it.
+                got = produced.popleft()
+                if got[0] != rec.event:
+                    result.divergence = Divergence(rec.seq, rec.line, "event", _describe(rec),
+                                                   f"{type(got[0]).__name__} {got[0]!r} at {got[1]}")
+                    break
+            else:
+                plane.handle(rec.event, rec.t)
+                got = produced.popleft()
+            div = _compare(rec, got)
+            if div is not None:
+                result.divergence = div
+                break
+        else:
+            if produced:
+                # A recorded line's fire_due produced more than the log holds.
+                got = produced[0]
+                result.divergence = Divergence(rec.seq, rec.line, "extra", _describe(rec),
+                                               f"{got[2]} {type(got[0]).__name__} at {got[1]}")
+                break
+            plane.fire_due(rec.t)
+            if type(rec.event) is not TimerFired:
+                plane.handle(rec.event, rec.t)
+            produced.clear()
+        if after_line is not None:
+            after_line(rec, plane)
+    else:
+        if produced and result.divergence is None:
+            got = produced[0]
+            result.divergence = Divergence(-1, -1, "extra", "end of log",
+                                           f"{got[2]} {type(got[0]).__name__} at {got[1]}")
+    if until is not None and result.divergence is None:
+        plane.recorder = None
+        plane.fire_due(until)
+        result.end_time = until
+    _summarize(result, plane)
+    return result
+
+
+def _describe(rec: LogRecord) -> str:
+    return f"{rec.machine or '?'} {type(rec.event).__name__} {rec.data}"
+
+
+def _compare(rec: LogRecord, got: tuple) -> Divergence | None:
+    label, before, after, acts, _ = _produced_fields(got)
+    if rec.machine is not None and rec.machine != label:
+        return Divergence(rec.seq, rec.line, "machine", rec.machine, label)
+    if rec.state_before != before:
+        return Divergence(rec.seq, rec.line, "state_before", rec.state_before, before)
+    if rec.state_after != after:
+        return Divergence(rec.seq, rec.line, "state_after", rec.state_after, after)
+    if rec.actions is not None and rec.actions != acts:
+        return Divergence(rec.seq, rec.line, "actions", rec.actions, acts)
+    return None
+
+
+def _summarize(result: ReplayResult, plane: ControlPlane) -> None:
+    for key, n in plane.stats.items():
+        parts = key.split(":")
+        if parts[0] == "final" and parts[1] == "decode_request":
+            result.requests[parts[2]] += n
+        elif parts[0] in ("unknown_id", "unknown_kind", "protocol_violation"):
+            result.anomalies[key] += n
+    for inst in plane.instances.get("decode_request", {}).values():
+        result.requests[inst.state] += 1
+    result.held = plane.held()
