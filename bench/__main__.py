@@ -1,0 +1,81 @@
+"""``python -m bench [--quick] [--json PATH] [--markdown PATH] [SECTION ...]``
+
+Benchmarks that compare implementations side by side in one run and report
+ratios.  Nothing here passes or fails on a timing; the exit status is
+non-zero only when a section crashes.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# Before anything imports NIXL/UCX: loopback only, quiet logs (a bench box has no RDMA NIC).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+
+from .report import Table, environment, print_table, to_json, to_markdown  # noqa: E402
+
+# Section name -> module with ``run(quick) -> list[Table]``, in run order.
+SECTIONS = {
+    "dispatch": "bench.dispatch",
+    "memory": "bench.memory",
+    "step": "bench.step",
+    "nixl": "bench.nixl",
+    "eventlog": "bench.eventlog",
+    "explorer": "bench.explorer",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sections", nargs="*", metavar="SECTION",
+                   help=f"which to run (default: all): {', '.join(SECTIONS)}")
+    p.add_argument("--quick", action="store_true", help="short smoke run (small sizes, few rounds)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="also write the results as a Markdown table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        print(f"unknown section(s): {', '.join(unknown)}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+
+    # Wide enough that the tables are not wrapped when output is piped or captured.
+    console = Console(width=max(Console().width, 160))
+    env = environment("quick" if args.quick else "full")
+    console.print(f"[bold]kvplane bench[/bold] ({env['mode']}): {env['cpu']}, {env['cores']} CPUs, "
+                  f"Python {env['python']}", highlight=False)
+    tables: list[Table] = []
+    failed = []
+    for name in args.sections or list(SECTIONS):
+        t0 = time.perf_counter()
+        console.rule(name)
+        try:
+            got = importlib.import_module(SECTIONS[name]).run(args.quick)
+        except Exception:  # one broken section must not hide the others' results
+            failed.append(name)
+            console.print(f"[red]section {name} crashed:[/red]\n{traceback.format_exc()}", highlight=False)
+            continue
+        for t in got:
+            print_table(t, console)
+        tables += got
+        console.print(f"[dim]{name}: {time.perf_counter() - t0:.1f} s[/dim]\n")
+    if args.json:
+        Path(args.json).write_text(to_json(tables, env) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(to_markdown(tables, env))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
