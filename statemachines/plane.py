@@ -94,6 +94,8 @@ class ControlPlane:
             if kind == HEARTBEAT_TIMER:
                 if not self._fire_heartbeat(key, at, now, out):
                     out.extend(self._release_heartbeat_engine(key, now))
+                else:
+                    out.extend(self._keep_heartbeat_engine(key, now))
             else:
                 out.extend(self.handle(TimerFired(kind, key, at), now))
         return out
@@ -244,6 +246,21 @@ class ControlPlane:
         if at is not None:
             self._arm(at, HEARTBEAT_TIMER, engine_id)
         return at is not None
+
+    def _keep_heartbeat_engine(self, engine_id: str, now: float) -> list[Action]:
+        """Heartbeats still flow: make sure the batcher holds the engine.
+
+        The reference taken at the first StartHeartbeat is lost when the engine
+        is evicted (peer disconnect, failed handshake); the engine a request
+        creates later lacks it.  Without this, heartbeats of requests still
+        queued go to an engine that is not connected (the transport skips
+        them) or is evicted for silence, and the prefill leases expire.
+        """
+        engine = self.instances["remote_engine"].get(engine_id)
+        if engine is not None and (HEARTBEAT_REQUESTER, engine_id) in engine.refs:
+            return []
+        return self.handle(E.EngineAcquire(engine_id=engine_id, requester_kind=HEARTBEAT_REQUESTER,
+                                           requester_key=engine_id), now)
 
     def _release_heartbeat_engine(self, engine_id: str, now: float) -> list[Action]:
         if engine_id not in self.instances["remote_engine"]:
