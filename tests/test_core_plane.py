@@ -1,0 +1,262 @@
+"""ControlPlane robustness: unknown, duplicate and late events are counted and
+never raise; protocol errors fail the machine closed; stale timers are
+skipped; timers fire in deadline order."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from core_support import connect, held_by, names, new_request, of_type, plane, run_timers
+from statemachines import actions as A
+from statemachines import events as E
+from statemachines.base import TimerFired
+from statemachines.plane import ControlPlane
+
+P0 = "P0"
+
+
+def reading(p: ControlPlane, rid="r1", peer="p1", now=0.0):
+    p.handle(new_request(rid, P0, peer), now)
+    connect(p, P0, now)
+    p.handle(E.BlocksAllocated(request_id=rid, block_ids=(1, 2), num_remote_tokens=32), now)
+    out = p.handle(E.StartLoad(request_id=rid), now)
+    assert names(out) == ["PostRead"]
+    return out[0]
+
+
+# ----------------------------------------------------------- unknown and late
+def test_unknown_ids_are_counted_anomalies():
+    p = plane()
+    assert p.handle(E.ReadDone(request_id="nope"), 1.0) == []
+    assert p.handle(E.LeaseHeartbeat(request_id="nope"), 1.0) == []
+    assert p.handle(E.ConsumerDone(request_id="nope", consumer="D", expected_consumers=1), 1.0) == []
+    assert p.handle(TimerFired("lease", "nope", 1.0), 1.0) == []
+    assert p.handle(E.EngineActivity(engine_id="nope"), 1.0) == []
+    assert p.handle(E.EngineReady(kind="bogus", request_id="x", engine_id=P0), 1.0) == []
+    assert p.stats["unknown_id:decode_request:ReadDone"] == 1
+    assert p.stats["unknown_id:lease:LeaseHeartbeat"] == 1
+    assert p.stats["unknown_id:lease:ConsumerDone"] == 1
+    assert p.stats["unknown_id:lease:TimerFired"] == 1
+    assert p.stats["unknown_id:remote_engine:EngineActivity"] == 1
+    assert p.stats["unknown_kind:bogus:EngineReady"] == 1
+    assert [a[0] for a in p.anomalies] == ["unknown_id"] * 5 + ["unknown_kind"]
+    assert p.anomalies[0][1:4] == ("decode_request", "nope", "ReadDone")
+    # No empty machines were created for them.
+    assert sum(p.live().values()) == 0
+
+
+def test_duplicate_and_late_events_are_counted_ignores():
+    p = plane()
+    reading(p)
+    assert p.handle(new_request("r1", P0, "p1"), 1.0) == []  # duplicate on_new_request
+    assert p.handle(E.StartLoad(request_id="r1"), 1.0) == []  # the worker repeats start_load_kv
+    assert p.stats["ignored:decode_request:READING:NewRequest"] == 1
+    assert p.stats["ignored:decode_request:READING:StartLoad"] == 1
+    out = p.handle(E.ReadDone(request_id="r1"), 2.0)
+    assert of_type(out, A.ReportRecv) == [A.ReportRecv("r1", True)]
+    # Late duplicate completion and late failure: ignored, no second report.
+    assert p.handle(E.ReadDone(request_id="r1"), 3.0) == []
+    assert p.handle(E.ReadFailed(request_id="r1"), 3.0) == []
+    assert p.stats["ignored:decode_request:RECV_DONE:ReadDone"] == 1
+    assert p.stats["ignored:decode_request:RECV_DONE:ReadFailed"] == 1
+    # After the request is gone, events for it are unknown ids.
+    p.handle(E.RequestRunning(request_id="r1"), 4.0)
+    p.handle(E.RequestFinished(request_id="r1"), 5.0)
+    assert p.get("decode_request", "r1") is None
+    assert p.handle(E.ReadDone(request_id="r1"), 6.0) == []
+    assert p.stats["unknown_id:decode_request:ReadDone"] == 1
+    assert p.stats["final:decode_request:RELEASED"] == 1
+
+
+def test_duplicate_consumer_notification_cannot_free_blocks_early():
+    p = plane()
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(1,), expected_consumers=2), 0.0)
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="D1", expected_consumers=2), 1.0) == []
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="D1", expected_consumers=2), 1.5) == []
+    assert p.get("lease", "p1").state == "PARTIALLY_READ"
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="D2", expected_consumers=2), 2.0) == [
+        A.FreeBlocks("p1", (1,), "consumed")]
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="D2", expected_consumers=2), 3.0) == []
+    assert p.stats["unknown_id:lease:ConsumerDone"] == 1
+
+
+# ------------------------------------------------------------- fail closed
+def test_protocol_error_fails_the_decode_request_closed():
+    p = plane()
+    reading(p)
+    assert p.get("remote_engine", P0).refs >= {("decode_request", "r1")}
+    out = p.handle(E.RequestFinished(request_id="r1"), 1.0)  # finished before its recv was reported
+    assert out == [A.ReleaseXfer("r1", True), A.ReportRecv("r1", False, (1, 2))]
+    assert p.get("decode_request", "r1") is None
+    assert p.stats["protocol_violation:decode_request:RequestFinished"] == 1
+    assert p.stats["fail_closed:decode_request"] == 1
+    assert p.stats["final:decode_request:ABORTED"] == 1
+    what, kind, key, event, detail = p.anomalies[-1]
+    assert (what, kind, key, event) == ("protocol_violation", "decode_request", "r1", "RequestFinished")
+    assert "before its recv was reported" in detail
+    # Its engine reference and heartbeat are gone too.
+    assert ("decode_request", "r1") not in p.get("remote_engine", P0).refs
+    assert p.heartbeats.registered(P0) == ()
+    assert held_by(p, "r1") == []
+
+
+def test_protocol_error_fails_the_lease_closed():
+    p = plane()
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(1, 2)), 0.0)
+    out = p.handle(E.LeaseGranted(request_id="p1", block_ids=(1, 2)), 1.0)
+    assert out == [A.FreeBlocks("p1", (1, 2), "aborted")]
+    assert p.get("lease", "p1") is None and p.held() == []
+    assert p.stats["fail_closed:lease"] == 1
+
+
+def test_protocol_error_fails_the_engine_closed_and_its_requesters():
+    p = plane()
+    reading(p)
+    out = p.handle(E.HandshakeOk(engine_id=P0), 1.0)  # no handshake was started
+    assert names(out) == ["RemoveRemoteAgent", "ReleaseXfer", "ReportRecv"]
+    assert out[1].cancel is True and out[2].ok is False
+    assert p.get("remote_engine", P0) is None and p.get("decode_request", "r1").state == "RECV_FAILED"
+    assert p.held() == []
+
+
+def test_protocol_error_on_a_fresh_push_keeps_no_machine():
+    p = plane()
+    assert p.handle(E.WriteDone(request_id="p1"), 0.0) == []
+    assert p.get("push_write", "p1") is None
+    assert p.stats["unknown_id:push_write:WriteDone"] == 1
+
+
+# ------------------------------------------------------------------ timers
+def test_stale_timers_are_skipped():
+    p = plane()
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(1,)), 0.0)
+    p.handle(E.LeaseHeartbeat(request_id="p1"), 15.0)  # expiry 30 -> 35
+    assert p.next_deadline() == 35.0
+    assert p.fire_due(30.0) == []
+    assert p.get("lease", "p1").state == "LEASED"
+    assert p.fire_due(35.0) == [A.FreeBlocks("p1", (1,), "expired")]
+    # Timers of machines that are gone never fire, and are not counted as unknown ids.
+    q = plane()
+    reading(q)
+    q.handle(E.ReadDone(request_id="r1"), 1.0)
+    q.handle(E.RequestRunning(request_id="r1"), 1.0)
+    q.handle(E.RequestFinished(request_id="r1"), 1.0)
+    fired = run_timers(q, 10_000.0)
+    assert [a for _, a in fired if not isinstance(a, A.RemoveRemoteAgent)] == []
+    assert not [k for k in q.stats if k.startswith(("unknown", "ignored"))]
+    assert q.next_deadline() is None
+
+
+def test_fire_due_order_and_next_deadline():
+    p = plane()
+    assert p.next_deadline() is None and p.fire_due(1e9) == []
+    for key, duration in [("c", 30.0), ("a", 10.0), ("b", 20.0), ("a2", 10.0)]:
+        p.handle(E.LeaseGranted(request_id=key, block_ids=(), duration=duration), 0.0)
+    assert p.next_deadline() == 10.0
+    assert p.fire_due(9.999) == []
+    # All due ones fire, earliest first, ties in arming order.
+    assert [a.request_id for a in p.fire_due(25.0)] == ["a", "a2", "b"]
+    assert p.next_deadline() == 30.0
+    assert [a.request_id for a in p.fire_due(30.0)] == ["c"]
+    assert p.next_deadline() is None
+
+
+def test_a_late_fire_due_catches_up_in_order():
+    p = plane()
+    p.handle(new_request("r1", P0, "p1"), 0.0)
+    connect(p, P0, 0.0)
+    # One call long after everything: heartbeats, STALE, and eviction after the last heartbeat.
+    out = p.fire_due(1000.0)
+    assert names(out) == ["SendHeartbeat"]
+    assert p.get("remote_engine", P0).state in ("CONNECTED", "STALE")  # the heartbeat reference holds it
+
+
+def test_only_external_actions_leave_the_plane():
+    p = plane()
+    acts = reading(p), *p.handle(E.ReadDone(request_id="r1"), 1.0)
+    acts += tuple(a for _, a in run_timers(p, 1000.0))
+    assert acts and all(not type(a).internal for a in acts)
+
+
+# --------------------------------------------- engine eviction and heartbeats
+def test_heartbeats_reconnect_an_engine_evicted_while_requests_are_queued():
+    """A transient disconnect of P must not silently stop the heartbeats of
+    requests still queued on D: the next heartbeat tick reconnects."""
+    d = plane()
+    d.handle(new_request("r1", P0, "p1"), 0.0)
+    connect(d, P0, 0.0)
+    out = d.handle(E.PeerDisconnected(engine_id=P0, reason="reset"), 7.0)
+    assert names(out) == ["RemoveRemoteAgent"]
+    assert d.get("remote_engine", P0) is None
+    fired = [a for _, a in run_timers(d, 10.0)]
+    assert of_type(fired, A.SendHeartbeat) and of_type(fired, A.StartHandshake)
+    connect(d, P0, 10.5)
+    assert ("heartbeat", P0) in d.get("remote_engine", P0).refs
+    # Queued far longer than the engine TTL: the engine stays, heartbeats flow.
+    fired = [a for _, a in run_timers(d, 600.0)]
+    assert of_type(fired, A.RemoveRemoteAgent) == []
+    assert len(of_type(fired, A.SendHeartbeat)) == (600 - 10) // 5
+
+
+# ------------------------------------------------- never raises (property)
+KEYS = ["r1", "r2"]
+PEERS = ["p1", "p2"]
+ENGINES = ["P0", "P1"]
+
+events = st.one_of(
+    st.builds(lambda k, e, p, push, exp: E.NewRequest(request_id=k, engine_id=e, remote_request_id=p, push=push,
+                                                      remote_expiry=exp),
+              st.sampled_from(KEYS), st.sampled_from(ENGINES), st.sampled_from(PEERS), st.booleans(),
+              st.none() | st.floats(0, 200)),
+    st.builds(lambda k, n, aw: E.BlocksAllocated(request_id=k, block_ids=(1,), num_remote_tokens=n, awaiting=aw),
+              st.sampled_from(KEYS), st.sampled_from([0, 16]), st.booleans()),
+    *(st.builds(lambda k, c=c: c(request_id=k), st.sampled_from(KEYS))
+      for c in (E.StartLoad, E.ReadDone, E.ReadFailed, E.PushDone, E.RequestRunning, E.Abort)),
+    st.builds(lambda k, h: E.RequestFinished(request_id=k, block_ids=(1,), hold_for_next_turn=h),
+              st.sampled_from(KEYS), st.booleans()),
+    st.builds(lambda k: E.LeaseGranted(request_id=k, block_ids=(9,)), st.sampled_from(PEERS + KEYS)),
+    st.builds(lambda k: E.LeaseHeartbeat(request_id=k), st.sampled_from(PEERS + KEYS)),
+    st.builds(lambda k, c, n: E.ConsumerDone(request_id=k, consumer=c, expected_consumers=n),
+              st.sampled_from(PEERS + KEYS), st.sampled_from(["D0", "D1"]), st.sampled_from([1, 2])),
+    st.builds(lambda k: E.LeaseAbort(request_id=k), st.sampled_from(PEERS)),
+    st.builds(lambda k, e: E.PushRegistered(request_id=k, engine_id=e, remote_request_id="x"),
+              st.sampled_from(PEERS), st.sampled_from(ENGINES)),
+    *(st.builds(lambda k, c=c: c(request_id=k), st.sampled_from(PEERS))
+      for c in (E.WriteDone, E.WriteFailed, E.PushAbort)),
+    st.builds(lambda k: E.PushReady(request_id=k, block_ids=(9,)), st.sampled_from(PEERS)),
+    st.builds(lambda e, o: E.HandshakeOk(engine_id=e, samples=((o, 0.01),)), st.sampled_from(ENGINES),
+              st.floats(-10, 10)),
+    *(st.builds(lambda e, c=c: c(engine_id=e), st.sampled_from(ENGINES))
+      for c in (E.HandshakeFailed, E.EngineActivity, E.PeerDisconnected)),
+)
+steps = st.lists(st.tuples(st.sampled_from([0.0, 0.5, 3.0, 20.0, 90.0]), events), max_size=40)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps)
+def test_any_event_sequence_never_raises_and_reports_at_most_once(seq):
+    p = plane()
+    now = 0.0
+    reports: dict[str, int] = {}
+    for dt, ev in seq:
+        now += dt
+        out = p.fire_due(now)
+        if isinstance(ev, E.NewRequest) and p.get("decode_request", ev.request_id) is None:
+            reports[ev.request_id] = 0  # a new life of this request id
+        out += p.handle(ev, now)
+        for a in out:
+            assert not type(a).internal
+            if isinstance(a, A.ReportRecv):
+                reports[a.request_id] = reports.get(a.request_id, 0) + 1
+        assert all(n <= 1 for n in reports.values()), reports
+        for kind, insts in p.instances.items():
+            for inst in insts.values():
+                assert not p.machines[kind].is_terminal(inst)
+    # Whatever holds a resource is resolved by a timer, except requests waiting
+    # for the scheduler or worker, and the engines their heartbeats keep.
+    run_timers(p, now + 2_000.0)
+    for kind, key, state, holds in p.held():
+        if kind == "remote_engine":
+            assert p.heartbeats.registered(key), (kind, key, state)
+        else:
+            assert kind == "decode_request" and state in ("HEARTBEATING", "NOTIFY_ONLY"), (kind, key, state, holds)
