@@ -103,18 +103,37 @@ class PlaneDriver:
     def step(self) -> int:
         """Poll everything once; returns how many stimuli were processed."""
         self.server.poll_once(0)
+        n = 0
+        # Deadlines first: after a stall (a slow or SIGSTOPped process) a
+        # transfer that overran its deadline must fail before its completion
+        # is polled, or it would be accepted although the peer may already
+        # have reclaimed the blocks under it.
+        now = self.clock()
+        if (dl := self.plane.next_deadline()) is not None and dl <= now:
+            self._run(self._execute(self.plane.fire_due(now)))
+            n += 1
         events: list[E.Event] = []
         for outcome in self.handshaker.completed():
             events.append(self._handshake_event(outcome))
         events.extend(self._notif_events())
         events.extend(self._transfer_events())
-        n = len(events)
+        n += len(events)
         self._run(events)
         now = self.clock()
         if (dl := self.plane.next_deadline()) is not None and dl <= now:
             self._run(self._execute(self.plane.fire_due(now)))
             n += 1
         return n
+
+    def disconnect_idle_engines(self, reason: str = "shutdown") -> int:
+        """Close every connected engine no request references (graceful
+        shutdown), so the plane, and its event log, end holding no remote
+        agent.  Returns how many were closed."""
+        idle = [key for key, e in self.plane.instances["remote_engine"].items()
+                if e.state in ("CONNECTED", "STALE") and not e.refs]
+        for key in idle:
+            self.feed(E.PeerDisconnected(engine_id=key, reason=reason))
+        return len(idle)
 
     def close(self) -> None:
         for handle, _, _ in self.xfers.values():
@@ -191,8 +210,9 @@ class PlaneDriver:
         else:
             notif = encode_completion(a.remote_request_id, 1)
             post = self.endpoint.post_write
+        remote_ids, local_ids = _align_tail(list(a.remote_block_ids), list(a.local_block_ids))
         try:
-            handle = post(name, self.layouts[a.engine_id], list(a.remote_block_ids), list(a.local_block_ids), notif)
+            handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif)
         except (TransportError, ValueError) as exc:
             follow.append(failed(request_id=a.request_id, reason=f"{type(exc).__name__}: {exc}"))
             if isinstance(exc, PeerGone):
@@ -330,6 +350,18 @@ class PlaneDriver:
                 )
                 events.append(done(request_id=request_id))
         return events
+
+
+def _align_tail(remote: list, local: list) -> tuple[list, list]:
+    """Pair the two block lists from the end of the prompt.
+
+    On a prefix hit the consumer allocates (and registers) only the blocks it
+    lacks, while the producer's params name every block of the prompt; the
+    missing ones are the tail, as in vLLM's NixlConnector.  Whichever list is
+    longer is the producer's and is cut to its last len(shorter) blocks.
+    """
+    n = min(len(remote), len(local))
+    return remote[len(remote) - n:], local[len(local) - n:]
 
 
 _HANDLERS: dict[type, Callable] = {
