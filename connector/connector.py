@@ -33,6 +33,10 @@ class KVPlaneScheduler:
         self.driver = driver
         self._remote: dict[str, RemoteKV] = {}  # requests whose KV comes from a remote engine
         self._serve_remote: set[str] = set()  # requests whose KV a remote engine will read
+        self._push: set[str] = set()  # served requests a decoder will have us WRITE (push mode)
+        # Full-prefix hits nobody awaits: the scheduler runs and finishes them
+        # at once while the notify to P completes on its own.
+        self._notify_only: set[str] = set()
         self._to_load: list[str] = []
 
     # ---- decode side (the consumer) -------------------------------------
@@ -41,6 +45,8 @@ class KVPlaneScheduler:
         params = kv_transfer_params or {}
         if params.get("do_remote_decode"):
             self._serve_remote.add(request_id)
+            if params.get("push"):
+                self._push.add(request_id)
         if not params.get("do_remote_prefill"):
             return
         rk = RemoteKV.from_dict(params)
@@ -67,9 +73,12 @@ class KVPlaneScheduler:
         a scheduler that also awaits a full-prefix hit passes True."""
         if request_id not in self._remote:
             return
+        awaiting = num_external_tokens > 0 if awaiting is None else awaiting
+        if num_external_tokens == 0 and not awaiting:
+            self._notify_only.add(request_id)
         self.driver.feed(E.BlocksAllocated(
             request_id=request_id, block_ids=block_ids, num_remote_tokens=num_external_tokens,
-            awaiting=num_external_tokens > 0 if awaiting is None else awaiting,
+            awaiting=awaiting,
         ))
         self._to_load.append(request_id)
 
@@ -78,7 +87,9 @@ class KVPlaneScheduler:
         return meta
 
     def request_running(self, request_id: str) -> None:
-        if request_id in self._remote:
+        # A notify-only request runs without waiting: its machine has no
+        # recv to report and would take RequestRunning as a protocol error.
+        if request_id in self._remote and request_id not in self._notify_only:
             self.driver.feed(E.RequestRunning(request_id=request_id))
 
     # ---- both sides -------------------------------------------------------
@@ -92,6 +103,11 @@ class KVPlaneScheduler:
         """
         block_ids = tuple(block_ids)
         rk = self._remote.pop(request_id, None)
+        if request_id in self._notify_only:
+            # The notify finishes (or times out) on its own; finishing the
+            # machine here would abort it and leave P's lease to expire.
+            self._notify_only.discard(request_id)
+            return False, None
         if rk is not None:
             self.driver.feed(E.RequestFinished(request_id=request_id, block_ids=block_ids,
                                                hold_for_next_turn=hold_for_next_turn))
@@ -102,10 +118,17 @@ class KVPlaneScheduler:
             self._serve_remote.discard(request_id)
             self.driver.feed(E.LeaseGranted(request_id=request_id, block_ids=block_ids,
                                             expected_consumers=expected_consumers))
+            if request_id in self._push:
+                # Push mode: the WRITE may start once the decoder's PUSH_REG
+                # is here too (either order; the push_write machine waits).
+                self._push.discard(request_id)
+                self.driver.feed(E.PushReady(request_id=request_id, block_ids=block_ids))
             return True, self._params(request_id, block_ids, expected_consumers, None)
         return False, None
 
     def abort(self, request_id: str) -> None:
+        self._notify_only.discard(request_id)
+        self._push.discard(request_id)
         if self._remote.pop(request_id, None) is not None:
             self.driver.feed(E.Abort(request_id=request_id))
         elif self.driver.plane.get("lease", request_id) is not None:
