@@ -143,9 +143,16 @@ class ControlPlane:
         if created:
             if CREATORS.get(type(event)) != kind:
                 self._anomaly("unknown_id", kind, key, event)
+                acts = IGNORED
+                if type(event) is E.HandshakeOk:
+                    # A handshake that completes after its engine was evicted: the
+                    # transport already added the remote agent; dropping the event
+                    # would leak it (and a later add of the same peer name).
+                    acts = [A.RemoveRemoteAgent(key)]
+                    out.extend(acts)
                 if top and self.recorder is not None:
                     # Logged too, so a log holds every stimulus; no instance: no states.
-                    self.recorder(event, now, f"{kind}:{key}", None, None, IGNORED)
+                    self.recorder(event, now, f"{kind}:{key}", None, None, acts)
                 return
             inst = insts[key] = machine.new(key)
         before = inst.state
