@@ -260,3 +260,17 @@ def test_any_event_sequence_never_raises_and_reports_at_most_once(seq):
             assert p.heartbeats.registered(key), (kind, key, state)
         else:
             assert kind == "decode_request" and state in ("HEARTBEATING", "NOTIFY_ONLY"), (kind, key, state, holds)
+
+
+def test_a_handshake_completing_after_eviction_removes_the_agent_it_added():
+    p = plane()
+    p.handle(new_request("r1", P0, "p1"), 0.0)  # the heartbeat reference starts the handshake
+    p.handle(E.Abort(request_id="r1"), 0.1)
+    # The attempts time out with nobody answering; the engine is evicted.
+    run_timers(p, 1000.0)
+    assert p.get("remote_engine", P0) is None
+    # The slow peer finally answers; the transport has added its agent.
+    out = p.handle(E.HandshakeOk(engine_id=P0, samples=((0.0, 0.001),)), 1000.0)
+    assert out == [A.RemoveRemoteAgent(P0)]
+    assert p.stats["unknown_id:remote_engine:HandshakeOk"] == 1
+    assert p.get("remote_engine", P0) is None
