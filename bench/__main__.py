@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             got = importlib.import_module(SECTIONS[name]).run(args.quick)
         except Exception:  # one broken section must not hide the others' results
             failed.append(name)
-            console.print(f"[red]section {name} crashed:[/red]\n{traceback.format_exc()}", highlight=False)
+            console.print(f"[red]section {name} crashed:[/red]", highlight=False)
+            console.print(traceback.format_exc(), markup=False, highlight=False)
             continue
         for t in got:
             print_table(t, console)

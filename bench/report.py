@@ -71,16 +71,17 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def print_table(t: Table, console) -> None:
+    from rich.markup import escape
     from rich.table import Table as RichTable
 
     rt = RichTable(title=t.title, title_justify="left", show_lines=False)
     for i, c in enumerate(t.columns):
         rt.add_column(c, justify="left" if i == 0 else "right")
     for r in t.rows:
-        rt.add_row(*(cell(c) for c in r))
+        rt.add_row(*(escape(cell(c)) for c in r))
     console.print(rt)
     for n in t.notes:
-        console.print(f"  [dim]{n}[/dim]", highlight=False)
+        console.print(f"  [dim]{escape(n)}[/dim]", highlight=False)
     console.print()
 
 
