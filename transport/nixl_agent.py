@@ -79,6 +79,10 @@ class NixlEndpoint:
         # (remote_name, layout) -> prepped remote dlist handle
         self._remote_dlists: dict[tuple[str, CacheLayout], object] = {}
         self._remotes: set[str] = set()
+        # Remotes that raised PeerDisconnected: never handed to NIXL again
+        # until re-added (see _post for why touching them is dangerous).
+        self._disconnected: set[str] = set()
+        self._notif_buf: list[tuple[str, bytes]] = []
         self._closed = False
 
     # ------------------------------------------------------------ memory
@@ -154,6 +158,7 @@ class NixlEndpoint:
         if isinstance(name, bytes):
             name = name.decode()
         self._remotes.add(name)
+        self._disconnected.discard(name)
         return name
 
     def remove_remote(self, name: str) -> None:
@@ -161,6 +166,7 @@ class NixlEndpoint:
         for key in [k for k in self._remote_dlists if k[0] == name]:
             self._release_dlist(self._remote_dlists.pop(key))
         self._remotes.discard(name)
+        self._disconnected.discard(name)
         with _nixl(f"remove_remote_agent {name!r}", NotFound):
             self._agent.remove_remote_agent(name)
 
@@ -209,19 +215,24 @@ class NixlEndpoint:
         local.check_block_ids(local_block_ids, "local")
         remote.check_block_ids(remote_block_ids, "remote")
         notif = bytes(notif)
-        if remote_name not in self._remotes:
-            raise NotFound(f"{op} to unknown remote agent {remote_name!r} (add_remote first)")
+        self._check_remote(remote_name, op)
+        # Measured with nixl 1.5.1: posting to a peer that died since the last
+        # UCX progress makes UCX abort the whole process later, when the agent
+        # is destroyed (ucs_arbiter_group_is_empty assertion).  One progress
+        # call first lets UCX see the disconnect, and the post then fails cleanly.
+        self._progress()
+        self._check_remote(remote_name, op)
 
         local_dl = self._local_dlist_handle()
         remote_dl = self._remote_dlist_handle(remote_name, remote)
-        with _nixl(f"{op} to {remote_name!r}"):
+        with self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
             raw = self._agent.make_prepped_xfer(
                 op, local_dl, local.indices(local_block_ids),
                 remote_dl, remote.indices(remote_block_ids), notif,
             )
         handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw)
         try:
-            with _nixl(f"post {op} to {remote_name!r}"):
+            with self._watch(remote_name), _nixl(f"post {op} to {remote_name!r}"):
                 state = self._agent.transfer(raw)
             if state not in (DONE, PROC):
                 raise TransferFailed(f"post {op} to {remote_name!r} returned {state}")
@@ -235,7 +246,7 @@ class NixlEndpoint:
         self._check_open()
         if handle.released:
             raise NotFound(f"transfer {handle.id} was already released")
-        with _nixl(f"{handle.op} {handle.id} to {handle.remote_name!r}"):
+        with self._watch(handle.remote_name), _nixl(f"{handle.op} {handle.id} to {handle.remote_name!r}"):
             state = self._agent.check_xfer_state(handle.raw)
         if state == "ERR":
             raise TransferFailed(f"{handle.op} {handle.id} to {handle.remote_name!r} failed")
@@ -255,18 +266,15 @@ class NixlEndpoint:
 
     def send_notif(self, remote_name: str, msg: bytes) -> None:
         self._check_open()
-        with _nixl(f"send_notif to {remote_name!r}", PeerDisconnected):
+        self._check_remote(remote_name, "send_notif")
+        with self._watch(remote_name), _nixl(f"send_notif to {remote_name!r}", PeerDisconnected):
             self._agent.send_notif(remote_name, bytes(msg))
 
     def poll_notifs(self) -> list[tuple[str, bytes]]:
         """Drain notifications that arrived since the last call (also progresses UCX)."""
         self._check_open()
-        with _nixl("get_new_notifs", TransportError):
-            got = self._agent.get_new_notifs()
-        out: list[tuple[str, bytes]] = []
-        for name, msgs in got.items():
-            name = name.decode() if isinstance(name, bytes) else name
-            out.extend((name, bytes(m)) for m in msgs)
+        self._progress()
+        out, self._notif_buf = self._notif_buf, []
         return out
 
     # ------------------------------------------------------------ lifecycle
@@ -297,6 +305,28 @@ class NixlEndpoint:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"endpoint {self.name!r} is closed")
+
+    def _progress(self) -> None:
+        """Progress UCX (get_new_notifs is the only progress call); keep what arrives."""
+        with _nixl("get_new_notifs", TransportError):
+            got = self._agent.get_new_notifs()
+        for name, msgs in got.items():
+            name = name.decode() if isinstance(name, bytes) else name
+            self._notif_buf.extend((name, bytes(m)) for m in msgs)
+
+    def _check_remote(self, remote_name: str, what: str) -> None:
+        if remote_name in self._disconnected:
+            raise PeerDisconnected(f"{what}: remote agent {remote_name!r} disconnected earlier")
+        if remote_name not in self._remotes:
+            raise NotFound(f"{what}: unknown remote agent {remote_name!r} (add_remote first)")
+
+    @contextlib.contextmanager
+    def _watch(self, remote_name: str) -> Iterator[None]:
+        try:
+            yield
+        except PeerDisconnected:
+            self._disconnected.add(remote_name)
+            raise
 
     def _require_layout(self) -> CacheLayout:
         if self._layout is None:
