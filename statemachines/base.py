@@ -28,6 +28,12 @@ class Event:
     acquires: ClassVar[frozenset[str]] = frozenset()
     releases: ClassVar[frozenset[str]] = frozenset()
 
+    def refund(self) -> "Action | None":
+        """The action that gives back what this event carried when the plane
+        refuses it (unknown id, protocol error).  Required of every event
+        that acquires something and that some state refuses."""
+        return None
+
 
 class Action:
     """An instruction for the world (transport, scheduler) or for the plane."""

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from . import actions as A
 from .base import Event, TimerFired
 
 def _ids(value: Any) -> tuple:
@@ -250,6 +251,11 @@ class HandshakeOk(Event):
     machine: ClassVar[str] = "remote_engine"
     key_field: ClassVar[str] = "engine_id"
     acquires: ClassVar[frozenset[str]] = frozenset({"remote_agent"})
+
+    def refund(self):
+        # The transport added the remote agent before reporting success; a
+        # result nobody waits for any more (engine evicted) must remove it.
+        return A.RemoveRemoteAgent(self.engine_id)
 
 
 @attrs.frozen(kw_only=True)

@@ -143,13 +143,11 @@ class ControlPlane:
         if created:
             if CREATORS.get(type(event)) != kind:
                 self._anomaly("unknown_id", kind, key, event)
-                acts = IGNORED
-                if type(event) is E.HandshakeOk:
-                    # A handshake that completes after its engine was evicted: the
-                    # transport already added the remote agent; dropping the event
-                    # would leak it (and a later add of the same peer name).
-                    acts = [A.RemoveRemoteAgent(key)]
-                    out.extend(acts)
+                # What the event carried goes back (e.g. a handshake that lands
+                # after its engine was evicted removes the agent it added).
+                refund = event.refund()
+                acts = IGNORED if refund is None else [refund]
+                out.extend(acts)
                 if top and self.recorder is not None:
                     # Logged too, so a log holds every stimulus; no instance: no states.
                     self.recorder(event, now, f"{kind}:{key}", None, None, acts)
@@ -161,6 +159,9 @@ class ControlPlane:
         except ProtocolViolation as exc:
             self._anomaly("protocol_violation", kind, key, event, exc.reason)
             acts = self._fail_closed(machine, inst, now)
+            refund = event.refund()
+            if refund is not None:
+                acts = [*acts, refund]
         if acts is IGNORED:
             self.stats[f"ignored:{kind}:{before}:{type(event).__name__}"] += 1
         if top and self.recorder is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
 
-from .base import TimerFired
+from .base import Event, TimerFired
 from .spec import Ignore, MachineDefinitionError, ProtocolError, Spec, Transition
 
 
@@ -76,6 +76,8 @@ def validate(spec: Spec) -> None:
                     err(f"{where}: {type(only).__name__} needs a reason")
                 if isinstance(only, Ignore) and (ev.acquires or ev.releases):
                     err(f"{where}: ignoring {_name(ev)} would drop resources {sorted(ev.acquires | ev.releases)}")
+                if isinstance(only, ProtocolError) and ev.acquires and ev.refund is Event.refund:
+                    err(f"{where}: refusing {_name(ev)} strands {sorted(ev.acquires)}; give {_name(ev)} a refund()")
 
     # Deadlines.
     for s in spec.states:

@@ -102,17 +102,39 @@ def test_protocol_error_fails_the_decode_request_closed():
 
 def test_protocol_error_fails_the_lease_closed():
     p = plane()
-    p.handle(E.LeaseGranted(request_id="p1", block_ids=(1, 2)), 0.0)
-    out = p.handle(E.LeaseGranted(request_id="p1", block_ids=(1, 2)), 1.0)
-    assert out == [A.FreeBlocks("p1", (1, 2), "aborted")]
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(1, 2), expected_consumers=1), 0.0)
+    # The notif disagrees with the planned consumer count: fail closed.
+    out = p.handle(E.ConsumerDone(request_id="p1", consumer="d", expected_consumers=3), 1.0)
+    assert out == [A.FreeBlocks("p1", (1, 2), "consumed")]
     assert p.get("lease", "p1") is None and p.held() == []
-    assert p.stats["fail_closed:lease"] == 1
 
 
-def test_protocol_error_fails_the_engine_closed_and_its_requesters():
+def test_a_second_grant_merges_blocks_and_frees_each_once():
+    p = plane()
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(1, 2)), 0.0)
+    assert p.handle(E.LeaseGranted(request_id="p1", block_ids=(2, 3)), 1.0) == []
+    out = p.handle(E.ConsumerDone(request_id="p1", consumer="d", expected_consumers=1), 2.0)
+    assert out == [A.FreeBlocks("p1", (1, 2, 3), "consumed")]
+    assert p.held() == []
+
+
+def test_a_repeated_handshake_keeps_the_engine_and_its_best_clock_sample():
     p = plane()
     reading(p)
-    out = p.handle(E.HandshakeOk(engine_id=P0), 1.0)  # no handshake was started
+    engine = p.get("remote_engine", P0)
+    best = (engine.clock_offset, engine.best_rtt)
+    # A slower sample never replaces the best one; a faster one does.
+    assert p.handle(E.HandshakeOk(engine_id=P0, samples=[(9.0, best[1] * 10)]), 1.0) == []
+    assert (engine.clock_offset, engine.best_rtt) == best and engine.state == "CONNECTED"
+    p.handle(E.HandshakeOk(engine_id=P0, samples=[(7.0, best[1] / 10)]), 1.0)
+    assert engine.clock_offset == 7.0
+    assert p.get("decode_request", "r1").state == "READING"
+
+
+def test_peer_disconnect_fails_the_engine_closed_and_its_requesters():
+    p = plane()
+    reading(p)
+    out = p.handle(E.PeerDisconnected(engine_id=P0), 1.0)
     assert names(out) == ["RemoveRemoteAgent", "ReleaseXfer", "ReportRecv"]
     assert out[1].cancel is True and out[2].ok is False
     assert p.get("remote_engine", P0) is None and p.get("decode_request", "r1").state == "RECV_FAILED"

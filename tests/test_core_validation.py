@@ -80,7 +80,7 @@ def test_unreachable_state():
     orphan = State("ORPHAN", doc="nothing leads here")
     spec = attrs.evolve(lease.SPEC, states=lease.SPEC.states + (orphan,),
                         table=lease.SPEC.table + tuple(on("ORPHAN", list(lease.EVENTS[1:]), "RELEASED"))
-                        + tuple(error_rows("ORPHAN", E.LeaseGranted, "blocks cannot be granted here")))
+                        + tuple(on("ORPHAN", E.LeaseGranted, "LEASED")))
     assert errors_of(spec) == ["ORPHAN: unreachable from PREFILLING"]
 
 
@@ -91,7 +91,11 @@ def test_state_that_cannot_reach_a_terminal_state():
                         on("PREFILLING", E.LeaseAbort, "TRAP") + on("TRAP", E.LeaseAbort, "TRAP")
                         + ignore("TRAP", [E.LeaseHeartbeat, E.ConsumerDone, TimerFired], "stuck")
                         + error_rows("TRAP", E.LeaseGranted, "blocks cannot be granted here"))
-    assert errors_of(spec) == ["TRAP: cannot reach a terminal state"]
+    # Refusing a grant would also strand its blocks (LeaseGranted has no refund).
+    assert errors_of(spec) == [
+        "TRAP x LeaseGranted: refusing LeaseGranted strands ['blocks']; give LeaseGranted a refund()",
+        "TRAP: cannot reach a terminal state",
+    ]
 
 
 def test_resource_not_released_on_a_path():
@@ -138,7 +142,7 @@ def test_unawaited_notify_only_recv_cannot_report():
 
 
 def test_ignore_that_would_drop_resources():
-    spec = replace_rows(lease.SPEC, is_row(ProtocolError, "LEASED", E.LeaseGranted),
+    spec = replace_rows(lease.SPEC, is_row(Transition, "LEASED", E.LeaseGranted),
                         ignore("LEASED", E.LeaseGranted, "already leased"))
     assert errors_of(spec) == ["LEASED x LeaseGranted: ignoring LeaseGranted would drop resources ['blocks']"]
 

@@ -40,6 +40,13 @@ def _grant(lease: Lease, ev: LeaseGranted, cfg, now) -> None:
     lease.expiry = now + (ev.duration if ev.duration is not None else cfg.kv_lease_duration)
 
 
+def _regrant(lease: Lease, ev: LeaseGranted, cfg, now) -> None:
+    # A second grant for the same request adds its blocks (a retransmitted
+    # grant adds nothing): one lease then frees every block exactly once.
+    lease.block_ids = lease.block_ids + tuple(b for b in ev.block_ids if b not in lease.block_ids)
+    lease.expiry = max(lease.expiry, now + (ev.duration if ev.duration is not None else cfg.kv_lease_duration))
+
+
 def _extend(lease: Lease, ev, cfg, now) -> None:
     new = now + cfg.lease_extension
     if new > lease.expiry:
@@ -86,7 +93,7 @@ HELD = ["LEASED", "PARTIALLY_READ"]
 
 TABLE = rows(
     on("PREFILLING", LeaseGranted, "LEASED", do=_grant),
-    error(HELD, LeaseGranted, "lease granted twice"),
+    *(on(s, LeaseGranted, s, do=_regrant) for s in HELD),
     ignore("PREFILLING", LeaseHeartbeat, "not leased yet; the grant starts a full lease"),
     error("PREFILLING", ConsumerDone, "consumer finished before the blocks were leased"),
     on("PREFILLING", LeaseAbort, "RELEASED"),

@@ -68,12 +68,16 @@ def _backoff(e: RemoteEngine, ev, cfg, now) -> None:
 
 
 def _connected(e: RemoteEngine, ev: HandshakeOk, cfg, now) -> None:
+    _resampled(e, ev, cfg, now)
+    e.notify_only = ev.notify_only
+    e.woken, e.waiters = tuple(e.waiters), []
+
+
+def _resampled(e: RemoteEngine, ev: HandshakeOk, cfg, now) -> None:
     for offset, rtt in ev.samples:
         if rtt < e.best_rtt:
             e.best_rtt, e.clock_offset = rtt, offset
-    e.notify_only = ev.notify_only
     e.last_activity = now
-    e.woken, e.waiters = tuple(e.waiters), []
 
 
 def _touch(e: RemoteEngine, ev, cfg, now) -> None:
@@ -120,7 +124,9 @@ TABLE = rows(
     *(on(s, EngineRelease, s, do=_drop_ref) for s in LIVE),
 
     on(["HANDSHAKING", "HANDSHAKE_FAILED"], HandshakeOk, "CONNECTED", WakeRequesters, do=_connected),
-    error(UP, HandshakeOk, "handshake result while connected: no handshake was started"),
+    # NIXL names an agent after its peer, so a repeated add is the same agent:
+    # keep it and take the new clock samples.
+    *(on(s, HandshakeOk, s, do=_resampled) for s in UP),
     on("HANDSHAKING", [HandshakeFailed, TimerFired], "HANDSHAKE_FAILED", when=retries_left, do=_backoff),
     on("HANDSHAKING", [HandshakeFailed, TimerFired], "EVICTED", FailRequesters),
     ignore(["HANDSHAKE_FAILED"] + UP, HandshakeFailed, "late failure of a superseded attempt"),
