@@ -24,7 +24,7 @@ from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
 from .config import PlaneConfig
 from .heartbeats import HeartbeatBatcher
 from .machines import MACHINES
-from .spec import IGNORED, Machine, ProtocolViolation
+from .spec import IGNORED, Machine, ProtocolViolation, timer_action
 
 HEARTBEAT_TIMER = "heartbeat"
 # Requester kind under which the heartbeat batcher holds an engine reference:
@@ -63,10 +63,12 @@ class ControlPlane:
     def handle(self, event: Event, now: float) -> list[Action]:
         """Feed one external stimulus; returns the actions for the world."""
         out: list[Action] = []
-        queue: deque = deque()
-        self._dispatch(event, now, out, queue, top=True)
-        while queue:
-            self._dispatch(queue.popleft(), now, out, queue, top=False)
+        queue: list[Event] = []  # internal events, FIFO by index (no deque per call)
+        self._dispatch(event, now, out, queue, True)
+        i = 0
+        while i < len(queue):
+            self._dispatch(queue[i], now, out, queue, False)
+            i += 1
         return out
 
     def handle_all(self, events: Iterable[Event], now: float) -> list[Action]:
@@ -124,15 +126,17 @@ class ControlPlane:
         kind = cls.machine or event.kind
         return kind, getattr(event, cls.key_field)
 
-    def _dispatch(self, event: Event, now: float, out: list, queue: deque, top: bool) -> None:
-        kind, key = self._route(event)
-        if kind == HEARTBEAT_REQUESTER:
-            # The batcher needs no wake-up: it sends when its timer fires and
-            # the transport skips engines that are not connected yet.
-            self.stats[f"heartbeat_engine:{type(event).__name__}"] += 1
-            return
+    def _dispatch(self, event: Event, now: float, out: list, queue: list, top: bool) -> None:
+        cls = type(event)
+        kind = cls.machine or event.kind
+        key = getattr(event, cls.key_field)
         insts = self.instances.get(kind)
         if insts is None:
+            if kind == HEARTBEAT_REQUESTER:
+                # The batcher needs no wake-up: it sends when its timer fires and
+                # the transport skips engines that are not connected yet.
+                self.stats[f"heartbeat_engine:{cls.__name__}"] += 1
+                return
             self._anomaly("unknown_kind", kind, key, event)
             if top and self.recorder is not None:
                 self.recorder(event, now, f"{kind}:{key}", None, None, IGNORED)
@@ -141,7 +145,7 @@ class ControlPlane:
         inst = insts.get(key)
         created = inst is None
         if created:
-            if CREATORS.get(type(event)) != kind:
+            if CREATORS.get(cls) != kind:
                 self._anomaly("unknown_id", kind, key, event)
                 # What the event carried goes back (e.g. a handshake that lands
                 # after its engine was evicted removes the agent it added).
@@ -153,9 +157,9 @@ class ControlPlane:
                     self.recorder(event, now, f"{kind}:{key}", None, None, acts)
                 return
             inst = insts[key] = machine.new(key)
-        before = inst.state
+        before, old_deadline = inst.state, inst.deadline
         try:
-            acts = machine.handle(inst, event, self.config, now)
+            acts = machine.apply(inst, event, self.config, now)
         except ProtocolViolation as exc:
             self._anomaly("protocol_violation", kind, key, event, exc.reason)
             acts = self._fail_closed(machine, inst, now)
@@ -163,17 +167,24 @@ class ControlPlane:
             if refund is not None:
                 acts = [*acts, refund]
         if acts is IGNORED:
-            self.stats[f"ignored:{kind}:{before}:{type(event).__name__}"] += 1
+            self.stats[f"ignored:{kind}:{before}:{cls.__name__}"] += 1
+        deadline = inst.deadline
+        if deadline is not None and deadline != old_deadline:
+            self._seq += 1
+            heapq.heappush(self._timers, (deadline, self._seq, kind, key))
         if top and self.recorder is not None:
-            self.recorder(event, now, f"{kind}:{key}", before, inst.state, acts)
-        if machine.is_terminal(inst):
+            timer = timer_action(kind, key, old_deadline, deadline)
+            self.recorder(event, now, f"{kind}:{key}", before, inst.state,
+                          acts if timer is None else [*acts, timer])
+        if inst.state in machine.terminal_states:
             del insts[key]
             self.stats[f"final:{kind}:{inst.state}"] += 1
         elif created and inst.state == machine.spec.initial:
             del insts[key]  # the creating event was refused: keep no empty machine
+        internal = self._internal
         for a in acts:
             if a.internal:
-                self._execute_internal(a, now, queue)
+                internal[a.__class__](self, a, now, queue)
             else:
                 out.append(a)
 
@@ -182,52 +193,71 @@ class ControlPlane:
         if fc is None or machine.is_terminal(inst) or inst.state == machine.spec.initial:
             return []
         self.stats[f"fail_closed:{machine.name}"] += 1
-        return machine.handle(inst, _fail_closed_event(fc, machine.name, inst.key), self.config, now)
+        return machine.apply(inst, _fail_closed_event(fc, machine.name, inst.key), self.config, now)
 
     def _anomaly(self, what: str, kind: str, key: Any, event: Event, detail: str = "") -> None:
         self.stats[f"{what}:{kind}:{type(event).__name__}"] += 1
         self.anomalies.append((what, kind, key, type(event).__name__, detail))
 
     # -------------------------------------------------------- internal actions
-    def _execute_internal(self, a: Action, now: float, queue: deque) -> None:
-        cls = type(a)
-        if cls is ArmTimer:
-            self._arm(a.at, a.kind, a.key)
-        elif cls is CancelTimer:
-            pass  # lazy deletion: a popped entry whose deadline moved is skipped
-        elif cls is A.StartHeartbeat:
-            at = self.heartbeats.start(a.engine_id, a.remote_request_id, a.ranks, now)
-            if at is not None:
-                self._arm(at, HEARTBEAT_TIMER, a.engine_id)
-                queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=HEARTBEAT_REQUESTER,
-                                             requester_key=a.engine_id))
-        elif cls is A.StopHeartbeat:
-            self.heartbeats.stop(a.engine_id, a.remote_request_id)
-        elif cls is A.AcquireEngine:
-            queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=a.kind, requester_key=a.key))
-        elif cls is A.ReleaseEngine:
-            if a.engine_id in self.instances["remote_engine"]:
-                queue.append(E.EngineRelease(engine_id=a.engine_id, requester_kind=a.kind, requester_key=a.key))
-        elif cls is A.NoteActivity:
-            if a.engine_id in self.instances["remote_engine"]:
-                queue.append(E.EngineActivity(engine_id=a.engine_id))
-        elif cls is A.WakeRequesters:
-            for kind, key in a.requesters:
-                queue.append(E.EngineReady(kind=kind, request_id=key, engine_id=a.engine_id,
-                                           clock_offset=a.clock_offset))
-        elif cls is A.FailRequesters:
-            for kind, key in a.requesters:
-                queue.append(E.EngineLost(kind=kind, request_id=key, engine_id=a.engine_id, reason=a.reason))
-        elif cls is A.GrantHold:
-            queue.append(E.LeaseGranted(request_id=a.request_id, block_ids=a.block_ids, expected_consumers=1,
-                                        duration=self.config.decoder_kv_blocks_ttl, renewable=False))
-        elif cls is A.ConsumeLease:
-            lease = self.instances["lease"].get(a.request_id)
-            if lease is not None:
-                queue.append(E.ConsumerDone(request_id=a.request_id, consumer=a.consumer,
-                                            expected_consumers=lease.expected_consumers))
-        else:  # pragma: no cover - a new internal action without a handler is a bug
-            raise TypeError(f"no handler for internal action {cls.__name__}")
+    def _execute_internal(self, a: Action, now: float, queue: list) -> None:
+        handler = self._internal.get(type(a))
+        if handler is None:  # a new internal action without a handler is a bug
+            raise TypeError(f"no handler for internal action {type(a).__name__}")
+        handler(self, a, now, queue)
+
+    def _do_arm(self, a: ArmTimer, now: float, queue: list) -> None:
+        self._arm(a.at, a.kind, a.key)
+
+    def _do_cancel(self, a: CancelTimer, now: float, queue: list) -> None:
+        pass  # lazy deletion: a popped entry whose deadline moved is skipped
+
+    def _do_start_heartbeat(self, a: A.StartHeartbeat, now: float, queue: list) -> None:
+        at = self.heartbeats.start(a.engine_id, a.remote_request_id, a.ranks, now)
+        if at is not None:
+            self._arm(at, HEARTBEAT_TIMER, a.engine_id)
+            queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=HEARTBEAT_REQUESTER,
+                                         requester_key=a.engine_id))
+
+    def _do_stop_heartbeat(self, a: A.StopHeartbeat, now: float, queue: list) -> None:
+        self.heartbeats.stop(a.engine_id, a.remote_request_id)
+
+    def _do_acquire(self, a: A.AcquireEngine, now: float, queue: list) -> None:
+        queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=a.kind, requester_key=a.key))
+
+    def _do_release(self, a: A.ReleaseEngine, now: float, queue: list) -> None:
+        if a.engine_id in self.instances["remote_engine"]:
+            queue.append(E.EngineRelease(engine_id=a.engine_id, requester_kind=a.kind, requester_key=a.key))
+
+    def _do_activity(self, a: A.NoteActivity, now: float, queue: list) -> None:
+        if a.engine_id in self.instances["remote_engine"]:
+            queue.append(E.EngineActivity(engine_id=a.engine_id))
+
+    def _do_wake(self, a: A.WakeRequesters, now: float, queue: list) -> None:
+        for kind, key in a.requesters:
+            queue.append(E.EngineReady(kind=kind, request_id=key, engine_id=a.engine_id, clock_offset=a.clock_offset))
+
+    def _do_fail(self, a: A.FailRequesters, now: float, queue: list) -> None:
+        for kind, key in a.requesters:
+            queue.append(E.EngineLost(kind=kind, request_id=key, engine_id=a.engine_id, reason=a.reason))
+
+    def _do_grant_hold(self, a: A.GrantHold, now: float, queue: list) -> None:
+        queue.append(E.LeaseGranted(request_id=a.request_id, block_ids=a.block_ids, expected_consumers=1,
+                                    duration=self.config.decoder_kv_blocks_ttl, renewable=False))
+
+    def _do_consume(self, a: A.ConsumeLease, now: float, queue: list) -> None:
+        lease = self.instances["lease"].get(a.request_id)
+        if lease is not None:
+            queue.append(E.ConsumerDone(request_id=a.request_id, consumer=a.consumer,
+                                        expected_consumers=lease.expected_consumers))
+
+    _internal: dict = {
+        ArmTimer: _do_arm, CancelTimer: _do_cancel,
+        A.StartHeartbeat: _do_start_heartbeat, A.StopHeartbeat: _do_stop_heartbeat,
+        A.AcquireEngine: _do_acquire, A.ReleaseEngine: _do_release, A.NoteActivity: _do_activity,
+        A.WakeRequesters: _do_wake, A.FailRequesters: _do_fail,
+        A.GrantHold: _do_grant_hold, A.ConsumeLease: _do_consume,
+    }
 
     def _arm(self, at: float, kind: str, key: Any) -> None:
         self._seq += 1

@@ -13,7 +13,7 @@ waiting state therefore cannot forget its timer.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import attrs
 
@@ -104,8 +104,8 @@ class Spec:
 _Entry = tuple  # tuple[_Compiled, ...] | Ignore | ProtocolError
 
 
-@attrs.frozen
-class _Compiled:
+class _Compiled(NamedTuple):
+    # A plain tuple: unpacked once per dispatch, cheaper than attribute reads.
     guard: Guard | None
     dest: str
     effect: Effect | None
@@ -115,7 +115,7 @@ class _Compiled:
 class Machine:
     """A compiled spec.  Stateless: instances carry all per-request data."""
 
-    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "_terminal", "ignored")
+    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states")
 
     def __init__(self, spec: Spec, table: dict):
         self.spec = spec
@@ -123,44 +123,49 @@ class Machine:
         self.states = {s.name: s for s in spec.states}
         self._table = table
         self._deadlines = {s.name: s.deadline for s in spec.states if s.deadline is not None}
-        self._terminal = frozenset(s.name for s in spec.states if s.terminal)
+        self.terminal_states = frozenset(s.name for s in spec.states if s.terminal)
 
     def new(self, key: Any, **data: Any) -> Instance:
         return self.spec.instance_type(key=key, state=self.spec.initial, **data)
 
     def is_terminal(self, inst: Instance) -> bool:
-        return inst.state in self._terminal
+        return inst.state in self.terminal_states
 
     def handle(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action]:
-        """Apply ``event`` to ``inst`` at time ``now`` and return the actions.
+        """Apply ``event`` to ``inst`` at time ``now`` and return the actions,
+        ending with ArmTimer / CancelTimer when the deadline moved.
 
         Returns ``IGNORED`` (an empty tuple, identity-comparable) for a
         declared ignore; raises ``ProtocolViolation`` for a declared error.
         """
+        old = inst.deadline
+        actions = self.apply(inst, event, config, now)
+        if actions is not IGNORED:
+            timer = timer_action(self.name, inst.key, old, inst.deadline)
+            if timer is not None:
+                actions.append(timer)
+        return actions
+
+    def apply(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action]:
+        """``handle`` without the timer actions: the new deadline is left in
+        ``inst.deadline`` for the ControlPlane, which owns the timer heap and
+        so need not build and then consume an ArmTimer per transition."""
         entry = self._table.get((inst.state, type(event)))
         if entry is None:
             # Only reachable for an event type outside the spec's alphabet.
             raise ProtocolViolation(self.name, inst.key, inst.state, event, "event not in this machine's alphabet")
         if entry.__class__ is tuple:
-            for t in entry:
-                if t.guard is None or t.guard(inst, event, config, now):
+            for guard, dest, effect, builders in entry:
+                if guard is None or guard(inst, event, config, now):
                     break
             else:
                 raise NoGuardMatched(self.name, inst.key, inst.state, event, "no guard matched")
-            if t.effect is not None:
-                t.effect(inst, event, config, now)
-            actions = [b(inst, event, config, now) for b in t.builders]
-            old_deadline = inst.deadline
-            inst.state = t.dest
-            dl = self._deadlines.get(t.dest)
-            if dl is not None:
-                at = dl(inst, config, now)
-                if at != old_deadline:
-                    inst.deadline = at
-                    actions.append(ArmTimer(self.name, inst.key, at))
-            elif old_deadline is not None:
-                inst.deadline = None
-                actions.append(CancelTimer(self.name, inst.key))
+            if effect is not None:
+                effect(inst, event, config, now)
+            actions = [b(inst, event, config, now) for b in builders]
+            inst.state = dest
+            dl = self._deadlines.get(dest)
+            inst.deadline = None if dl is None else dl(inst, config, now)
             return actions
         if entry.__class__ is Ignore:
             return IGNORED
@@ -173,6 +178,13 @@ class Machine:
 
 # Returned by identity for a declared ignore, so the plane can count it.
 IGNORED: tuple = ()
+
+
+def timer_action(kind: str, key: Any, old: float | None, new: float | None) -> Action | None:
+    """The timer action a deadline change means: arm the new one, or cancel."""
+    if new is not None:
+        return ArmTimer(kind, key, new) if new != old else None
+    return CancelTimer(kind, key) if old is not None else None
 
 
 def with_timer_ignores(spec: Spec) -> Spec:
