@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        # Everything after `bench` is the suite's own (argparse.REMAINDER
+        # would not take an option such as --quick right after it).
+        from bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.fn(args)
 
