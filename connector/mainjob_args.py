@@ -16,8 +16,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-notifications", type=float, default=0.0, metavar="RATE",
                    help="drop this fraction of notifications (0..1) on receipt")
     p.add_argument("--clock-skew", type=float, default=0.0, metavar="S", help="skew D's clock by S seconds")
-    p.add_argument("--overload", type=float, default=0.0, metavar="S",
-                   help="hold each request in D's queue for S seconds before scheduling")
+    p.add_argument("--overload", type=float, default=None, metavar="S",
+                   help="hold each request in D's queue for S seconds before scheduling (default 2; "
+                        "heartbeats keep P's leases alive meanwhile)")
+    p.add_argument("--hold-ttl", type=float, default=None, metavar="S",
+                   help="decoder_kv_blocks_ttl: how long D holds blocks for turn 2 (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

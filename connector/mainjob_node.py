@@ -1,0 +1,427 @@
+"""One engine process of ``kvplane run``: the prefill (P) or the decode (D) side.
+
+Each node owns a small torch KV cache ([num_blocks, block_elems] float32,
+DRAM) registered with NIXL through ``KVPlaneWorker``, a ``PlaneDriver``
+(its ZMQ side channel included) and a ``KVPlaneScheduler``, and runs one
+step loop: read the orchestrator's messages, schedule, step the driver,
+collect what finished, and sleep ~1 ms when nothing happened.  No thread
+is added beyond the driver's handshake pool.
+
+P fills each request's blocks with a pattern derived from the request id
+and the block index; whoever receives blocks (D on turn 1, P reading D's
+held blocks on turn 2) checks every byte against it.  Freed blocks are
+poisoned, as a reused block would be overwritten, so a read of reclaimed
+blocks cannot pass verification by luck.
+
+Messages are ``(kind, dict)`` tuples over a multiprocessing Pipe.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+import zlib
+from collections import Counter, deque
+from typing import Any
+
+# Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
+BLOCK_TOKENS = 16
+POISON = -1.0
+_MASK = (1 << 20) - 1  # pattern values stay exact in float32
+
+
+def pattern_seed(lid: str, block_index: int) -> int:
+    return zlib.crc32(f"{lid}/{block_index}".encode()) & _MASK
+
+
+class Node:
+    def __init__(self, role: str, conn, opts: dict):
+        import torch
+
+        from statemachines.config import PlaneConfig
+        from statemachines.eventlog import EventLogWriter
+        from transport.nixl_agent import NixlEndpoint
+
+        from .connector import KVPlaneScheduler, KVPlaneWorker
+        from .driver import PlaneDriver
+
+        self.torch = torch
+        self.role = role
+        self.conn = conn
+        self.opts = opts
+        self.engine_id = opts["engine_ids"][role]
+        skew = opts["clock_skew"] if role == "D" else 0.0
+        # D's plane runs on a skewed clock; the handshake's offset estimate
+        # must absorb it.  Fences and reports use the raw monotonic clock,
+        # which all processes on this machine share.
+        self.clock = (lambda: time.monotonic() + skew) if skew else time.monotonic
+        self.cfg = PlaneConfig(**opts["plane"])
+        self.ep = NixlEndpoint(self.engine_id)
+        self.driver = PlaneDriver(engine_id=self.engine_id, endpoint=self.ep, config=self.cfg, clock=self.clock,
+                                  drop_notifications=opts["drop_notifications"],
+                                  seed=opts["seed"] * 2 + (role == "D"))
+        self.sched = KVPlaneScheduler(self.driver)
+        self.worker = KVPlaneWorker(self.driver)
+        nb, be = opts["num_blocks"], opts["block_elems"]
+        self.kv = torch.full((nb, be), POISON, dtype=torch.float32)
+        self.block_bytes = be * 4
+        self.worker.register_kv_caches(self.kv)
+        self._ramp = torch.arange(be, dtype=torch.int64) * 7
+        self.free: deque[int] = deque(range(nb))
+        self.owned: dict[str, list[int]] = {}  # request id -> blocks allocated to it
+        self.log_path = os.path.join(opts["out"], f"{'prefill' if role == 'P' else 'decode'}.events.jsonl")
+        self._log_stream = open(self.log_path, "w", encoding="utf-8")
+        self.log = EventLogWriter.attach(self.driver.plane, self._log_stream, flush_every=1 << 30)
+        self._tally_chain = self.driver.plane.recorder
+        self.driver.plane.recorder = self._tally
+        self.lease_rec: dict[str, dict] = {}  # P: lease id -> {lid, granted, hb, freed, reason}
+        self.last_hb_at: float | None = None  # raw clock of the last heartbeat that reached a lease
+        self.extended = 0
+        self.outcomes: Counter = Counter()
+        self.verified_bytes = 0
+        self.busy_s = 0.0  # time with at least one posted transfer in flight
+        self.stalls: list[float] = []
+        self.fenced = 0
+        # P
+        self.prefill_q: deque[dict] = deque()
+        self.turn2_q: deque[dict] = deque()
+        self.consuming: dict[str, dict] = {}  # P turn-2 reads in flight: p2id -> msg
+        # D
+        self.waiting: deque[dict] = deque()  # arrived, heartbeating, not yet allocated
+        self.loading: dict[str, dict] = {}  # allocated, awaiting the recv
+        self.holds: dict[str, dict] = {}  # did -> hold record (turn-2 blocks)
+        self.hold_stats: Counter = Counter()
+        self._last_tick = time.monotonic()
+        self._stall_limit = opts["stall_limit"]
+
+    # ------------------------------------------------------------ blocks
+    def pattern(self, lid: str, index: int):
+        return ((self._ramp + pattern_seed(lid, index)) & _MASK).to(self.torch.float32)
+
+    def alloc(self, rid: str, n: int) -> list[int] | None:
+        if len(self.free) < n:
+            return None
+        blocks = [self.free.popleft() for _ in range(n)]
+        self.owned[rid] = blocks
+        return blocks
+
+    def release(self, rid: str) -> None:
+        blocks = self.owned.pop(rid, None)
+        if blocks:
+            self.kv[blocks] = POISON  # as if reused: a late reader must not see the old bytes
+            self.free.extend(blocks)
+
+    def fill(self, lid: str, blocks: list[int], first_index: int) -> None:
+        for i, b in enumerate(blocks):
+            self.kv[b] = self.pattern(lid, first_index + i)
+
+    def verify(self, lid: str, blocks: list[int], first_index: int) -> bool:
+        return all(self.torch.equal(self.kv[b], self.pattern(lid, first_index + i)) for i, b in enumerate(blocks))
+
+    # ------------------------------------------------------------ recorder tally
+    def _tally(self, event, now, label, before, after, actions) -> None:
+        self._tally_chain(event, now, label, before, after, actions)
+        if type(event).__name__ == "LeaseHeartbeat":
+            rec = self.lease_rec.get(event.request_id)
+            if rec is not None and rec["freed"] is None:
+                t = time.monotonic()
+                rec["hb"] = t
+                self.last_hb_at = t
+                lease = self.driver.plane.get("lease", event.request_id)
+                if lease is not None and lease.expiry > rec["expiry"]:
+                    rec["expiry"] = lease.expiry
+                    self.extended += 1
+
+    # ------------------------------------------------------------ loop
+    def send(self, kind: str, body: dict) -> None:
+        self.conn.send((kind, body))
+
+    def run(self) -> None:
+        self.send("ready", {"engine_id": self.engine_id, "url": self.driver.side_channel_url, "pid": os.getpid()})
+        last_flush = time.monotonic()
+        last = time.monotonic()
+        while True:
+            self._check_stall()
+            busy = False
+            while self.conn.poll(0):
+                kind, body = self.conn.recv()
+                if kind == "finish":
+                    self._finish()
+                    return
+                getattr(self, f"on_{kind}")(body)
+                busy = True
+            self._check_stall()
+            busy |= self.schedule()
+            self._check_stall()
+            meta = self.sched.build_connector_meta()
+            if meta.load:
+                self.worker.start_load_kv(meta)  # feeds StartLoad and steps the driver
+                busy = True
+            else:
+                busy |= self.driver.step() > 0
+            busy |= self.collect()
+            now = time.monotonic()
+            if self.driver.xfers:
+                self.busy_s += now - last
+            last = now
+            if now - last_flush > 0.1:
+                self.log.flush()  # a killed process keeps its log up to ~100 ms ago
+                last_flush = now
+            if not busy:
+                # Sleep ~1 ms, woken early by a message.  While a transfer is
+                # posted, or a peer may be reading our leased blocks (UCX over
+                # TCP needs the target to progress too), poll every 0.2 ms.
+                serving = self.driver.xfers or self.holds or self.lease_blocks_live
+                self.conn.poll(0.0002 if serving else 0.001)
+
+    def _check_stall(self) -> None:
+        """D's fence: a loop that did not run for longer than the lease can
+        tolerate (SIGSTOP, a long pause) may have let P reclaim the blocks it
+        still means to read; everything still waiting for remote KV is
+        aborted and recomputed instead."""
+        now = time.monotonic()
+        gap, self._last_tick = now - self._last_tick, now
+        if self.role != "D" or gap <= self._stall_limit:
+            return
+        self.stalls.append(round(gap, 3))
+        for req in list(self.waiting):
+            self.sched.abort(req["did"])
+            self.fenced += 1
+            self._decoded(req, "recomputed", "fenced after a stall")
+        self.waiting.clear()
+        for did, req in list(self.loading.items()):
+            # Abort reports the awaited recv as failed; collect() recomputes it.
+            req["fenced"] = True
+            self.fenced += 1
+            self.sched.abort(did)
+
+    def collect(self) -> bool:
+        d = self.driver
+        failed = set(d.failed_recving)
+        sending, recving = self.worker.get_finished()
+        self.worker.get_block_ids_with_load_errors()
+        freed, d.freed = d.freed, []
+        for rid, _blocks, reason in freed:
+            self._freed(rid, reason)
+        for rid in recving:
+            self._recv_finished(rid, rid in failed)
+        return bool(sending or recving or freed)
+
+    # ------------------------------------------------------------ P side
+    def on_prefill(self, msg: dict) -> None:
+        self.prefill_q.append(msg)
+
+    def on_turn2(self, msg: dict) -> None:
+        self.turn2_q.append(msg)
+
+    def on_decode(self, msg: dict) -> None:
+        # Params older than a lease minus one heartbeat interval may name
+        # blocks P already reclaimed (D never heartbeated them): recompute.
+        age = time.monotonic() - msg["granted_at"]
+        if age > self.opts["max_params_age"]:
+            self.fenced += 1
+            self._decoded(msg, "recomputed", f"params {age:.1f} s old")
+            return
+        self.sched.on_new_request(msg["did"], msg["params"])  # heartbeats start now
+        msg["ready_at"] = time.monotonic() + self.opts["overload"]
+        self.waiting.append(msg)
+
+    def on_status(self, _body: dict) -> None:
+        self.send("status", self.status())
+
+    def schedule(self) -> bool:
+        return self._schedule_p() if self.role == "P" else self._schedule_d()
+
+    def _schedule_p(self) -> bool:
+        did = False
+        while self.prefill_q:
+            msg = self.prefill_q[0]
+            blocks = self.alloc(msg["pid"], msg["nblocks"])
+            if blocks is None:
+                break  # wait for leases to be freed
+            self.prefill_q.popleft()
+            self.fill(msg["lid"], blocks, 0)  # the "prefill"
+            self.sched.on_new_request(msg["pid"], {"do_remote_decode": True, "push": msg["push"]})
+            _delay, params = self.sched.request_finished(msg["pid"], blocks)
+            now = time.monotonic()
+            lease = self.driver.plane.get("lease", msg["pid"])
+            self.lease_rec[msg["pid"]] = {"lid": msg["lid"], "granted": now, "hb": None, "freed": None,
+                                          "reason": None, "expiry": lease.expiry if lease else 0.0,
+                                          "blocks": len(blocks)}
+            self.send("prefilled", {"lid": msg["lid"], "params": params, "granted_at": now})
+            did = True
+        while self.turn2_q:
+            msg = self.turn2_q[0]
+            blocks = self.alloc(msg["p2id"], msg["nblocks"])
+            if blocks is None:
+                break
+            self.turn2_q.popleft()
+            p2id = msg["p2id"]
+            self.sched.on_new_request(p2id, msg["params"])
+            n_ext, _ = self.sched.get_num_new_matched_tokens(p2id, msg["nblocks"] * BLOCK_TOKENS, 0)
+            self.sched.update_state_after_alloc(p2id, blocks, n_ext)
+            self.consuming[p2id] = msg
+            did = True
+        return did
+
+    # ------------------------------------------------------------ D side
+    def _schedule_d(self) -> bool:
+        did = False
+        now = time.monotonic()
+        while self.waiting and self.waiting[0]["ready_at"] <= now:
+            req = self.waiting[0]
+            n, k = req["nblocks"], req["prefix"]
+            blocks = self.alloc(req["did"], n)
+            if blocks is None:
+                break  # queue on: heartbeats keep P's lease alive meanwhile
+            self.waiting.popleft()
+            did = True
+            self.fill(req["lid"], blocks[:k], 0)  # the locally cached prefix
+            n_ext, _ = self.sched.get_num_new_matched_tokens(req["did"], n * BLOCK_TOKENS, k * BLOCK_TOKENS)
+            if n_ext > 0:
+                self.sched.update_state_after_alloc(req["did"], blocks[k:], n_ext)
+                self.loading[req["did"]] = req
+            elif req["await_full"]:
+                self.sched.update_state_after_alloc(req["did"], [], 0, awaiting=True)
+                self.loading[req["did"]] = req
+            else:
+                # Notify-only: nothing to load; the request runs now.
+                self.sched.update_state_after_alloc(req["did"], [], 0, awaiting=False)
+                self._run_and_finish(req, "ok", "full prefix hit, notify-only")
+        return did
+
+    def _recv_finished(self, rid: str, failed: bool) -> None:
+        if self.role == "P":
+            msg = self.consuming.pop(rid, None)
+            if msg is None:
+                return
+            blocks = self.owned[rid]
+            if failed:
+                self.fill(msg["lid"], blocks, 0)  # recompute turn 1's KV locally
+                outcome, detail = "recomputed", "turn-2 read declined or failed"
+            elif self.verify(msg["lid"], blocks, 0):
+                outcome, detail = "ok", ""
+                self.verified_bytes += len(blocks) * self.block_bytes
+            else:
+                outcome, detail = "corrupt", "turn-2 bytes differ from the pattern"
+            self.outcomes[f"turn2_{outcome}"] += 1
+            self.sched.request_running(rid)
+            self.sched.request_finished(rid, blocks)
+            self.release(rid)
+            self.send("turn2_done", {"lid": msg["lid"], "outcome": outcome, "detail": detail})
+            return
+        req = self.loading.pop(rid, None)
+        if req is None:
+            return
+        k, blocks = req["prefix"], self.owned[rid]
+        if failed:
+            self.fill(req["lid"], blocks[k:], k)
+            outcome = "recomputed"
+            detail = "fenced after a stall" if req.get("fenced") else "recv failed"
+        elif k == req["nblocks"]:
+            outcome, detail = "ok", "full prefix hit, awaited"
+        elif self.verify(req["lid"], blocks[k:], k):
+            outcome, detail = "ok", ""
+            self.verified_bytes += (len(blocks) - k) * self.block_bytes
+        else:
+            outcome, detail = "corrupt", "bytes differ from the pattern"
+        self._run_and_finish(req, outcome, detail)
+
+    def _run_and_finish(self, req: dict, outcome: str, detail: str) -> None:
+        did = req["did"]
+        self.sched.request_running(did)
+        blocks = self.owned[did]
+        delay, params = self.sched.request_finished(did, blocks, hold_for_next_turn=req["hold"])
+        hold = None
+        if delay and params is not None:
+            self.holds[did] = {"lid": req["lid"]}
+            self.hold_stats["granted"] += 1
+            hold = params
+        else:
+            self.release(did)
+        self._decoded(req, outcome, detail, hold)
+
+    def _decoded(self, req: dict, outcome: str, detail: str, hold: dict | None = None) -> None:
+        self.outcomes[outcome] += 1
+        self.send("decoded", {"lid": req["lid"], "outcome": outcome, "detail": detail, "hold": hold})
+
+    def _freed(self, rid: str, reason: str) -> None:
+        now = time.monotonic()
+        rec = self.lease_rec.get(rid)
+        if rec is not None:
+            rec["freed"], rec["reason"] = now, reason
+        if rid in self.holds:
+            self.holds.pop(rid)
+            self.hold_stats[reason] += 1
+        self.release(rid)
+
+    # ------------------------------------------------------------ reports
+    @property
+    def lease_blocks_live(self) -> bool:
+        return any(r["freed"] is None for r in self.lease_rec.values())
+
+    def held_blocks(self) -> int:
+        return sum(len(b) for b in self.owned.values())
+
+    def lease_blocks(self) -> int:
+        return sum(len(self.owned.get(rid, ())) for rid, r in self.lease_rec.items() if r["freed"] is None)
+
+    def status(self) -> dict:
+        return {"held_blocks": self.held_blocks(), "lease_blocks": self.lease_blocks(),
+                "waiting": len(self.waiting) + len(self.prefill_q) + len(self.turn2_q),
+                "loading": len(self.loading) + len(self.consuming), "holds": len(self.holds),
+                "last_hb_at": self.last_hb_at, "stalls": list(self.stalls)}
+
+    def _finish(self) -> None:
+        d = self.driver
+        evicted = d.counters["engines_evicted"]
+        offsets = {k: e.clock_offset for k, e in d.plane.instances["remote_engine"].items()}
+        closed = d.disconnect_idle_engines()
+        self.collect()
+        self.log.flush()
+        stats = d.plane.stats
+        leases = Counter(r["reason"] or "live" for r in self.lease_rec.values())
+        summary = {
+            "role": self.role, "engine_id": self.engine_id, "log": self.log_path,
+            "outcomes": dict(self.outcomes), "verified_bytes": self.verified_bytes,
+            "bytes_moved": d.counters["bytes_moved"], "busy_s": self.busy_s,
+            "counters": {k: v for k, v in d.counters.items()},
+            "engines_evicted": evicted, "engines_closed_at_shutdown": closed,
+            "heartbeats_sent": stats.get("heartbeats_sent", 0),
+            "heartbeats_received": d.counters.get("heartbeats_received", 0),
+            "leases": {"granted": len(self.lease_rec), "extended": self.extended,
+                       "expired": leases.get("expired", 0), "consumed": leases.get("consumed", 0),
+                       "aborted": leases.get("aborted", 0), "live": leases.get("live", 0)},
+            "lease_records": [dict(r, id=rid) for rid, r in self.lease_rec.items()],
+            "holds": dict(self.hold_stats), "last_hb_at": self.last_hb_at,
+            "held_blocks": self.held_blocks(),
+            "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()],
+            "anomalies": {k: v for k, v in stats.items() if k.split(":")[0] in
+                          ("unknown_id", "unknown_kind", "protocol_violation", "fail_closed")},
+            "stalls": self.stalls, "fenced": self.fenced, "clock_offsets": offsets,
+        }
+        self.send("summary", summary)
+        self.worker.shutdown()
+        self._log_stream.close()
+
+
+def node_main(role: str, conn, opts: dict) -> None:
+    """Process entry point (multiprocessing 'spawn')."""
+    node = None
+    try:
+        node = Node(role, conn, opts)
+        node.run()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C reaches the whole process group; the orchestrator cleans up
+    except BaseException:
+        try:
+            conn.send(("error", {"role": role, "traceback": traceback.format_exc()}))
+        except Exception:
+            pass
+        raise SystemExit(1)
+    finally:
+        if node is not None:
+            try:
+                node.log.flush()
+            except Exception:
+                pass
