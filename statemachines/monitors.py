@@ -136,9 +136,8 @@ def check_log(source, config: PlaneConfig | None = None, *, machines: dict[str, 
     log = source if isinstance(source, EventLog) else read_log(source)
     mon = LivenessMonitor(machines)
     result = replay(log, config, machines=machines, observer=mon,
-                    after_line=lambda rec, plane: mon.check_time(rec.t), until=until)
+                    before_line=lambda rec, plane: mon.check_time(rec.t), until=until)
     end = result.end_time if result.end_time is not None else 0.0
-    if until is not None:
-        mon.check_time(until)
+    mon.check_time(until if until is not None else end)
     return MonitorReport(lines=result.lines, end_time=result.end_time, hot=mon.at_end(end),
                          discharged=mon.discharged, replay=result)

@@ -51,6 +51,12 @@ class ObservedMachine(Machine):
         self._inner = inner
         self._observer = observer
 
+    def apply(self, inst, event, config, now):
+        before, deadline = inst.state, inst.deadline
+        acts = self._inner.apply(inst, event, config, now)
+        self._observer(self.name, inst, event, before, deadline, acts, now)
+        return acts
+
     def handle(self, inst, event, config, now):
         before, deadline = inst.state, inst.deadline
         acts = self._inner.handle(inst, event, config, now)
@@ -121,7 +127,7 @@ def _produced_fields(rec_tuple) -> tuple:
 
 
 def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Machine] | None = None,
-           observer: Observer | None = None, after_line: Callable[[LogRecord, ControlPlane], None] | None = None,
+           observer: Observer | None = None, before_line: Callable[[LogRecord, ControlPlane], None] | None = None,
            until: float | None = None) -> ReplayResult:
     """Replay ``source`` (a path, an open file, an iterable of lines, or an
     ``EventLog``).  ``until`` advances time after the last line (to see what
@@ -136,6 +142,8 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
     result.plane = plane
 
     for rec in log.records:
+        if before_line is not None:
+            before_line(rec, plane)
         result.lines += 1
         result.end_time = rec.t
         if rec.recorded:
@@ -171,8 +179,6 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
             if type(rec.event) is not TimerFired:
                 plane.handle(rec.event, rec.t)
             produced.clear()
-        if after_line is not None:
-            after_line(rec, plane)
     else:
         if produced and result.divergence is None:
             got = produced[0]

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from statemachines import events as E
+from statemachines.eventlog import MemoryLog, UnknownEvent
+from statemachines.plane import ControlPlane
+from statemachines.replay import replay
+
+
+def recorded_session():
+    p = ControlPlane()
+    log = MemoryLog(config=p.config)
+    p.recorder = log
+    p.handle(E.LeaseGranted(request_id="L1", block_ids=[7]), 0.0)
+    p.handle(E.NewRequest(request_id="r1", engine_id="e", remote_request_id="x"), 0.0)
+    p.handle(E.HandshakeOk(engine_id="e", samples=[(0.2, 0.01), (0.3, 0.001)]), 0.5)
+    p.handle(E.BlocksAllocated(request_id="r1", block_ids=[3], num_remote_tokens=4), 1.0)
+    p.handle(E.StartLoad(request_id="r1"), 1.0)
+    for t in (5.0, 10.0, 12.0):
+        p.fire_due(t)
+    p.handle(E.LeaseHeartbeat(request_id="L1"), 12.0)
+    p.handle(E.ReadDone(request_id="r1"), 13.0)
+    p.handle(E.RequestRunning(request_id="r1"), 13.0)
+    p.handle(E.RequestFinished(request_id="r1"), 14.0)
+    p.fire_due(100.0)
+    p.fire_due(300.0)
+    return p, log.lines()
+
+
+def test_recorded_log_replays_exactly_with_summary():
+    p, lines = recorded_session()
+    r = replay(lines)
+    assert r.divergence is None and r.ok
+    assert r.requests == {"RELEASED": 1}
+    assert r.leases["granted"] == 1 and r.leases["extended"] == 1 and r.leases["expired"] == 1
+    assert r.engines_evicted == 1
+    assert r.held == [] and r.recorded_lines == len(lines) - 1
+
+
+@pytest.mark.parametrize("field,mutate", [
+    ("state_after", lambda rec: rec.update(state_after="BOGUS")),
+    ("state_before", lambda rec: rec.update(state_before="BOGUS")),
+    ("actions", lambda rec: rec["actions"].append(["FreeBlocks", {"request_id": "z", "block_ids": []}])),
+    ("machine", lambda rec: rec.update(machine="lease:zz")),
+])
+def test_divergence_names_the_first_differing_line(field, mutate):
+    _, lines = recorded_session()
+    idx = 5
+    rec = json.loads(lines[idx])
+    mutate(rec)
+    lines[idx] = json.dumps(rec)
+    r = replay(lines)
+    assert not r.ok and r.divergence.what == field
+    assert r.divergence.seq == rec["seq"] and r.divergence.line == idx + 1
+
+
+def test_a_timer_the_replay_would_not_fire_is_a_divergence():
+    _, lines = recorded_session()
+    # Drop every line but those before the first timer firing, then claim a lease
+    # expiry long before it is due.
+    head = [l for l in lines if '"TimerFired"' not in l][:3]
+    head.append(json.dumps({"v": 1, "seq": 99, "t": 1.0, "machine": "lease:L1", "event": "TimerFired",
+                            "data": {"kind": "lease", "key": "L1", "at": 1.0}, "state_before": "LEASED",
+                            "state_after": "EXPIRED", "actions": []}))
+    r = replay(head)
+    assert r.divergence is not None and r.divergence.what == "missing" and r.divergence.seq == 99
+
+
+def test_dropping_a_recorded_timer_line_is_a_divergence():
+    _, lines = recorded_session()
+    timer_lines = [i for i, l in enumerate(lines) if '"lease:L1","event":"TimerFired"' in l]
+    del lines[timer_lines[0]]
+    assert not replay(lines).ok
+
+
+def test_stimuli_only_summary_and_leak_report():
+    lines = [
+        '{"v":1,"config":{"kv_lease_duration":30}}',
+        '{"v":1,"t":0,"event":"LeaseGranted","data":{"request_id":"a","block_ids":[1]}}',
+        '{"v":1,"t":0,"event":"LeaseGranted","data":{"request_id":"b","block_ids":[2]}}',
+        '{"v":1,"t":1,"event":"ConsumerDone","data":{"request_id":"a","consumer":"d","expected_consumers":1}}',
+        '{"v":1,"t":20,"event":"LeaseHeartbeat","data":{"request_id":"b"}}',
+        '{"v":1,"t":21,"event":"ReadDone","data":{"request_id":"ghost"}}',
+    ]
+    r = replay(lines)
+    assert r.leases["granted"] == 2 and r.leases["released"] == 1 and r.leases["extended"] == 1
+    assert r.held == [("lease", "b", "LEASED", ("blocks",))] and not r.ok
+    assert r.anomalies == {"unknown_id:decode_request:ReadDone": 1}
+    # Advancing time lets the lease expire: nothing leaks.
+    r = replay(lines, until=100.0)
+    assert r.ok and r.leases["expired"] == 1
+
+
+def test_stimuli_only_timer_line_means_advance_time():
+    lines = [
+        '{"v":1,"t":0,"event":"LeaseGranted","data":{"request_id":"a","block_ids":[1]}}',
+        '{"v":1,"t":31,"event":"TimerFired","data":{"kind":"lease","key":"a","at":30}}',
+    ]
+    r = replay(lines)
+    assert r.ok and r.leases["expired"] == 1
+
+
+def test_bad_input_raises():
+    with pytest.raises(UnknownEvent):
+        replay(['{"v":1,"t":0,"event":"Frobnicate","data":{}}'])
