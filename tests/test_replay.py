@@ -25,8 +25,8 @@ def recorded_session():
     p.handle(E.ReadDone(request_id="r1"), 13.0)
     p.handle(E.RequestRunning(request_id="r1"), 13.0)
     p.handle(E.RequestFinished(request_id="r1"), 14.0)
-    p.fire_due(100.0)
-    p.fire_due(300.0)
+    for t in (32.0, 100.0, 300.0):
+        p.fire_due(t)
     return p, log.lines()
 
 
@@ -106,3 +106,24 @@ def test_stimuli_only_timer_line_means_advance_time():
 def test_bad_input_raises():
     with pytest.raises(UnknownEvent):
         replay(['{"v":1,"t":0,"event":"Frobnicate","data":{}}'])
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    from connector.cli_checks import cmd_check_log, cmd_explore, cmd_replay
+
+    _, lines = recorded_session()
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(lines) + "\n")
+    leak = tmp_path / "leak.jsonl"
+    leak.write_text('{"v":1,"t":0,"event":"LeaseGranted","data":{"request_id":"a","block_ids":[1]}}\n')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"v":7,"t":0,"event":"Abort","data":{"request_id":"a"}}\n')
+    assert cmd_replay(str(good)) == 0
+    assert cmd_replay(str(leak)) == 1
+    assert cmd_replay(str(bad)) == 2
+    assert cmd_check_log(str(good)) == 0
+    assert cmd_check_log(str(leak)) == 1
+    assert cmd_check_log(str(bad)) == 2
+    assert cmd_explore(["--requests", "read", "--depth", "5"]) == 0
+    assert cmd_explore(["--requests", "nope"]) == 2
+    assert "line 1" in capsys.readouterr().out
