@@ -8,8 +8,8 @@ one ``transitions.Machine`` per machine kind, each request added as a model
 same guards, effects and action builders as the compiled tables, so only the
 dispatch differs.
 
-The plane reads a few things from a machine (``new``, ``handle``,
-``is_terminal``, ``states``, ``spec``) and from an instance (``state``,
+The plane reads a few things from a machine (``new``, ``apply``,
+``terminal_states``, ``states``, ``spec``) and from an instance (``state``,
 ``deadline`` and machine fields); the adapters provide exactly those.
 """
 from __future__ import annotations
@@ -55,6 +55,15 @@ class RefMachine:
 
     def handle(self, p: _Proxy, event, config, now: float):
         return self.ref.handle(p, event, config, now)
+
+    def apply(self, p: _Proxy, event, config, now: float):
+        # The plane's entry point; it arms timers from inst.deadline, and
+        # the ArmTimer actions handle() adds are harmless duplicates there.
+        return self.handle(p, event, config, now)
+
+    @property
+    def terminal_states(self) -> frozenset:
+        return self._terminal
 
     def is_terminal(self, p) -> bool:
         return p.state in self._terminal
