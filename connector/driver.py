@@ -21,7 +21,7 @@ from typing import Any, Callable
 from statemachines import actions as A
 from statemachines import events as E
 from statemachines.config import PlaneConfig
-from statemachines.plane import ControlPlane
+from statemachines.plane import HEARTBEAT_REQUESTER, ControlPlane
 from transport.errors import PeerDisconnected as PeerGone
 from transport.errors import TransportError
 from transport.handshake import HandshakeServer, build_payload
@@ -129,8 +129,12 @@ class PlaneDriver:
         """Close every connected engine no request references (graceful
         shutdown), so the plane, and its event log, end holding no remote
         agent.  Returns how many were closed."""
+        hb = self.plane.heartbeats
+        # The heartbeat batcher keeps its reference until its next tick even
+        # with nothing left to send; such an engine is idle too.
         idle = [key for key, e in self.plane.instances["remote_engine"].items()
-                if e.state in ("CONNECTED", "STALE") and not e.refs]
+                if e.state in ("CONNECTED", "STALE")
+                and all(kind == HEARTBEAT_REQUESTER and not hb.registered(key) for kind, _ in e.refs)]
         for key in idle:
             self.feed(E.PeerDisconnected(engine_id=key, reason=reason))
         return len(idle)
