@@ -492,7 +492,9 @@ class Orchestrator:
             "fault": self.fault or None, "errors": self.errors, "checks": checks,
             "expired_before_fault": expired_early,
             "sides": {"P": _slim(P), "D": _slim(D)},
-            "logs": {role: s["log"] for role, s in (("P", P), ("D", D)) if s},
+            # Written by each side as it runs; a killed side's log ends where it died.
+            "logs": {role: os.path.join(os.path.abspath(o.out), f"{name}.events.jsonl")
+                     for role, name in (("P", "prefill"), ("D", "decode"))},
             "requests_detail": [attrs.asdict(r, filter=lambda a, v: a.name != "hold_params") for r in self.reqs],
         }
         summary["ok"] = all(v is not False for v in checks.values())
@@ -643,7 +645,8 @@ def cmd_run(args) -> int:
         console.print(f"[red]{e}[/red]")
     console.print(f"summary: {summary['summary_path']}")
     for role, log in summary["logs"].items():
-        console.print(f"{role} event log: {log}   replay: kvplane replay {log}")
+        cut = " (cut short by the kill)" if role == "D" and (summary["fault"] or {}).get("kind") == "kill" else ""
+        console.print(f"{role} event log{cut}: {log}\n  replay: kvplane replay {log}")
     if not summary["ok"]:
         failed = [k for k, v in summary["checks"].items() if v is False]
         console.print(f"[red]FAILED checks: {', '.join(failed)}[/red]")

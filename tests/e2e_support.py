@@ -1,0 +1,62 @@
+"""Shared runs for the end-to-end tests: each scenario runs P and D for real
+(two processes, NIXL over loopback) once per test session, and the replay
+test reuses the logs those runs wrote."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from connector.mainjob import RunOptions, run_job
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Short configurations: a few seconds each on a 2-core machine.  Every
+# scenario has multi-turn requests (12 requests cover every request kind).
+SCENARIOS: dict[str, dict] = {
+    # Through the CLI, as a user runs it; overload long enough for heartbeats.
+    "normal": dict(requests=16, overload=1.5, hold_ttl=3.0),
+    # All requests queue on D (heartbeating) for long; the kill comes after
+    # three heartbeats, so every lease's deadline is last heartbeat + extension.
+    "kill": dict(requests=12, overload=8.0, kill_decode_at=3.5, hold_ttl=3.0),
+    "hang": dict(requests=12, overload=8.0, hang_decode_at=3.5, hold_ttl=3.0),
+    "drop": dict(requests=16, overload=0.5, drop_notifications=0.3, hold_ttl=2.5, seed=3),
+    "push": dict(requests=12, overload=0.5, push=True, hold_ttl=2.5),
+    # Turn 2 on time and late (inside the margin), D's clock 50 s ahead.
+    "turn2_expired": dict(requests=12, overload=0.0, hold_ttl=2.5, clock_skew=50.0),
+}
+
+_cache: dict[str, dict] = {}
+
+
+def _cli_args(opts: dict, out: Path) -> list[str]:
+    args = [sys.executable, "-m", "connector.cli", "run", "--out", str(out), "--quiet"]
+    for k, v in opts.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            args.append(flag)
+        else:
+            args += [flag, str(v)]
+    return args
+
+
+def run_scenario(name: str, base: Path) -> dict:
+    """The scenario's summary (run once per session).  ``normal`` goes
+    through ``python -m connector.cli run``; the others call run_job, the
+    function the CLI uses, to save a process start."""
+    if name in _cache:
+        return _cache[name]
+    out = base / name
+    opts = SCENARIOS[name]
+    if name == "normal":
+        env = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR")
+        proc = subprocess.run(_cli_args(opts, out), cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        summary = json.loads((out / "summary.json").read_text())
+        summary["_returncode"] = proc.returncode
+        summary["_stdout"] = proc.stdout + proc.stderr
+    else:
+        summary = run_job(RunOptions(out=str(out), quiet=True, timeout=60.0, **opts))
+    _cache[name] = summary
+    return summary
