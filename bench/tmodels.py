@@ -22,7 +22,7 @@ from transitions import MachineError
 from statemachines.base import ArmTimer, CancelTimer
 from statemachines.machines import SPECS
 from statemachines.reference import ReferenceMachine
-from statemachines.spec import IGNORED, Ignore, NoGuardMatched, ProtocolError, ProtocolViolation, Spec, Transition, with_timer_ignores
+from statemachines.spec import IGNORED, Ignore, NoGuardMatched, ProtocolViolation, Spec, Transition, with_timer_ignores
 
 
 class _Proxy:

@@ -6,7 +6,7 @@ violation, 2 bad input (unreadable or malformed log, bad arguments).
 from __future__ import annotations
 
 import argparse
-from typing import Any, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table

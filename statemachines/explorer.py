@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import Any
 
 import attrs
@@ -58,7 +58,6 @@ import attrs
 from . import events as E
 from .config import PlaneConfig
 from .eventlog import MemoryLog
-from .heartbeats import HeartbeatBatcher
 from .machines import MACHINES
 from .plane import ControlPlane
 from .spec import Machine
@@ -154,48 +153,9 @@ class _Found(Exception):
 
 
 # ------------------------------------------------------------------ cloning
-_INST_FIELDS: dict[type, tuple] = {}
-
-
-def _fields(cls) -> tuple:
-    f = _INST_FIELDS.get(cls)
-    if f is None:
-        f = _INST_FIELDS[cls] = tuple(a.name for a in attrs.fields(cls))
-    return f
-
-
-def _copy_inst(inst):
-    cls = type(inst)
-    new = cls.__new__(cls)
-    for name in _fields(cls):
-        v = getattr(inst, name)
-        t = type(v)
-        if t is set or t is list or t is dict:
-            v = t(v)
-        setattr(new, name, v)
-    return new
-
-
 def clone_plane(p: ControlPlane) -> ControlPlane:
-    """A deep copy of a plane's semantic state (not its stats or anomalies),
-    much faster than copy.deepcopy.  Relies on the plane's internals."""
-    q = ControlPlane.__new__(ControlPlane)
-    q.config = p.config
-    q.machines = p.machines
-    q.instances = {k: {key: _copy_inst(i) for key, i in insts.items()} for k, insts in p.instances.items()}
-    hb = HeartbeatBatcher.__new__(HeartbeatBatcher)
-    src = p.heartbeats
-    hb.interval = src.interval
-    hb._ids = {e: dict(d) for e, d in src._ids.items()}
-    hb._ranks = {e: set(r) for e, r in src._ranks.items()}
-    hb._next_at = dict(src._next_at)
-    q.heartbeats = hb
-    q._timers = list(p._timers)
-    q._seq = p._seq
-    q.stats = Counter()
-    q.anomalies = deque(maxlen=256)
-    q.recorder = None
-    return q
+    """A copy of a plane's semantic state (see ControlPlane.clone)."""
+    return p.clone()
 
 
 # -------------------------------------------------------------------- world

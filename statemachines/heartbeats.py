@@ -42,6 +42,13 @@ class HeartbeatBatcher:
         if ids[request_id] <= 0:
             del ids[request_id]
 
+    def clone(self) -> "HeartbeatBatcher":
+        copy = HeartbeatBatcher(self.interval)
+        copy._ids = {e: dict(d) for e, d in self._ids.items()}
+        copy._ranks = {e: set(r) for e, r in self._ranks.items()}
+        copy._next_at = dict(self._next_at)
+        return copy
+
     def is_due(self, engine_id: str, at: float) -> bool:
         return self._next_at.get(engine_id) == at
 

@@ -18,6 +18,8 @@ import heapq
 from collections import Counter, deque
 from typing import Any, Callable, Iterable
 
+import attrs
+
 from . import actions as A
 from . import events as E
 from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
@@ -58,6 +60,7 @@ class ControlPlane:
         # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
         self.anomalies: deque = deque(maxlen=256)
         self.recorder: Recorder | None = None
+        self._top: tuple | None = None  # the stimulus being handled, logged once its effects are known
 
     # ------------------------------------------------------------------ input
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -69,6 +72,13 @@ class ControlPlane:
         while i < len(queue):
             self._dispatch(queue[i], now, out, queue, False)
             i += 1
+        if self._top is not None:
+            # The log line of this stimulus: the addressed machine's own
+            # actions, then the external effects of the internal events they
+            # set off, so replay also checks what other machines did.
+            event, label, before, after, own, n_own = self._top
+            self._top = None
+            self.recorder(event, now, label, before, after, own + out[n_own:])
         return out
 
     def handle_all(self, events: Iterable[Event], now: float) -> list[Action]:
@@ -101,6 +111,18 @@ class ControlPlane:
             else:
                 out.extend(self.handle(TimerFired(kind, key, at), now))
         return out
+
+    def clone(self) -> "ControlPlane":
+        """A copy of the semantic state (instances, timers, heartbeats), not
+        of stats, anomalies or the recorder; much faster than deepcopy (the
+        explorer clones a plane per explored move)."""
+        q = ControlPlane(self.config, self.machines)
+        q.instances = {kind: {key: _copy_instance(i) for key, i in insts.items()}
+                       for kind, insts in self.instances.items()}
+        q.heartbeats = self.heartbeats.clone()
+        q._timers = list(self._timers)
+        q._seq = self._seq
+        return q
 
     # ---------------------------------------------------------------- queries
     def get(self, kind: str, key: Any):
@@ -174,8 +196,9 @@ class ControlPlane:
             heapq.heappush(self._timers, (deadline, self._seq, kind, key))
         if top and self.recorder is not None:
             timer = timer_action(kind, key, old_deadline, deadline)
-            self.recorder(event, now, f"{kind}:{key}", before, inst.state,
-                          acts if timer is None else [*acts, timer])
+            own = [*acts] if timer is None else [*acts, timer]
+            self._top = (event, f"{kind}:{key}", before, inst.state, own, len(out) + sum(
+                1 for a in acts if not a.internal))
         if inst.state in machine.terminal_states:
             del insts[key]
             self.stats[f"final:{kind}:{inst.state}"] += 1
@@ -305,6 +328,17 @@ class ControlPlane:
             return []
         return self.handle(E.EngineRelease(engine_id=engine_id, requester_kind=HEARTBEAT_REQUESTER,
                                            requester_key=engine_id), now)
+
+
+def _copy_instance(inst):
+    """Copy an attrs instance, with fresh containers (refs, waiters) so the
+    copy's transitions never touch the original."""
+    copy = attrs.evolve(inst)
+    for a in attrs.fields(type(inst)):
+        value = getattr(copy, a.name)
+        if type(value) in (set, list, dict):
+            setattr(copy, a.name, type(value)(value))
+    return copy
 
 
 def _fail_closed_event(cls: type, kind: str, key: Any) -> Event:

@@ -13,7 +13,7 @@ import attrs
 import msgpack
 import torch
 
-from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed, TransportError
+from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed
 from .handle import DONE, PROC, XferHandle
 from .layout import CacheLayout
 
