@@ -246,6 +246,7 @@ class Orchestrator:
                     self._drain(c)
                 elif h is c.proc.sentinel:
                     self._drain(c)
+                    c.proc.join(timeout=1.0)  # reap it, so exitcode is known
                     c.dead = True
                     if not (c.role == "D" and self.fault.get("kind") == "kill") and c.summary is None:
                         self.errors.append(f"{c.role} exited unexpectedly (exit code {c.proc.exitcode})")

@@ -150,3 +150,39 @@ def test_cli_rejects_short_lease(capsys):
 
     assert main(["run", "--lease", "4", "--quiet"]) == 2
     assert "--lease must be >= 6" in capsys.readouterr().out
+
+
+def test_a_crashed_child_does_not_hang_the_parent(tmp_path):
+    """SIGKILL the prefill process mid-run: the parent notices at once,
+    reports it, and stops the decode process."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from connector.mainjob import Orchestrator
+
+    orch = Orchestrator(RunOptions(out=str(tmp_path), quiet=True, requests=8, overload=8.0, timeout=60.0))
+
+    def kill_p_when_running():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            c = orch.children.get("P")
+            if c is not None and c.ready is not None and orch.t0:
+                time.sleep(0.5)
+                os.kill(c.proc.pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_p_when_running, daemon=True)
+    killer.start()
+    try:
+        summary = orch.run()
+        elapsed = orch.elapsed()
+    finally:
+        orch.stop_all()
+    killer.join(timeout=5)
+    assert any("P exited unexpectedly" in e and "-9" in e for e in summary["errors"])
+    assert not summary["ok"] and summary["checks"]["no_errors"] is False
+    assert elapsed < 5.0  # not the 8 s overload, nor the 60 s timeout
+    assert not orch.children["D"].proc.is_alive()
