@@ -128,3 +128,30 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert cmd_explore(["--requests", "nope"]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert "line 1: log version 7" in out
+
+
+def test_a_change_inside_an_internal_cascade_diverges():
+    """StartLoad's line carries the PostRead that the engine's wake-up set off,
+    so a machine that stops posting the READ is caught on that line."""
+    import attrs
+
+    from statemachines.machines import MACHINES, SPECS, decode_request
+    from statemachines.spec import Transition, compile_machine
+
+    _, lines = recorded_session()
+    start = next(json.loads(l) for l in lines if '"event":"StartLoad"' in l)
+    assert ["PostRead"] == [name for name, _ in start["actions"] if name == "PostRead"]
+
+    table = tuple(
+        attrs.evolve(t, actions=()) if isinstance(t, Transition) and t.src == "HANDSHAKING"
+        and t.event is E.EngineReady and t.dest == "READING" else t
+        for t in SPECS["decode_request"].table
+    )
+    broken = dict(MACHINES)
+    # The validator alone rejects this table (READING would release an xfer
+    # it never acquired); compile it unchecked to show replay catches it too.
+    broken["decode_request"] = compile_machine(attrs.evolve(decode_request.SPEC, table=table), check=False)
+    r = replay(lines, machines=broken)
+    assert r.divergence is not None
+    assert r.divergence.seq == start["seq"] and r.divergence.what == "actions"
+
