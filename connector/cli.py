@@ -44,7 +44,7 @@ def _replay(args) -> int:
 def _check_log(args) -> int:
     from connector.cli_checks import cmd_check_log
 
-    return cmd_check_log(args.log)
+    return cmd_check_log(args.log, args.grace)
 
 
 def _explore(args) -> int:
@@ -80,14 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-log", help="run the liveness monitors over an event log")
     c.add_argument("log")
+    c.add_argument("--grace", type=float, default=0.5, metavar="S",
+                   help="report an obligation only when still hot S seconds past its deadline (default 0.5)")
     c.set_defaults(fn=_check_log)
 
+    from connector.cli_checks import add_explore_arguments
+
     e = sub.add_parser("explore", help="model-check the composed machines with faults")
-    e.add_argument("--requests", type=int, default=2)
-    e.add_argument("--engines", type=int, default=1)
-    e.add_argument("--depth", type=int, default=None)
-    e.add_argument("--no-symmetry", action="store_true")
-    e.add_argument("--counterexample", help="write a found counterexample here as JSONL")
+    add_explore_arguments(e)
     e.set_defaults(fn=_explore)
 
     b = sub.add_parser("bench", help="run the benchmark suite (python -m bench)")

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from statemachines.eventlog import EventLogError
 from statemachines.explorer import ExploreConfig, explore, write_counterexamples
-from statemachines.monitors import check_log
+from statemachines.monitors import DEFAULT_GRACE, check_log
 from statemachines.replay import replay
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
@@ -56,10 +56,10 @@ def cmd_replay(path: str) -> int:
     return OK if r.ok else FAILED
 
 
-def cmd_check_log(path: str) -> int:
+def cmd_check_log(path: str, grace: float = DEFAULT_GRACE) -> int:
     con = _console()
     try:
-        rep = check_log(path)
+        rep = check_log(path, grace=grace)
     except (EventLogError, OSError) as exc:
         con.print(f"cannot check {path}: {exc}")
         return BAD_INPUT
