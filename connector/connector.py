@@ -56,6 +56,7 @@ class KVPlaneScheduler:
             request_id=request_id, engine_id=rk.remote_engine_id, remote_request_id=rk.remote_request_id,
             remote_block_ids=rk.remote_block_ids, remote_ranks=rk.remote_ranks,
             expected_consumers=rk.expected_consumers, remote_expiry=rk.remote_expiry,
+            remote_renewable=rk.remote_renewable,
             push=bool(params.get("push")),
         ))
 
@@ -123,7 +124,10 @@ class KVPlaneScheduler:
                 # is here too (either order; the push_write machine waits).
                 self._push.discard(request_id)
                 self.driver.feed(E.PushReady(request_id=request_id, block_ids=block_ids))
-            return True, self._params(request_id, block_ids, expected_consumers, None)
+            # The lease's expiry (our clock) lets a consumer that stalled see
+            # that it may be gone; heartbeats make it renewable.
+            return True, self._params(request_id, block_ids, expected_consumers, self._lease_expiry(request_id),
+                                      renewable=True)
         return False, None
 
     def abort(self, request_id: str) -> None:
@@ -138,13 +142,14 @@ class KVPlaneScheduler:
         lease = self.driver.plane.get("lease", request_id)
         return None if lease is None else lease.expiry
 
-    def _params(self, request_id, block_ids, consumers, expiry) -> dict[str, Any]:
+    def _params(self, request_id, block_ids, consumers, expiry, renewable=False) -> dict[str, Any]:
         host, port = self.driver.side_channel_url[len("tcp://"):].rsplit(":", 1)
         return {
             "do_remote_prefill": True,
             **RemoteKV(remote_engine_id=self.driver.engine_id, remote_host=host, remote_port=int(port),
                        remote_request_id=request_id, remote_block_ids=block_ids,
-                       expected_consumers=consumers, remote_expiry=expiry).to_dict(),
+                       expected_consumers=consumers, remote_expiry=expiry,
+                       remote_renewable=renewable).to_dict(),
         }
 
 

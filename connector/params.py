@@ -26,6 +26,8 @@ class RemoteKV:
     remote_ranks: tuple = attrs.field(converter=tuple, default=(0,))
     expected_consumers: int = 1
     remote_expiry: float | None = None
+    # True for P's lease (our heartbeats extend it), False for a decoder's hold.
+    remote_renewable: bool = False
 
     @property
     def side_channel(self) -> str:
@@ -56,11 +58,14 @@ class RemoteKV:
         if not isinstance(consumers, int) or consumers < 1:
             raise BadTransferParams(f"kv_transfer_params: 'expected_consumers' must be an int >= 1, got {consumers!r}")
         expiry = d.get("remote_expiry")
-        if expiry is not None and not isinstance(expiry, (int, float)):
+        if expiry is not None and (not isinstance(expiry, (int, float)) or isinstance(expiry, bool)):
             raise BadTransferParams(f"kv_transfer_params: 'remote_expiry' must be a number, got {expiry!r}")
+        renewable = d.get("remote_renewable", False)
+        if not isinstance(renewable, bool):
+            raise BadTransferParams(f"kv_transfer_params: 'remote_renewable' must be a bool, got {renewable!r}")
         return cls(
             remote_engine_id=d["remote_engine_id"], remote_host=d["remote_host"], remote_port=d["remote_port"],
             remote_request_id=d["remote_request_id"], remote_block_ids=d["remote_block_ids"],
             remote_ranks=d.get("remote_ranks", (0,)), expected_consumers=consumers,
-            remote_expiry=None if expiry is None else float(expiry),
+            remote_expiry=None if expiry is None else float(expiry), remote_renewable=renewable,
         )

@@ -33,6 +33,9 @@ class NewRequest(Event):
     # Remote expiry of the blocks, in the remote engine's clock (turn-2 reads
     # of blocks a decoder holds); None when the remote gave no deadline.
     remote_expiry: float | None = None
+    # The remote extends the expiry on our heartbeats (P's lease); a
+    # decoder's hold for turn 2 is not renewable.
+    remote_renewable: bool = False
     push: bool = False
     machine: ClassVar[str] = "decode_request"
 
@@ -68,6 +71,10 @@ class EngineReady(Event):
     request_id: str
     engine_id: str
     clock_offset: float = 0.0
+    # Our heartbeats to this engine (our clock): the last batch, and the first
+    # of the unbroken chain it ends (see HeartbeatBatcher).
+    heartbeat_at: float | None = None
+    heartbeats_since: float | None = None
     machine: ClassVar[str] = ""  # routed by ``kind``
 
 

@@ -13,13 +13,21 @@ from .actions import SendHeartbeat
 
 
 class HeartbeatBatcher:
-    __slots__ = ("interval", "_ids", "_ranks", "_next_at")
+    __slots__ = ("interval", "max_gap", "_ids", "_ranks", "_next_at", "_last_sent", "_chain_start")
 
-    def __init__(self, interval: float):
+    def __init__(self, interval: float, max_gap: float | None = None):
         self.interval = interval
+        # Two batches further apart than this may not chain: the lease the
+        # first one extended can have expired before the second arrives.
+        self.max_gap = interval if max_gap is None else max_gap
         self._ids: dict[str, dict[str, int]] = {}  # engine -> peer request id -> registrations
         self._ranks: dict[str, set[int]] = {}
         self._next_at: dict[str, float] = {}
+        # When the engine's last batch went out: every id registered before
+        # then had its lease extended to at least that time + extension.
+        self._last_sent: dict[str, float] = {}
+        # First send of the current unbroken chain (no gap over max_gap).
+        self._chain_start: dict[str, float] = {}
 
     def start(self, engine_id: str, request_id: str, ranks, now: float) -> float | None:
         """Register an id; returns the engine's first send time if a timer must be armed."""
@@ -43,11 +51,17 @@ class HeartbeatBatcher:
             del ids[request_id]
 
     def clone(self) -> "HeartbeatBatcher":
-        copy = HeartbeatBatcher(self.interval)
+        copy = HeartbeatBatcher(self.interval, self.max_gap)
         copy._ids = {e: dict(d) for e, d in self._ids.items()}
         copy._ranks = {e: set(r) for e, r in self._ranks.items()}
         copy._next_at = dict(self._next_at)
+        copy._last_sent = dict(self._last_sent)
+        copy._chain_start = dict(self._chain_start)
         return copy
+
+    def chain(self, engine_id: str) -> tuple[float | None, float | None]:
+        """(first, last) send time of the engine's current unbroken chain."""
+        return self._chain_start.get(engine_id), self._last_sent.get(engine_id)
 
     def is_due(self, engine_id: str, at: float) -> bool:
         return self._next_at.get(engine_id) == at
@@ -60,8 +74,14 @@ class HeartbeatBatcher:
             self._ids.pop(engine_id, None)
             self._ranks.pop(engine_id, None)
             self._next_at.pop(engine_id, None)
+            self._last_sent.pop(engine_id, None)
+            self._chain_start.pop(engine_id, None)
             return None, None
         action = SendHeartbeat(engine_id, tuple(sorted(self._ranks[engine_id])), tuple(ids))
+        last = self._last_sent.get(engine_id)
+        if last is None or now - last > self.max_gap:
+            self._chain_start[engine_id] = now  # e.g. after a stall: leases may be gone
+        self._last_sent[engine_id] = now
         at = self._next_at[engine_id] = now + self.interval
         return action, at
 

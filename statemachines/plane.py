@@ -53,7 +53,8 @@ class ControlPlane:
         self.config = config or PlaneConfig()
         self.machines = dict(machines or MACHINES)
         self.instances: dict[str, dict[Any, Any]] = {kind: {} for kind in self.machines}
-        self.heartbeats = HeartbeatBatcher(self.config.heartbeat_interval)
+        self.heartbeats = HeartbeatBatcher(self.config.heartbeat_interval,
+                                           self.config.lease_extension - self.config.heartbeat_interval)
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.stats: Counter = Counter()
@@ -257,8 +258,10 @@ class ControlPlane:
             queue.append(E.EngineActivity(engine_id=a.engine_id))
 
     def _do_wake(self, a: A.WakeRequesters, now: float, queue: list) -> None:
+        since, last = self.heartbeats.chain(a.engine_id)
         for kind, key in a.requesters:
-            queue.append(E.EngineReady(kind=kind, request_id=key, engine_id=a.engine_id, clock_offset=a.clock_offset))
+            queue.append(E.EngineReady(kind=kind, request_id=key, engine_id=a.engine_id, clock_offset=a.clock_offset,
+                                       heartbeat_at=last, heartbeats_since=since))
 
     def _do_fail(self, a: A.FailRequesters, now: float, queue: list) -> None:
         for kind, key in a.requesters:

@@ -501,3 +501,38 @@ def test_heartbeat_registration_counts_duplicates_of_one_peer_id():
     assert [a.request_ids for a in hbs] == [("p1",)]
     d.handle(E.Abort(request_id="b"), 6.0)
     assert [a for _, a in run_timers(d, 20.0) if isinstance(a, A.SendHeartbeat)] == []
+
+
+# ------------------------------------- a stalled decoder must not read a reclaimed lease
+def _renewable_read(stall: bool):
+    """D reads P's lease; heartbeats flow until t=40, then D either keeps
+    running or stalls (no timers fired) until t=65, long past P's expiry."""
+    d, p = Side(plane()), Side(plane())
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(7, 8)), 0.0)
+    grant_expiry = p.plane.get("lease", "p1").expiry
+    d.handle(new_request("r1", P_ENGINE, "p1", remote_block_ids=(7, 8), remote_expiry=grant_expiry,
+                         remote_renewable=True), 0.0)
+    connect(d.plane, P_ENGINE, 0.5)
+    freed_at = None
+    for t in range(1, 66):
+        if not (stall and 40 < t < 65):
+            heartbeats_to_leases(d.plane.fire_due(t), p.plane, t)
+        if of_type(p.plane.fire_due(t), A.FreeBlocks):
+            freed_at = t
+    d.handle(E.BlocksAllocated(request_id="r1", block_ids=(1, 2), num_remote_tokens=32), 65.0)
+    return d.handle(E.StartLoad(request_id="r1"), 65.0), freed_at
+
+
+def test_a_decoder_with_flowing_heartbeats_reads_long_after_the_grant_expired():
+    out, freed_at = _renewable_read(stall=False)
+    assert freed_at is None
+    assert len(of_type(out, A.PostRead)) == 1
+
+
+def test_a_stalled_decoder_does_not_read_blocks_the_prefill_reclaimed():
+    out, freed_at = _renewable_read(stall=True)
+    # P reclaimed one extension after the last heartbeat it got (t=40).
+    extension = PlaneConfig().lease_extension
+    assert freed_at == 40 + extension
+    assert of_type(out, A.PostRead) == []
+    assert [(r.ok, r.request_id) for r in of_type(out, A.ReportRecv)] == [(False, "r1")]

@@ -37,6 +37,8 @@ class DecodeRequest(Instance):
     ranks: tuple = (0,)
     expected_consumers: int = 1
     remote_expiry: float | None = None
+    remote_renewable: bool = False
+    arrived: float = 0.0
     push: bool = False
     block_ids: tuple = ()
     num_remote_tokens: int = 0
@@ -54,6 +56,8 @@ def _accept(r: DecodeRequest, ev: NewRequest, cfg, now) -> None:
     r.ranks = ev.remote_ranks
     r.expected_consumers = ev.expected_consumers
     r.remote_expiry = ev.remote_expiry
+    r.remote_renewable = ev.remote_renewable
+    r.arrived = now
     r.push = ev.push
 
 
@@ -86,9 +90,24 @@ def full_prefix_hit(r: DecodeRequest, ev, cfg, now) -> bool:
 
 
 def remote_blocks_expired(r: DecodeRequest, ev: EngineReady, cfg, now) -> bool:
-    """remote expiry - clock offset <= now + margin"""
+    """remote blocks valid until <= now + margin"""
+    if r.remote_expiry is None:
+        return False
     # The expiry is in the remote clock; offset = remote clock - local clock.
-    return r.remote_expiry is not None and r.remote_expiry - ev.clock_offset <= now + cfg.expiry_safety_margin
+    valid_until = r.remote_expiry - ev.clock_offset
+    margin = cfg.expiry_safety_margin
+    if r.remote_renewable:
+        # Each heartbeat P received extended the lease to at least its send
+        # time + extension (our clock; receipt is later still), provided the
+        # lease was still alive then: the grant covered the first batch that
+        # carried this request and no gap broke the chain since.  A decoder
+        # that stalled (SIGSTOP, overload) must not read blocks P reclaimed.
+        hb, since = ev.heartbeat_at, ev.heartbeats_since
+        if hb is not None and hb > r.arrived and valid_until > max(r.arrived + cfg.heartbeat_interval, since):
+            valid_until = max(valid_until, hb + cfg.lease_extension)
+        # Heartbeats keep a live lease at least extension - interval ahead.
+        margin = min(margin, cfg.heartbeat_interval)
+    return valid_until <= now + margin
 
 
 def push_mode(r: DecodeRequest, ev, cfg, now) -> bool:
