@@ -183,7 +183,6 @@ class Orchestrator:
             "num_blocks": self.o.num_blocks, "block_elems": self.o.block_elems, "overload": self.o.overload,
             # D's fences (see mainjob_node): a stall or params this old may have outlived P's lease.
             "stall_limit": max(0.5, self.o.extension - self.o.interval - SLACK_S),
-            "max_params_age": max(0.5, self.o.lease - self.o.interval - SLACK_S),
         }
         from .mainjob_node import node_main  # noqa: F401  (fail here, not in a child, if it cannot import)
 
@@ -594,7 +593,6 @@ def run_job(opts: RunOptions, *, console=None) -> dict:
     opts.validate()
     os.makedirs(opts.out, exist_ok=True)
     progress_cm = None
-    update = None
     if not opts.quiet:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -178,9 +178,10 @@ TABLE = rows(
            "load already started (the worker repeats start_load_kv each step)"),
 
     # The engine is connected: gate, then read, notify, or register for push.
-    on("HANDSHAKING", EngineReady, "RECV_FAILED", *GIVE_UP, when=remote_blocks_expired),
+    # A full prefix hit reads nothing remote, so the expiry gate does not apply.
     on("HANDSHAKING", EngineReady, "RECV_DONE", SendNotif, StopHeartbeat, ReleaseEngine, ReportRecv,
        when=full_prefix_hit),
+    on("HANDSHAKING", EngineReady, "RECV_FAILED", *GIVE_UP, when=remote_blocks_expired),
     on("HANDSHAKING", EngineReady, "AWAITING_PUSH", SendPushRegistration, when=push_mode, do=_connected),
     on("HANDSHAKING", EngineReady, "READING", PostRead, do=_connected),
     on("NOTIFYING", EngineReady, "RELEASED", SendNotif, StopHeartbeat, ReleaseEngine),
