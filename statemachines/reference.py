@@ -15,8 +15,8 @@ from transitions import MachineError
 from transitions.extensions import GraphMachine
 from transitions.extensions.states import Tags, add_state_features
 
-from .base import ArmTimer, CancelTimer, TimerFired
-from .spec import IGNORED, Ignore, NoGuardMatched, ProtocolError, ProtocolViolation, Spec, Transition
+from .base import TimerFired
+from .spec import IGNORED, Ignore, NoGuardMatched, ProtocolError, ProtocolViolation, Spec, Transition, timer_action
 
 
 @add_state_features(Tags)
@@ -88,7 +88,7 @@ def render_dot(spec: Spec):
     return graph_machine(spec, "graphviz").get_graph()
 
 
-class _Model:
+class RefModel:
     """What one transitions.Machine drives: the instance plus the current stimulus."""
 
 
@@ -101,6 +101,8 @@ class ReferenceMachine:
         self.spec = spec = with_timer_ignores(spec)
         self.name = spec.name
         self._states = {s.name: s for s in spec.states}
+        self.states = self._states
+        self.terminal_states = frozenset(s.name for s in spec.states if s.terminal)
         self._outcome = {(e.src, e.event): e for e in spec.table if not isinstance(e, Transition)}
         self._transitions = [
             {
@@ -127,44 +129,49 @@ class ReferenceMachine:
 
         return after
 
-    def new(self, key: Any, **data: Any):
+    def new(self, key: Any, **data: Any) -> "RefInstance":
         inst = self.spec.instance_type(key=key, state=self.spec.initial, **data)
-        model = _Model()
-        model.inst = inst
+        model = RefModel()
         TMachine(model=model, states=[s.name for s in self.spec.states], transitions=self._transitions,
                  initial=inst.state, auto_transitions=False, send_event=False)
-        return _RefInstance(inst, model)
+        return RefInstance(inst, model)
 
-    def handle(self, ref: "_RefInstance", event, config, now: float):
+    def handle(self, ref: "RefInstance", event, config, now: float):
+        """Same contract as ``Machine.handle``: actions, then the timer action."""
         inst, model = ref.inst, ref.model
         outcome = self._outcome.get((model.state, type(event)))
         if isinstance(outcome, Ignore):
             return IGNORED
         if isinstance(outcome, ProtocolError):
             raise ProtocolViolation(self.name, inst.key, model.state, event, outcome.reason)
-        model.event, model.config, model.now, model.actions = event, config, now, []
+        model.inst, model.event, model.config, model.now, model.actions = inst, event, config, now, []
         old_deadline = inst.deadline
         try:
             fired = model.trigger(type(event).__name__, model)
         except MachineError as exc:
             raise ProtocolViolation(self.name, inst.key, model.state, event, str(exc)) from None
+        finally:
+            actions = model.actions
+            del model.inst, model.event, model.config, model.actions  # pin nothing between events
         if not fired:
             raise NoGuardMatched(self.name, inst.key, model.state, event, "no guard matched")
         inst.state = model.state
-        actions = model.actions
         dl = self._states[inst.state].deadline
-        if dl is not None:
-            at = dl(inst, config, now)
-            if at != old_deadline:
-                inst.deadline = at
-                actions.append(ArmTimer(self.name, inst.key, at))
-        elif old_deadline is not None:
-            inst.deadline = None
-            actions.append(CancelTimer(self.name, inst.key))
+        inst.deadline = None if dl is None else dl(inst, config, now)
+        timer = timer_action(self.name, inst.key, old_deadline, inst.deadline)
+        if timer is not None:
+            actions.append(timer)
         return actions
 
+    # The ControlPlane's entry point; it arms timers from inst.deadline, so
+    # the timer action handle() appends is a harmless duplicate there.
+    apply = handle
 
-class _RefInstance:
+
+class RefInstance:
+    """An instance as a ControlPlane sees it: the attrs record (its fields
+    read through) plus the transitions model that drives it."""
+
     __slots__ = ("inst", "model")
 
     def __init__(self, inst, model):
@@ -173,3 +180,6 @@ class _RefInstance:
     @property
     def state(self) -> str:
         return self.inst.state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inst, name)
