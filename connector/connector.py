@@ -156,6 +156,7 @@ class KVPlaneScheduler:
 class KVPlaneWorker:
     def __init__(self, driver: PlaneDriver):
         self.driver = driver
+        self._failed: set[str] = set()
 
     def register_kv_caches(self, kv_cache) -> None:
         """``kv_cache``: one tensor [num_blocks, ...] or a dict of them (one per layer)."""
@@ -169,18 +170,29 @@ class KVPlaneWorker:
         self.driver.step()
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        """(finished_sending, finished_recving); a failed recv is finished too,
-        its blocks are in get_block_ids_with_load_errors."""
+        """(finished_sending, finished_recving).  A failed recv is finished
+        too (its blocks may be reused); what happens to its request is the
+        ``kv_load_failure_policy``: "recompute" names its blocks in
+        get_block_ids_with_load_errors, "fail" names the request in
+        get_failed_requests."""
         d = self.driver
         sending, d.finished_sending = d.finished_sending, set()
         recving = d.finished_recving | d.failed_recving
+        if d.config.kv_load_failure_policy == "fail":
+            self._failed |= d.failed_recving
         d.finished_recving, d.failed_recving = set(), set()
         return sending, recving
+
+    def get_failed_requests(self) -> set[str]:
+        """Requests to finish with an error (policy "fail"); empty under "recompute"."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         d = self.driver
         blocks, d.load_error_blocks = d.load_error_blocks, set()
-        return blocks
+        # Under "fail" the whole request fails: no block is worth recomputing.
+        return blocks if d.config.kv_load_failure_policy == "recompute" else set()
 
     def shutdown(self) -> None:
         self.driver.close()
