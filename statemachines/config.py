@@ -14,8 +14,9 @@ def _positive(inst, attribute, value):
 
 @attrs.frozen(kw_only=True)
 class PlaneConfig:
-    # Prefill lease: granted for this long, extended by heartbeats.
-    kv_lease_duration: float = attrs.field(default=30.0, validator=_positive)
+    # Prefill lease: granted for this long, extended by heartbeats.  At least
+    # 6 s, so the heartbeat interval (d // 6) is at least one second.
+    kv_lease_duration: float = attrs.field(default=30.0, validator=attrs.validators.ge(6))
     # Bidirectional: how long D keeps a finished request's blocks for turn 2.
     decoder_kv_blocks_ttl: float = attrs.field(default=480.0, validator=_positive)
     # Turn-2 reads are declined this close to the remote expiry.

@@ -3,6 +3,7 @@ never raise; protocol errors fail the machine closed; stale timers are
 skipped; timers fire in deadline order."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -10,6 +11,7 @@ from core_support import connect, held_by, names, new_request, of_type, plane, r
 from statemachines import actions as A
 from statemachines import events as E
 from statemachines.base import TimerFired
+from statemachines.config import PlaneConfig
 from statemachines.plane import ControlPlane
 
 P0 = "P0"
@@ -296,3 +298,10 @@ def test_a_handshake_completing_after_eviction_removes_the_agent_it_added():
     assert out == [A.RemoveRemoteAgent(P0)]
     assert p.stats["unknown_id:remote_engine:HandshakeOk"] == 1
     assert p.get("remote_engine", P0) is None
+
+
+def test_a_lease_shorter_than_six_seconds_is_refused():
+    # d // 6 would be a zero heartbeat interval: the batcher would re-arm forever.
+    with pytest.raises(ValueError, match="kv_lease_duration"):
+        PlaneConfig(kv_lease_duration=5)
+    assert PlaneConfig(kv_lease_duration=6).heartbeat_interval == 1
