@@ -103,15 +103,11 @@ class PlaneDriver:
     def step(self) -> int:
         """Poll everything once; returns how many stimuli were processed."""
         self.server.poll_once(0)
-        n = 0
         # Deadlines first: after a stall (a slow or SIGSTOPped process) a
         # transfer that overran its deadline must fail before its completion
         # is polled, or it would be accepted although the peer may already
         # have reclaimed the blocks under it.
-        now = self.clock()
-        if (dl := self.plane.next_deadline()) is not None and dl <= now:
-            self._run(self._execute(self.plane.fire_due(now)))
-            n += 1
+        n = self._fire_due()
         events: list[E.Event] = []
         for outcome in self.handshaker.completed():
             events.append(self._handshake_event(outcome))
@@ -119,11 +115,15 @@ class PlaneDriver:
         events.extend(self._transfer_events())
         n += len(events)
         self._run(events)
+        return n + self._fire_due()
+
+    def _fire_due(self) -> int:
         now = self.clock()
-        if (dl := self.plane.next_deadline()) is not None and dl <= now:
-            self._run(self._execute(self.plane.fire_due(now)))
-            n += 1
-        return n
+        dl = self.plane.next_deadline()
+        if dl is None or dl > now:
+            return 0
+        self._run(self._execute(self.plane.fire_due(now)))
+        return 1
 
     def disconnect_idle_engines(self, reason: str = "shutdown") -> int:
         """Close every connected engine no request references (graceful
