@@ -144,12 +144,9 @@ class ControlPlane:
         return report
 
     # --------------------------------------------------------------- dispatch
-    def _route(self, event: Event) -> tuple[str, Any]:
-        cls = type(event)
-        kind = cls.machine or event.kind
-        return kind, getattr(event, cls.key_field)
-
     def _dispatch(self, event: Event, now: float, out: list, queue: list, top: bool) -> None:
+        # Route: the event class names its machine kind (internal wake-ups
+        # carry it as ``kind``) and which field holds the instance id.
         cls = type(event)
         kind = cls.machine or event.kind
         key = getattr(event, cls.key_field)
