@@ -64,8 +64,9 @@ class PlaneDriver:
         self.xfers: dict[str, tuple[Any, str, str]] = {}  # request id -> (handle, "READ"|"WRITE", engine)
         self.server = HandshakeServer(f"tcp://{host}:{port}", self._handshake_payload, curve_keypair=curve_keypair,
                                       clock=clock)
-        # One shared server key per deployment is the common case; per-engine keys are looked up at submit.
-        self._server_keys = server_public_keys or {}
+        # CURVE: our side channel's keypair, and the public key of each peer
+        # whose side channel is authenticated (engine id -> key).
+        self._server_keys = dict(server_public_keys or {})
         self.handshaker = Handshaker(compat_hash, self.config.handshake_timeout, clock=clock)
         self._drop_rate = drop_notifications
         self._rng = random.Random(seed)
@@ -86,9 +87,12 @@ class PlaneDriver:
     def side_channel_port(self) -> int:
         return int(self.server.url.rsplit(":", 1)[1])
 
-    def learn_engine(self, engine_id: str, url: str) -> None:
-        """Where to handshake with ``engine_id`` (from kv_transfer_params or PUSH_REG)."""
+    def learn_engine(self, engine_id: str, url: str, server_public_key: bytes | None = None) -> None:
+        """Where to handshake with ``engine_id`` (from kv_transfer_params or
+        PUSH_REG), and its side channel's CURVE public key if it has one."""
         self.directory[engine_id] = url
+        if server_public_key is not None:
+            self._server_keys[engine_id] = server_public_key
 
     def _handshake_payload(self, pp_rank: int, tp_rank: int) -> dict | None:
         if tp_rank != 0 or pp_rank != 0:
@@ -170,7 +174,7 @@ class PlaneDriver:
             follow.append(E.HandshakeFailed(engine_id=a.engine_id, reason="no side-channel address known"))
             return
         self.counters["handshakes_started"] += 1
-        self.handshaker.submit(a.engine_id, url)
+        self.handshaker.submit(a.engine_id, url, server_public_key=self._server_keys.get(a.engine_id))
 
     def _handshake_event(self, outcome) -> E.Event:
         if outcome.error is not None:

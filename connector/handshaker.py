@@ -26,23 +26,23 @@ class HandshakeOutcome:
 
 class Handshaker:
     def __init__(self, compat_hash: str, timeout_s: float, *, samples: int = 3, workers: int = 4,
-                 server_public_key: bytes | None = None, clock: Any = None):
+                 clock: Any = None):
         self.compat_hash = compat_hash
         self.timeout_s = timeout_s
         self.samples = samples
-        self.server_public_key = server_public_key
         self.clock = clock
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvplane-handshake")
         self._done: queue.SimpleQueue[HandshakeOutcome] = queue.SimpleQueue()
 
-    def submit(self, engine_id: str, url: str, tp_rank: int = 0) -> None:
-        self._pool.submit(self._run, engine_id, url, tp_rank)
+    def submit(self, engine_id: str, url: str, tp_rank: int = 0, server_public_key: bytes | None = None) -> None:
+        """``server_public_key``: the peer's CURVE key when its side channel is authenticated."""
+        self._pool.submit(self._run, engine_id, url, tp_rank, server_public_key)
 
-    def _run(self, engine_id: str, url: str, tp_rank: int) -> None:
+    def _run(self, engine_id: str, url: str, tp_rank: int, server_public_key: bytes | None) -> None:
         try:
             kwargs = {"clock": self.clock} if self.clock is not None else {}
             result = handshake(url, engine_id, self.compat_hash, self.timeout_s, tp_rank,
-                               samples=self.samples, server_public_key=self.server_public_key, **kwargs)
+                               samples=self.samples, server_public_key=server_public_key, **kwargs)
             self._done.put(HandshakeOutcome(engine_id, url, result, None))
         except Exception as exc:  # every failure becomes a HandshakeFailed event
             self._done.put(HandshakeOutcome(engine_id, url, None, exc))

@@ -167,3 +167,39 @@ def test_malformed_notifications_are_counted_not_raised(pair):
     assert p.driver.counters["notifs_malformed"] == 6
     assert p.driver.plane.stats["unknown_id:lease:ConsumerDone"] == 1
     assert p.held() == []
+
+
+@pytest.mark.parametrize("right_key", [True, False])
+def test_curve_authenticated_side_channel(right_key):
+    """P's side channel requires CURVE: D handshakes with P's public key; a
+    D holding the wrong key gets no metadata, and its request fails cleanly."""
+    import zmq
+
+    fabric, clock = LoopbackFabric(), Clock()
+    cfg = PlaneConfig(kv_lease_duration=6, handshake_timeout=0.5, handshake_max_attempts=1, recv_timeout=3.0)
+    p_keys = zmq.curve_keypair()
+    p = Side.__new__(Side)
+    p.driver = PlaneDriver(engine_id="P", endpoint=LoopbackEndpoint(fabric, "P"), config=cfg, clock=clock,
+                           curve_keypair=p_keys)
+    p.sched, p.worker = KVPlaneScheduler(p.driver), KVPlaneWorker(p.driver)
+    p.kv = torch.zeros(BLOCKS, ELEMS)
+    p.worker.register_kv_caches(p.kv)
+    p.sending, p.recving = set(), set()
+    d = Side(fabric, "D", clock, cfg)
+    try:
+        key = p_keys[0] if right_key else zmq.curve_keypair()[0]
+        d.driver.learn_engine("P", p.driver.side_channel_url, server_public_key=key)
+        start_pull(p, d)
+        assert run(clock, (d, p), 5, until=lambda: "d1" in d.recving)
+        if right_key:
+            assert torch.equal(d.kv[5:8], p.kv[1:4]) and d.driver.counters["handshakes_ok"] == 1
+        else:
+            # The recv gives up on its own deadline; the handshake (real ZMQ,
+            # real seconds) then times out: no metadata was ever served.
+            assert d.worker.get_block_ids_with_load_errors() == {5, 6, 7}
+            assert run(clock, (d, p), 60, until=lambda: d.driver.counters["handshakes_failed"] == 1)
+            assert d.driver.counters["handshakes_ok"] == 0 and p.driver.server.requests_served == 0
+        assert d.held() == []
+    finally:
+        p.worker.shutdown()
+        d.worker.shutdown()
