@@ -536,3 +536,33 @@ def test_a_stalled_decoder_does_not_read_blocks_the_prefill_reclaimed():
     assert freed_at == 40 + extension
     assert of_type(out, A.PostRead) == []
     assert [(r.ok, r.request_id) for r in of_type(out, A.ReportRecv)] == [(False, "r1")]
+
+
+def test_a_read_in_flight_across_a_stall_fails_at_the_lease_validity_not_later():
+    """The READ's deadline is the earliest of transfer_timeout and the time the
+    remote blocks are surely held; a completion polled after it is too late."""
+    cfg = PlaneConfig()
+    d = plane()
+    d.handle(new_request("r1", P_ENGINE, "p1", remote_expiry=cfg.kv_lease_duration, remote_renewable=True), 0.0)
+    connect(d, P_ENGINE, 0.0)
+    d.handle(E.BlocksAllocated(request_id="r1", block_ids=(1, 2), num_remote_tokens=32), 1.0)
+    (read,) = of_type(d.handle(E.StartLoad(request_id="r1"), 1.0), A.PostRead)
+    # No heartbeat went out yet: only the grant vouches for the blocks.
+    assert d.get("decode_request", "r1").deadline == min(1.0 + cfg.transfer_timeout, cfg.kv_lease_duration)
+    # The process stalls; on resume the driver fires due deadlines first.
+    out = d.fire_due(cfg.kv_lease_duration + 30.0)
+    assert [(type(a).__name__, getattr(a, "cancel", None)) for a in out if isinstance(a, (A.ReleaseXfer, A.ReportRecv))] \
+        == [("ReleaseXfer", True), ("ReportRecv", None)]
+    assert of_type(out, A.ReportRecv)[0].ok is False
+    assert d.handle(E.ReadDone(request_id="r1"), cfg.kv_lease_duration + 30.0) == []  # late: ignored
+
+
+def test_a_turn2_read_is_cut_at_the_hold_expiry():
+    r = plane()
+    # The decoder's hold expires at 40 (its clock, 10 s ahead of ours): 30 here.
+    r.handle(new_request("t2", D_ENGINE, "r1", remote_expiry=40.0), 0.0)
+    r.handle(E.BlocksAllocated(request_id="t2", block_ids=(4,), num_remote_tokens=16), 0.0)
+    r.handle(E.StartLoad(request_id="t2"), 0.0)
+    out = r.handle(E.HandshakeOk(engine_id=D_ENGINE, samples=((10.0, 0.001),)), 1.0)
+    assert len(of_type(out, A.PostRead)) == 1
+    assert r.get("decode_request", "t2").deadline == 30.0

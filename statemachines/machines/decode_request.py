@@ -70,6 +70,12 @@ def _allocated(r: DecodeRequest, ev: BlocksAllocated, cfg, now) -> None:
 def _connected(r: DecodeRequest, ev: EngineReady, cfg, now) -> None:
     r.clock_offset = ev.clock_offset
     r.transfer_deadline = now + cfg.transfer_timeout
+    # A READ must also end before the remote blocks may be gone: otherwise a
+    # READ stalled with us (SIGSTOP) could complete into reclaimed blocks.
+    # The driver fires due deadlines before it polls completions.
+    valid_until = remote_valid_until(r, ev, cfg)
+    if valid_until is not None:
+        r.transfer_deadline = min(r.transfer_deadline, valid_until)
     r.push_deadline = now + cfg.push_registration_timeout
 
 
@@ -91,11 +97,21 @@ def full_prefix_hit(r: DecodeRequest, ev, cfg, now) -> bool:
 
 def remote_blocks_expired(r: DecodeRequest, ev: EngineReady, cfg, now) -> bool:
     """remote blocks valid until <= now + margin"""
-    if r.remote_expiry is None:
+    valid_until = remote_valid_until(r, ev, cfg)
+    if valid_until is None:
         return False
+    # Heartbeats keep a live lease at least extension - interval ahead.
+    margin = min(cfg.expiry_safety_margin, cfg.heartbeat_interval) if r.remote_renewable else cfg.expiry_safety_margin
+    return valid_until <= now + margin
+
+
+def remote_valid_until(r: DecodeRequest, ev: EngineReady, cfg) -> float | None:
+    """Until when (our clock) the remote blocks are surely still held; None
+    when the remote sent no expiry."""
+    if r.remote_expiry is None:
+        return None
     # The expiry is in the remote clock; offset = remote clock - local clock.
     valid_until = r.remote_expiry - ev.clock_offset
-    margin = cfg.expiry_safety_margin
     if r.remote_renewable:
         # Each heartbeat P received extended the lease to at least its send
         # time + extension (our clock; receipt is later still), provided the
@@ -105,9 +121,7 @@ def remote_blocks_expired(r: DecodeRequest, ev: EngineReady, cfg, now) -> bool:
         hb, since = ev.heartbeat_at, ev.heartbeats_since
         if hb is not None and hb > r.arrived and valid_until > max(r.arrived + cfg.heartbeat_interval, since):
             valid_until = max(valid_until, hb + cfg.lease_extension)
-        # Heartbeats keep a live lease at least extension - interval ahead.
-        margin = min(margin, cfg.heartbeat_interval)
-    return valid_until <= now + margin
+    return valid_until
 
 
 def push_mode(r: DecodeRequest, ev, cfg, now) -> bool:
