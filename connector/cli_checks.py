@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import attrs
+
 from rich.console import Console
 from rich.table import Table
 
 from statemachines.eventlog import EventLogError
-from statemachines.explorer import ExploreConfig, explore, write_counterexamples
+from statemachines.explorer import STALL_FAULTS, ExploreConfig, explore, write_counterexamples
 from statemachines.monitors import DEFAULT_GRACE, check_log
 from statemachines.replay import replay
 
@@ -86,6 +88,9 @@ def add_explore_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--faults", type=int, default=d.max_faults, help="fault budget per execution")
     parser.add_argument("--aborts", type=int, default=d.max_aborts)
     parser.add_argument("--skew", type=float, default=d.skew, help="P clock minus D clock, seconds")
+    parser.add_argument("--stall", type=float, nargs="?", const=d.stall, default=None, metavar="S",
+                        help=f"add the fault 'D stalls' for up to S seconds (default {d.stall:g}): D's timers "
+                             "and loop stop while P's run on (not in the default fault set)")
     parser.add_argument("--max-states", type=int, default=d.max_states)
     parser.add_argument("--no-symmetry", action="store_true")
     parser.add_argument("--no-liveness", action="store_true")
@@ -114,6 +119,10 @@ def cmd_explore(args: Any = None) -> int:
         cfg = ExploreConfig(requests=requests, max_depth=a.depth, max_faults=a.faults, max_aborts=a.aborts,
                             skew=a.skew, max_states=a.max_states, symmetry=not a.no_symmetry,
                             liveness=not a.no_liveness, stop_at_first=not a.all)
+        if a.stall is not None:
+            if not a.stall > 0:
+                raise ValueError(f"--stall must be > 0, got {a.stall:g}")
+            cfg = attrs.evolve(cfg, faults=STALL_FAULTS, stall=a.stall)
         result = explore(cfg)
     except SystemExit:
         return BAD_INPUT
@@ -125,6 +134,7 @@ def cmd_explore(args: Any = None) -> int:
     t.add_column("value", justify="right")
     t.add_row("requests", ", ".join(requests))
     t.add_row("depth / faults / aborts / skew", f"{cfg.max_depth} / {cfg.max_faults} / {cfg.max_aborts} / {cfg.skew:g}")
+    t.add_row("D stalls", f"up to {cfg.stall:g} s" if "stall" in cfg.faults else "off (--stall)")
     t.add_row("symmetry reduction", "on" if cfg.symmetry else "off")
     t.add_row("states", str(result.states))
     t.add_row("transitions", str(result.transitions))

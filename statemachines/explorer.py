@@ -8,15 +8,23 @@ after finishing (lease ``d<i>`` on D) and P reads them back for turn 2 as
 decode_request ``q<i>``.  P's clock is D's plus ``skew``.
 
 Moves (each a BFS edge):
-- scheduler: arrive (P grants the lease and D gets the request, as the
-  proxy does), allocate, start load, run (only after the recv was
-  reported), finish, abort (budgeted), and the turn-2 counterparts;
+- scheduler: arrive (P grants the lease and D gets the request with P's
+  lease expiry, renewable, as the connector exports it), allocate, start
+  load, run (only after the recv was reported), finish, abort (budgeted),
+  and the turn-2 counterparts;
 - network: deliver any in-flight message (so reordering is implicit):
   handshake replies, READ executions, READ completions, completion notifs,
   heartbeats, disconnect notices;
 - faults (``max_faults`` in total): lose or duplicate a notif/heartbeat,
   fail or hang a handshake, fail or hang a READ (a hung peer), crash P;
-  a hung READ may complete late (before it is cancelled);
+  a hung READ may complete late (before it is cancelled); and, outside
+  the default set (``STALL_FAULTS``), D stalls: for up to ``stall``
+  seconds D does nothing (no timers, so no heartbeats and no deadlines;
+  no scheduling; what is addressed to D waits, a request P exported
+  included) while P's clock and timers run on; the fabric may execute
+  D's posted READ meanwhile.  D resumes at any point P's timers or the
+  bound reach, firing its due timers before it handles anything, as the
+  driver does;
 - tick: advance time to the next deadline of either plane and fire timers.
   Time only advances when no message is in flight (delivery is faster than
   any timer), except for hung READs.
@@ -29,13 +37,19 @@ checked).  Push mode is not modeled.
 
 State hashing: a canonical tuple of each plane's instances (kind, state,
 relevant fields, times relative to the plane's now) + live timers (the
-instances' deadlines and the heartbeat schedule) + network + scheduler and
-bookkeeping; with symmetry reduction the requests are renamed so that
-their request-local signatures are sorted.
+instances' deadlines and the heartbeat schedule, with each chain's last
+send) + network + scheduler and bookkeeping + the stall; what the READ
+gate reads (remote expiry, arrival, the chain's first and last send)
+enters as the exact comparisons the gate makes (``_gate_sig``); with
+symmetry reduction the requests are renamed so that their request-local
+signatures are sorted.
 
 Checks after every move (safety): no READ posted or executed against a
-lease that is not held (P's: reading freed blocks; D's: a turn-2 read of
-expired D-held blocks); FreeBlocks at most once per lease; ReportRecv only
+lease that is not held, or whose expiry (in the reader's clock) is <= now
+(P's: reading freed blocks; D's: a turn-2 read of expired D-held blocks);
+a READ the fabric executed against such a lease while D was stalled is
+no violation by itself, but D accepting its completion is (the READ
+deadline must refuse it); FreeBlocks at most once per lease; ReportRecv only
 for an awaited recv, at most once; no request holds an engine_ref to an
 engine that is gone (evicted under it); no engine STALE within engine_ttl
 of observed activity; no protocol violation.  Liveness: from every
@@ -86,6 +100,10 @@ PROFILES = {
 }
 
 FAULTS = frozenset({"lose", "dup", "hs_fail", "hs_hang", "read_fail", "read_hang", "crash"})
+# D stalls (SIGSTOP, overload): for up to ``ExploreConfig.stall`` seconds D's
+# loop does nothing while P's clock and timers run on.  Not in the default
+# fault set (it multiplies the state space); ``kvplane explore --stall``.
+STALL_FAULTS = FAULTS | {"stall"}
 
 
 @attrs.frozen
@@ -95,6 +113,7 @@ class ExploreConfig:
     max_aborts: int = 1
     faults: frozenset = FAULTS
     skew: float = 0.0  # P's clock minus D's
+    stall: float = 6.0  # longest D stall (the "stall" fault), seconds
     max_depth: int = 10
     max_states: int = 300_000
     symmetry: bool = True
@@ -159,13 +178,17 @@ def clone_plane(p: ControlPlane) -> ControlPlane:
 
 
 # -------------------------------------------------------------------- world
-NEW, ARRIVED, ALLOCATED, LOADING, RUNNING, FINISHED, ABORTED, DEAD = range(8)
+NEW, ARRIVED, ALLOCATED, LOADING, RUNNING, FINISHED, ABORTED, DEAD, SENT = range(9)
+# SENT: P granted the lease and the params are on their way to D, which is
+# stalled; D's NewRequest is the ("new", "D", d<i>) message.
 HELD_LEASE = ("LEASED", "PARTIALLY_READ")
+# decode_request states in which the READ gate may still be evaluated.
+GATE_STATES = ("NEW", "HEARTBEATING", "WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT", "HANDSHAKING")
 
 
 class World:
     __slots__ = ("t", "planes", "owned", "net", "stalled", "phase", "phase2", "faults", "aborts", "crashed",
-                 "awaited", "reported", "freed", "activity", "hold_expiry")
+                 "awaited", "reported", "freed", "activity", "hold_expiry", "stall", "p_expiry")
 
     def clone(self) -> "World":
         w = World.__new__(World)
@@ -181,6 +204,8 @@ class World:
         w.awaited, w.reported, w.freed = self.awaited, self.reported, self.freed
         w.activity = dict(self.activity)
         w.hold_expiry = list(self.hold_expiry)
+        w.stall = self.stall
+        w.p_expiry = list(self.p_expiry)
         return w
 
 
@@ -229,6 +254,8 @@ class Model:
         w.awaited = w.reported = w.freed = frozenset()
         w.activity = {}
         w.hold_expiry = [None] * self.n
+        w.stall = None  # (start, end) while D is stalled
+        w.p_expiry = [None] * self.n  # P's lease expiry (P's clock) as exported to D
         return w
 
     def now(self, w: World, plane: str) -> float:
@@ -241,15 +268,21 @@ class Model:
         # Messages in flight are delivered before the scheduler's next step
         # (the network is faster than a scheduler iteration); an abort may
         # still race them, which is how a completion arrives after an abort.
-        urgent = bool(w.net)
+        # While D is stalled, what D itself must handle waits (``_parked``),
+        # and only P and the network move.
+        stalled = w.stall is not None
+        urgent = any(self._blocks_time(w, m) for m in w.net) if stalled else bool(w.net)
         for i, prof in enumerate(self.profiles):
             ph = w.phase[i]
-            if ARRIVED <= ph <= RUNNING and w.aborts < cfg.max_aborts and not (ph == LOADING and not prof.awaiting):
+            if (ARRIVED <= ph <= RUNNING and w.aborts < cfg.max_aborts and not (ph == LOADING and not prof.awaiting)
+                    and not stalled):
                 out.append(("abort", i))
             if urgent:
                 continue
             if ph == NEW and not w.crashed:
                 out.append(("arrive", i))
+            elif stalled:
+                pass  # D's scheduler is stalled too; P's turn-2 moves below go on
             elif ph == ARRIVED:
                 out.append(("alloc", i))
             elif ph == ALLOCATED:
@@ -274,8 +307,8 @@ class Model:
         faults_left = w.faults < cfg.max_faults
         allowed = cfg.faults
         for j, m in enumerate(w.net):
-            if m in seen:
-                continue  # identical messages: one representative
+            if m in seen or (stalled and self._parked(m)):
+                continue  # identical messages: one representative; D's wait for D
             seen.add(m)
             out.append(("deliver", j))
             if not faults_left:
@@ -300,14 +333,38 @@ class Model:
             out.append(("late", j))
         if faults_left and not w.crashed and "crash" in allowed:
             out.append(("crash",))
-        if not w.net and self._next_time(w) is not None:
-            out.append(("tick",))
-            if faults_left and "lose" in allowed and self._hb_due(w):
-                out.append(("tick_lose_hb",))
+        if stalled:
+            if not urgent:
+                out.append(("tick",))  # P's next deadline, or the end of the stall
+            if w.t > w.stall[0]:
+                out.append(("resume",))
+        else:
+            if faults_left and "stall" in allowed:
+                out.append(("stall",))
+            if not w.net and self._next_time(w) is not None:
+                out.append(("tick",))
+                if faults_left and "lose" in allowed and self._hb_due(w):
+                    out.append(("tick_lose_hb",))
         return out
+
+    @staticmethod
+    def _parked(m: tuple) -> bool:
+        """A message D's own loop must handle (a reply, completion, notif,
+        disconnect or new request addressed to D): it waits while D stalls."""
+        return m[1] == "D" and m[0] in ("hs", "rdone", "rfail", "notif", "disc", "new")
+
+    def _blocks_time(self, w: World, m: tuple) -> bool:
+        """Whether time may not pass while ``m`` is in flight.  During a stall
+        D's own messages wait, and so may D's posted READs (no progress
+        calls), though the fabric may also execute one meanwhile."""
+        if w.stall is None:
+            return True
+        return not (self._parked(m) or (m[0] == "read" and m[1] == "D"))
 
     def drain_move(self, w: World):
         """The fault-free, deterministic continuation: deliver, schedule, tick."""
+        if w.stall is not None:
+            return ("resume",)
         if w.net:
             return ("deliver", 0)
         for i, prof in enumerate(self.profiles):
@@ -346,6 +403,10 @@ class Model:
             return f"tick to t={self._next_time(w):g}, losing the heartbeats it sends"
         if name == "crash":
             return f"crash P @t={w.t:g}"
+        if name == "stall":
+            return f"D stalls @t={w.t:g} (for at most {self.cfg.stall:g} s)"
+        if name == "resume":
+            return f"D resumes @t={w.t:g}"
         return f"{name} request {move[1]} ({self.profiles[move[1]].name}) @t={w.t:g}"
 
     def _hb_due(self, w: World) -> bool:
@@ -358,9 +419,9 @@ class Model:
         return False
 
     def _next_time(self, w: World) -> float | None:
-        best = None
+        best = None if w.stall is None else w.stall[1]
         for name, p in w.planes.items():
-            if name == "P" and w.crashed:
+            if (name == "P" and w.crashed) or (name == "D" and w.stall is not None):
                 continue
             nd = p.next_deadline()
             if nd is not None:
@@ -379,7 +440,7 @@ class Model:
                 self._lose_hb = True
             w.t = self._next_time(w)
             for pname in ("D", "P"):
-                if pname == "P" and w.crashed:
+                if (pname == "P" and w.crashed) or (pname == "D" and w.stall is not None):
                     continue
                 try:
                     plane = w.planes[pname]
@@ -389,6 +450,13 @@ class Model:
                     self._emit(w, pname, self.plane(w, pname).fire_due(self.now(w, pname)))
                 finally:
                     self._lose_hb = False
+            if w.stall is not None and w.t >= w.stall[1]:
+                self._resume(w)
+        elif name == "stall":
+            w.faults += 1
+            w.stall = (w.t, w.t + self.cfg.stall)
+        elif name == "resume":
+            self._resume(w)
         elif name == "deliver":
             m = w.net[move[1]]
             w.net = w.net[: move[1]] + w.net[move[1] + 1:]
@@ -419,13 +487,34 @@ class Model:
             self._schedule(w, name, move[1])
         self._check(w)
 
+    def _resume(self, w: World) -> None:
+        """D's loop runs again: like the driver, it fires every due timer
+        (late) before it polls anything, so a READ deadline that passed
+        during the stall cancels the READ before its completion is seen."""
+        w.stall = None
+        plane = w.planes["D"]
+        nd = plane.next_deadline()
+        if nd is not None and nd <= self.now(w, "D"):
+            self._emit(w, "D", self.plane(w, "D").fire_due(self.now(w, "D")))
+
+    def _new_request(self, w: World, i: int) -> None:
+        # The params as the connector exports them (connector.py _params):
+        # P's lease expiry in P's clock, renewable by heartbeats.
+        self._feed(w, "D", E.NewRequest(request_id=f"d{i}", engine_id="P", remote_request_id=f"p{i}",
+                                        remote_block_ids=(2,), remote_expiry=w.p_expiry[i], remote_renewable=True))
+        w.phase[i] = ARRIVED
+
     def _schedule(self, w: World, name: str, i: int) -> None:
         prof = self.profiles[i]
         d, p, q = f"d{i}", f"p{i}", f"q{i}"
         if name == "arrive":
             self._feed(w, "P", E.LeaseGranted(request_id=p, block_ids=(2,), expected_consumers=1))
-            self._feed(w, "D", E.NewRequest(request_id=d, engine_id="P", remote_request_id=p, remote_block_ids=(2,)))
-            w.phase[i] = ARRIVED
+            w.p_expiry[i] = w.planes["P"].instances["lease"][p].expiry
+            if w.stall is None:
+                self._new_request(w, i)
+            else:  # the params wait for D's loop
+                w.net = w.net + (("new", "D", d),)
+                w.phase[i] = SENT
         elif name == "alloc":
             if prof.awaiting:
                 w.awaited = w.awaited | {("D", d)}
@@ -504,11 +593,24 @@ class Model:
             self._feed(w, src, E.HandshakeOk(engine_id=dst, samples=((offset, 0.001),)))
         elif k == "read":
             _, src, req, dst, rrid, n = m
-            self._check_lease(w, dst, rrid, "executed")
-            w.net = w.net + (("rdone", src, req, dst), ("notif", dst, rrid, src, n))
+            if src == "D" and w.stall is not None:
+                # The fabric executes a READ of a stalled D (which cannot
+                # cancel it): possibly into blocks P reclaimed.  Not a
+                # violation yet; accepting its completion would be.
+                stale = self._lease_problem(w, src, dst, rrid) is not None
+            else:
+                self._check_lease(w, src, dst, rrid, "executed")
+                stale = False
+            w.net = w.net + (("rdone", src, req, dst, stale), ("notif", dst, rrid, src, n))
+        elif k == "new":
+            self._new_request(w, self.names[m[2]][1])
         elif k == "rdone":
-            _, src, req, dst = m
+            _, src, req, dst, stale = m
             inst = w.planes[src].instances["decode_request"].get(req)
+            if stale and inst is not None and inst.state == "READING":
+                raise _Found("read_of_unheld_lease",
+                             f"{src} accepts the completion of READ {req}, which executed while {src} was stalled, "
+                             f"after P's lease {inst.remote_request_id} was gone: its READ deadline did not refuse it")
             if inst is not None and inst.state == "READING":
                 w.activity[(src, dst)] = self.now(w, src)
             self._feed(w, src, E.ReadDone(request_id=req))
@@ -526,25 +628,37 @@ class Model:
             raise ValueError(m)
 
     def _feed(self, w: World, pname: str, event) -> None:
+        assert not (pname == "D" and w.stall is not None), f"model bug: {event} fed to a stalled D"
         plane = self.plane(w, pname)
         self._emit(w, pname, plane.handle(event, self.now(w, pname)))
 
-    def _check_lease(self, w: World, dst: str, rrid: str, what: str) -> None:
+    def _lease_problem(self, w: World, src: str, dst: str, rrid: str) -> str | None:
+        """Why ``src`` may not read ``dst``'s lease ``rrid`` now, or None."""
         if dst == "P" and w.crashed:
-            return
+            return None
         lease = w.planes[dst].instances["lease"].get(rrid)
         if lease is None or lease.state not in HELD_LEASE:
-            state = lease.state if lease is not None else "gone (released or expired)"
+            return "which is " + (lease.state if lease is not None else "gone (released or expired)")
+        # Held, but its expiry (in the reader's clock) has come: the owner
+        # reclaims the blocks as soon as its timer runs.
+        expiry = lease.expiry - self.skew[dst] + self.skew[src]
+        if expiry <= self.now(w, src):
+            return f"whose expiry t={expiry:g} ({src}'s clock) is <= now t={self.now(w, src):g}"
+        return None
+
+    def _check_lease(self, w: World, src: str, dst: str, rrid: str, what: str) -> None:
+        problem = self._lease_problem(w, src, dst, rrid)
+        if problem is not None:
             if dst == "D":
-                raise _Found("turn2_read_of_expired_blocks",
-                             f"turn-2 READ {what} against D's held blocks {rrid}, whose lease is {state}")
-            raise _Found("read_of_unheld_lease", f"READ {what} against P lease {rrid}, which is {state}")
+                raise _Found("turn2_read_of_expired_blocks", f"turn-2 READ {what} against D's held blocks {rrid}, "
+                             f"{problem}")
+            raise _Found("read_of_unheld_lease", f"READ {what} against P lease {rrid}, {problem}")
 
     def _emit(self, w: World, pname: str, actions) -> None:
         for a in actions:
             cname = type(a).__name__
             if cname == "PostRead":
-                self._check_lease(w, a.engine_id, a.remote_request_id, "posted")
+                self._check_lease(w, pname, a.engine_id, a.remote_request_id, "posted")
                 w.net = w.net + (("read", pname, a.request_id, a.engine_id, a.remote_request_id,
                                   a.expected_consumers),)
             elif cname == "ReleaseXfer":
@@ -560,6 +674,10 @@ class Model:
                 # the lease it renews); losing one is the tick_lose_hb fault.
                 if not (pname == "P" and w.crashed) and not (a.engine_id == "P" and w.crashed):
                     if self._lose_hb:
+                        continue
+                    if a.engine_id == "D" and w.stall is not None:
+                        # P's turn-2 heartbeats to a stalled D: D's hold is a
+                        # fixed TTL they do not renew, so dropping them changes nothing.
                         continue
                     for rid in sorted(a.request_ids):
                         self._feed(w, a.engine_id, E.LeaseHeartbeat(request_id=rid))
@@ -646,7 +764,12 @@ class Model:
                                self._rel(w.activity.get((pname, key)), now) if up else None))
             hb = plane.heartbeats
             for eng in sorted(hb._next_at):
-                shared.append((pname, "hb", eng, self._rel(hb._next_at[eng], now), tuple(sorted(hb._ranks.get(eng, ())))))
+                # The chain's last send decides whether the next one breaks it
+                # and how far it extended P's leases (the READ gate).  Its
+                # first send enters only as the gate's comparisons, per request
+                # (``_gate_sig``): its raw age would split equivalent states.
+                shared.append((pname, "hb", eng, self._rel(hb._next_at[eng], now),
+                               tuple(sorted(hb._ranks.get(eng, ()))), self._rel(hb._last_sent.get(eng), now)))
         net = []
         for m in w.net:
             if m[0] == "hb":
@@ -655,8 +778,10 @@ class Model:
                 net.append(tuple(rename.get(x, x) if isinstance(x, str) else x for x in m))
         net.sort()
         stalled = sorted(tuple(rename.get(x, x) if isinstance(x, str) else x for x in m) for m in w.stalled)
+        stall = None if w.stall is None else (self._rel(w.stall[0], self.now(w, "D")),
+                                              self._rel(w.stall[1], self.now(w, "D")))
         return (tuple(local[i] for i in order), tuple(shared), tuple(net), tuple(stalled),
-                w.faults, w.aborts, w.crashed)
+                w.faults, w.aborts, w.crashed, stall)
 
     def _rel(self, v, now):
         if v is None:
@@ -673,28 +798,72 @@ class Model:
         hbp = P.heartbeats._ids.get("D", {}).get(d)
         return (
             self.profiles[i].name, w.phase[i], w.phase2[i],
-            self._req_sig(D.instances["decode_request"].get(d), nd),
+            self._req_sig(D.instances["decode_request"].get(d), nd, "D", D, self.profiles[i].num_remote_tokens > 0),
             self._lease_sig(P.instances["lease"].get(p), np_),
             self._lease_sig(D.instances["lease"].get(d), nd),
-            self._req_sig(P.instances["decode_request"].get(q), np_),
+            self._req_sig(P.instances["decode_request"].get(q), np_, "P", P, True),
             ("D", d) in w.awaited, ("D", d) in w.reported, ("P", q) in w.awaited, ("P", q) in w.reported,
             ("P", p) in w.freed, ("D", d) in w.freed,
             self._rel(w.hold_expiry[i], nd) if w.phase2[i] == NEW else None,
             hbd, hbp,
+            # Exported and on its way to a stalled D: the expiry D will get,
+            # and how it compares with the chain D's next batches continue.
+            self._exported_sig(w, i, np_, D) if w.phase[i] == SENT else None,
         )
 
-    def _req_sig(self, r, now) -> tuple | None:
+    def _req_sig(self, r, now, pname, plane, reads: bool) -> tuple | None:
+        """``reads``: the request will be allocated remote tokens (else it is
+        a full prefix hit, which the READ gate does not apply to)."""
         if r is None:
             return None
         s = r.state
-        return (s, self._rel(r.deadline, now), r.engine_id, r.expected_consumers, r.push, r.num_remote_tokens,
-                self._rel(r.remote_expiry, now) if s in ("HEARTBEATING", "WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT",
-                                                          "HANDSHAKING") else None,
+        return (s, self._gate_sig(r, now, pname, plane) if reads else None, self._rel(r.deadline, now), r.engine_id,
+                r.expected_consumers, r.push, r.num_remote_tokens,
                 None if s in ("NEW", "HEARTBEATING", "RECV_DONE", "RECV_FAILED", "RUNNING")
                 else self._rel(r.recv_deadline, now),
                 self._rel(r.transfer_deadline, now) if s == "READING" else None,
                 self._rel(r.push_deadline, now) if s == "AWAITING_PUSH" else None,
                 r.clock_offset)
+
+    def _offset(self, pname: str, engine: str) -> float:
+        """The clock offset a handshake with ``engine`` measures (remote - local)."""
+        return self.skew[engine] - self.skew[pname]
+
+    def _gate_sig(self, r, now, pname, plane) -> tuple | None:
+        """What the READ gate on a renewable lease reads besides times already
+        in the state.  ``remote_valid_until`` extends the expiry E (our clock)
+        by the last send L iff L > arrived A and E > max(A + interval, first
+        send S of the chain).  L is in the shared signature (relative);
+        A and S enter only through these comparisons: a later L (> now > A)
+        always passes the first, the second is fixed, and a later S (>= now)
+        compares with E's relative value, which is in the signature.  So two
+        states with equal signatures decide every future gate alike, however
+        long ago A and S were."""
+        if r.remote_expiry is None or r.state not in GATE_STATES:
+            return None
+        e = r.remote_expiry - self._offset(pname, r.engine_id)
+        # An expiry already past only ever loses a comparison (the gate's
+        # margin is >= 0, later first sends are >= now): all alike.
+        rel_e = max(e - now, 0.0)
+        if not r.remote_renewable:
+            return (rel_e,)
+        since, last = plane.heartbeats.chain(r.engine_id)
+        sent = last is not None and last > r.arrived
+        fixed = e > r.arrived + plane.config.heartbeat_interval
+        chained = since is None or e > since
+        if sent and fixed and chained and e <= last + plane.heartbeats.max_gap:
+            # The chain dominates E for good: while it lasts the gate reads
+            # last' + extension > E, and a send that breaks it comes more
+            # than max_gap after ``last``, past E, so E no longer counts and
+            # is already <= now when the gate next reads it: declined.
+            return ("chained",)
+        return (rel_e, sent, fixed, chained)
+
+    def _exported_sig(self, w: World, i: int, np_: float, D: ControlPlane) -> tuple:
+        # D's NewRequest will set arrived >= now, after every send so far.
+        since, _ = D.heartbeats.chain("P")
+        e = w.p_expiry[i] - self._offset("D", "P")
+        return (self._rel(w.p_expiry[i], np_), since is None or e > since)
 
     def _lease_sig(self, lease, now) -> tuple | None:
         if lease is None:

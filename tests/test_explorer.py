@@ -9,7 +9,7 @@ import pytest
 from statemachines.base import TimerFired
 from statemachines.eventlog import read_log
 from statemachines.events import EngineActivity, EngineReady
-from statemachines.explorer import ExploreConfig, clone_plane, explore
+from statemachines.explorer import EXPLORER_PLANE_CONFIG, STALL_FAULTS, ExploreConfig, clone_plane, explore
 from statemachines.machines import MACHINES, SPECS, decode_request, lease, remote_engine
 from statemachines.plane import ControlPlane
 from statemachines.replay import replay
@@ -152,3 +152,168 @@ def test_clone_plane_is_independent():
     assert p.get("remote_engine", "e").state == "HANDSHAKING"
     assert q.get("remote_engine", "e").state == "CONNECTED"
     assert p.get("remote_engine", "e").refs is not q.get("remote_engine", "e").refs
+
+
+# ------------------------------------------------------------ the READ gate under decoder stalls
+def test_reads_carry_p_lease_expiry_as_the_connector_exports_it():
+    from statemachines.explorer import Model
+
+    model = Model(ExploreConfig(requests=("read",), skew=3.0))
+    w = model.initial()
+    model.apply(w, ("arrive", 0))
+    r = w.planes["D"].get("decode_request", "d0")
+    lease = w.planes["P"].get("lease", "p0")
+    assert r.remote_expiry == lease.expiry == 3.0 + EXPLORER_PLANE_CONFIG.kv_lease_duration  # P's clock
+    assert r.remote_renewable
+
+
+def test_real_machines_pass_decoder_stalls():
+    r = explore(requests=("read",), faults=STALL_FAULTS, skew=40.0, max_depth=14)
+    assert r.ok and not r.truncated, "\n".join(map(str, r.violations))
+    r = explore(requests=("read", "read"), faults=frozenset({"stall"}), max_aborts=0, stall=3.5, max_depth=9)
+    assert r.ok and not r.truncated, "\n".join(map(str, r.violations))
+
+
+def _trusting_gate():
+    """The READ gate with the heartbeat-chain condition removed: D trusts its
+    last heartbeat whatever the gap before it (cf. test_read_gate_property)."""
+    def trusting(r, ev, cfg, now):
+        """the bug: trust the last heartbeat whatever the gap before it"""
+        if r.remote_expiry is None:
+            return False
+        valid = r.remote_expiry - ev.clock_offset
+        if r.remote_renewable and ev.heartbeat_at is not None:
+            valid = max(valid, ev.heartbeat_at + cfg.lease_extension)
+        return valid <= now + min(cfg.expiry_safety_margin, cfg.heartbeat_interval)
+
+    table = tuple(attrs.evolve(e, guard=trusting) if isinstance(e, Transition)
+                  and e.guard is decode_request.remote_blocks_expired else e for e in decode_request.TABLE)
+    assert table != decode_request.TABLE
+    return compile_machine(attrs.evolve(decode_request.SPEC, table=table))  # the validator cannot see this one
+
+
+def test_bug_read_gate_without_heartbeat_chain_under_stall(tmp_path):
+    machines = with_machine("decode_request", _trusting_gate())
+    stalls = dict(requests=("read",), faults=frozenset({"stall"}), max_aborts=0, max_depth=8)
+    assert explore(**stalls).ok
+    # Without stalls heartbeats flow and the weaker gate is enough.
+    assert explore(machines=machines, requests=("read",), max_depth=10).ok
+    r = explore(machines=machines, **stalls)
+    v = assert_found(r, "read_of_unheld_lease")
+    assert "posted against P lease p0" in v.message
+    assert any("D stalls" in m for m in v.moves) and any("D resumes" in m or "tick to" in m for m in v.moves)
+    for p in v.write(str(tmp_path / "cex")):
+        res = replay(p, machines=machines)
+        assert res.divergence is None, res.divergence
+
+
+def _uncapped_read_deadline():
+    """_connected without the cap: a READ's deadline ignores the lease's validity."""
+    def uncapped(r, ev, cfg, now):
+        r.clock_offset = ev.clock_offset
+        r.transfer_deadline = now + cfg.transfer_timeout
+        r.push_deadline = now + cfg.push_registration_timeout
+
+    table = tuple(attrs.evolve(e, effect=uncapped) if isinstance(e, Transition)
+                  and e.effect is decode_request._connected else e for e in decode_request.TABLE)
+    assert table != decode_request.TABLE
+    return compile_machine(attrs.evolve(decode_request.SPEC, table=table))
+
+
+def test_bug_read_deadline_not_capped_by_lease_validity():
+    # A transfer timeout longer than the lease extension, so the cap matters.
+    plane = attrs.evolve(EXPLORER_PLANE_CONFIG, transfer_timeout=8.0)
+    kw = dict(requests=("read",), faults=frozenset({"stall"}), max_aborts=0, max_depth=9, plane=plane)
+    assert explore(**kw).ok
+    r = explore(machines=with_machine("decode_request", _uncapped_read_deadline()), **kw)
+    v = assert_found(r, "read_of_unheld_lease")
+    assert "executed against P lease p0" in v.message
+
+
+@pytest.mark.parametrize("capped", [True, False])
+def test_read_executed_during_stall_completion_refused_by_deadline(capped):
+    """The fabric executes a stalled D's READ after P reclaimed the blocks;
+    on resume the READ deadline must refuse the completion."""
+    from statemachines.explorer import Model, _Found
+
+    plane = attrs.evolve(EXPLORER_PLANE_CONFIG, transfer_timeout=8.0)
+    machines = None if capped else with_machine("decode_request", _uncapped_read_deadline())
+    model = Model(ExploreConfig(requests=("read",), faults=frozenset({"stall"}), stall=8.0, plane=plane), machines)
+    w = model.initial()
+    for m in [("arrive", 0), ("deliver", 0), ("alloc", 0), ("start", 0), ("stall",), ("tick",)]:
+        model.apply(w, m)
+    assert w.t == 6.0 and w.stall is not None and "p0" not in w.planes["P"].instances["lease"]  # P reclaimed
+    model.apply(w, ("deliver", [m[0] for m in w.net].index("read")))  # executes into reclaimed blocks
+    model.apply(w, ("resume",))
+    if capped:
+        assert w.planes["D"].get("decode_request", "d0").state == "RECV_FAILED"
+        while w.net:
+            model.apply(w, ("deliver", 0))
+    else:
+        with pytest.raises(_Found, match="accepts the completion of READ d0"):
+            while w.net:
+                model.apply(w, ("deliver", 0))
+
+
+def _gate_outcomes(model, w):
+    """For each D request the READ gate may still judge: its verdict and
+    the READ deadline it would set, at now and a few later times (relative)."""
+    from statemachines.explorer import GATE_STATES
+
+    D, now = w.planes["D"], model.now(w, "D")
+    since, last = D.heartbeats.chain("P")
+    out = []
+    for i in range(model.n):
+        r = D.get("decode_request", f"d{i}")
+        if r is None or r.state not in GATE_STATES:
+            out.append(None)
+            continue
+        ev = EngineReady(kind="decode_request", request_id=r.key, engine_id="P", clock_offset=model.skew["P"],
+                         heartbeat_at=last, heartbeats_since=since)
+        verdicts = []
+        for later in (0.0, 0.5, 1.0, 2.0, 3.5, 7.0):
+            if decode_request.remote_blocks_expired(r, ev, D.config, now + later):
+                verdicts.append("declined")
+            else:
+                verdicts.append(decode_request.remote_valid_until(r, ev, D.config) - now)
+        out.append(tuple(verdicts))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("skew", [0.0, -25.0])
+def test_states_merged_by_the_signature_agree_on_the_read_gate(skew):
+    """Soundness of the canonical state for the gate: every two reachable
+    worlds with the same signature judge every pending READ alike."""
+    from statemachines.explorer import Model, _Found
+
+    model = Model(ExploreConfig(requests=("read", "read"), faults=frozenset({"stall"}), stall=3.5, max_aborts=0,
+                                skew=skew))
+    w0 = model.initial()
+    seen = {model.canon(w0, False): _gate_outcomes(model, w0)}
+    frontier, judged = [w0], 0
+    for _ in range(9):
+        nxt = []
+        for w in frontier:
+            for m in model.moves(w):
+                w2 = w.clone()
+                try:
+                    model.apply(w2, m)
+                except _Found:  # pragma: no cover - the real machines pass
+                    continue
+                k, g = model.canon(w2, False), _gate_outcomes(model, w2)
+                judged += any(x is not None for x in g)
+                if k in seen:
+                    assert seen[k] == g, f"merged states judge the gate differently: {seen[k]} vs {g}"
+                    continue
+                seen[k] = g
+                nxt.append(w2)
+        frontier = nxt
+    assert judged > 1000
+
+
+def test_cli_stall_option():
+    from connector.cli_checks import cmd_explore
+
+    assert cmd_explore(["--requests", "read", "--depth", "6", "--stall"]) == 0
+    assert cmd_explore(["--requests", "read", "--depth", "6", "--stall", "3.5"]) == 0
+    assert cmd_explore(["--stall", "0"]) == 2
