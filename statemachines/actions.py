@@ -214,14 +214,19 @@ class SendNotif(Action):
 
 @attrs.frozen
 class SendPushRegistration(Action):
+    """``PUSH_REG``: our blocks await the remote's WRITE until ``deadline`` (our
+    clock), when we give up and may reuse them."""
+
     request_id: str
     engine_id: str
     remote_request_id: str
     block_ids: tuple = attrs.field(converter=_ids)
+    deadline: float | None = None
 
     @classmethod
     def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, inst.engine_id, inst.remote_request_id, inst.block_ids)
+        # The deadline of the AWAITING_PUSH state this registration enters.
+        return cls(inst.key, inst.engine_id, inst.remote_request_id, inst.block_ids, inst.push_give_up())
 
 
 # ------------------------------------------------------------------- scheduler

@@ -191,6 +191,9 @@ class PushRegistered(Event):
     engine_id: str
     remote_request_id: str
     remote_block_ids: tuple = attrs.field(converter=_ids, default=())
+    # When D gives up waiting for the WRITE, in D's clock (its AWAITING_PUSH
+    # deadline); after it D may reuse the blocks.  None: D sent no deadline.
+    remote_deadline: float | None = None
     machine: ClassVar[str] = "push_write"
 
 

@@ -335,12 +335,100 @@ def test_push_never_arrives_fails_the_decoder_recv():
     d = Side(plane())
     d.handle(new_request("r1", P_ENGINE, "p1", push=True), 0.0)
     d.handle(E.BlocksAllocated(request_id="r1", block_ids=(1, 2), num_remote_tokens=32), 0.0)
-    d.handle(E.StartLoad(request_id="r1"), 0.0)
+    (reg,) = of_type(d.handle(E.StartLoad(request_id="r1"), 0.0), A.SendPushRegistration)
     d.until(1000.0)
     cfg = d.plane.config
     assert [(t, a) for t, a in d.log if isinstance(a, A.ReportRecv)] == [
         (min(cfg.recv_timeout, cfg.push_registration_timeout), A.ReportRecv("r1", False, (1, 2)))]
+    # The registration told P when D would give up.
+    assert reg.deadline == min(cfg.recv_timeout, cfg.push_registration_timeout)
     assert held_by(d.plane, "r1") == []
+
+
+def _push_margin(cfg) -> float:
+    return min(cfg.expiry_safety_margin, cfg.push_registration_timeout / 4)
+
+
+def _push_with_deadline(p: Side, now: float, remote_deadline):
+    """Lease p1 and register D's push with ``remote_deadline`` (D's clock),
+    then finish the prefill; the engine handshake answers at once."""
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(7, 8)), now)
+    p.handle(E.PushRegistered(request_id="p1", engine_id=D_ENGINE, remote_request_id="r1", remote_block_ids=(1, 2),
+                              remote_deadline=remote_deadline), now)
+    return p.handle(E.PushReady(request_id="p1", block_ids=(7, 8)), now)
+
+
+@pytest.mark.parametrize("d_ahead", [100.0, -50.0, 0.0])
+@pytest.mark.parametrize("left", [-0.25, 0.0, 0.25])
+def test_push_write_declined_when_the_decoder_gives_up_too_soon(d_ahead, left):
+    """D's deadline (its clock, ``d_ahead`` s ahead of ours) leaves ``left``
+    seconds beyond the margin when the engine is ready: no time left, no WRITE."""
+    p = Side(plane(), offset=d_ahead)
+    cfg, now = p.plane.config, 10.0
+    margin = _push_margin(cfg)
+    out = _push_with_deadline(p, now, now + d_ahead + margin + left)
+    if left <= 0:
+        assert names(out) == ["StartHandshake"]
+        assert p.plane.get("push_write", "p1") is None
+        assert p.plane.stats["final:push_write:FAILED"] == 1
+        # Nothing posted, the engine reference is back, the lease is untouched.
+        assert p.sent(A.PostWrite) == [] and p.plane.get("remote_engine", D_ENGINE).refs == set()
+        assert p.plane.get("lease", "p1").state == "LEASED"
+    else:
+        assert names(out) == ["StartHandshake", "PostWrite"]
+        w = p.plane.get("push_write", "p1")
+        assert w.state == "WRITING" and w.deadline == pytest.approx(now + left)
+
+
+@pytest.mark.parametrize("d_ahead", [100.0, -50.0])
+@pytest.mark.parametrize("bound", ["decoder", "transfer", "no_deadline"])
+def test_write_deadline_is_the_earlier_of_transfer_timeout_and_decoder_deadline(d_ahead, bound):
+    p = Side(plane(kv_lease_duration=1000.0), offset=d_ahead)
+    cfg, now = p.plane.config, 10.0
+    # D's deadline less the margin, in our clock, is ``room`` seconds away.
+    room = cfg.transfer_timeout + (-7.0 if bound == "decoder" else 7.0)
+    remote = None if bound == "no_deadline" else now + room + _push_margin(cfg) + d_ahead
+    assert of_type(_push_with_deadline(p, now, remote), A.PostWrite)
+    expected = now + (room if bound == "decoder" else cfg.transfer_timeout)
+    assert p.plane.get("push_write", "p1").deadline == pytest.approx(expected)
+    # A WRITE that never completes is cancelled at that deadline.
+    p.until(expected - 0.001)
+    assert p.plane.get("push_write", "p1").state == "WRITING"
+    p.until(expected + 0.001)
+    assert p.plane.get("push_write", "p1") is None
+    ((t, cancel),) = [(t, a) for t, a in p.log if isinstance(a, A.ReleaseXfer)]
+    assert cancel == A.ReleaseXfer("p1", True) and t == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("d_ahead", [100.0, -50.0])
+@pytest.mark.parametrize("decoder_bound", ["push_registration_timeout", "recv_timeout"])
+def test_hung_write_is_cancelled_before_the_decoder_gives_up(d_ahead, decoder_bound):
+    """D registers and waits; P's WRITE hangs.  P cancels it at least the
+    margin before D (clock ``d_ahead`` s ahead of P's) reports the recv failed
+    and may reuse its blocks; D's registration carries exactly the deadline
+    it then gives up at."""
+    short = {"push_registration_timeout": 20.0, "recv_timeout": 15.0}[decoder_bound]
+    cfg = dict(transfer_timeout=1000.0, kv_lease_duration=1000.0, **{decoder_bound: short})
+    d, p = Side(plane(**cfg)), Side(plane(**cfg), offset=d_ahead)
+    d.handle(new_request("r1", P_ENGINE, "p1", push=True), d_ahead + 0.0)
+    d.handle(E.BlocksAllocated(request_id="r1", block_ids=(1, 2), num_remote_tokens=32), d_ahead + 0.5)
+    (reg,) = of_type(d.handle(E.StartLoad(request_id="r1"), d_ahead + 0.5), A.SendPushRegistration)
+    assert reg.deadline == d.plane.get("decode_request", "r1").deadline == d_ahead + 0.5 + short
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(7, 8)), 1.0)
+    p.handle(E.PushRegistered(request_id=reg.remote_request_id, engine_id=D_ENGINE, remote_request_id=reg.request_id,
+                              remote_block_ids=reg.block_ids, remote_deadline=reg.deadline), 1.0)
+    assert of_type(p.handle(E.PushReady(request_id="p1", block_ids=(7, 8)), 2.0), A.PostWrite)
+
+    p.until(500.0)
+    d.until(d_ahead + 500.0)
+    ((cancelled_at, cancel),) = [(t, a) for t, a in p.log if isinstance(a, A.ReleaseXfer)]
+    assert cancel.cancel is True
+    ((gave_up_at, report),) = [(t, a) for t, a in d.log if isinstance(a, A.ReportRecv)]
+    assert report == A.ReportRecv("r1", False, (1, 2)) and gave_up_at == reg.deadline
+    # In P's clock D gives up at gave_up_at - d_ahead; the WRITE was over a margin before.
+    margin = _push_margin(p.plane.config)
+    assert gave_up_at - d_ahead - cancelled_at == pytest.approx(margin) and margin > 0
+    assert held_by(d.plane, "r1") == [] and p.plane.get("push_write", "p1") is None
 
 
 def test_active_push_keeps_the_engine_connected_then_silence_evicts_it():

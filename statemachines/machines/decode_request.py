@@ -47,6 +47,12 @@ class DecodeRequest(Instance):
     transfer_deadline: float = 0.0
     clock_offset: float = 0.0
 
+    def push_give_up(self) -> float:
+        """When we stop waiting for a push (our clock): the AWAITING_PUSH
+        deadline, and the deadline sent in PUSH_REG, so the WRITE the remote
+        bounds by it is over (done or cancelled) before we reuse the blocks."""
+        return min(self.recv_deadline, self.push_deadline)
+
 
 # ----------------------------------------------------------------- effects
 def _accept(r: DecodeRequest, ev: NewRequest, cfg, now) -> None:
@@ -152,7 +158,7 @@ STATES = (
     State("READING", holds=AWAITED | {"engine_ref", "xfer"}, waits_on_remote=True,
           deadline=lambda r, cfg, now: min(r.recv_deadline, r.transfer_deadline)),
     State("AWAITING_PUSH", holds=AWAITED | {"engine_ref"}, waits_on_remote=True,
-          deadline=lambda r, cfg, now: min(r.recv_deadline, r.push_deadline)),
+          deadline=lambda r, cfg, now: r.push_give_up()),
     State("RECV_DONE"),
     State("RECV_FAILED", doc="reported failed; kv_load_failure_policy decides recompute or fail"),
     State("RUNNING"),

@@ -6,6 +6,14 @@ for the prefill and a prefill waiting for the registration each have a
 deadline.  WRITE activity refreshes the decoder engine's liveness, and the
 engine reference held while writing keeps it from being evicted.  A
 completed WRITE consumes the lease like a READ would.
+
+D's registration carries when D gives up (its clock); after that D may
+reuse the blocks, so a WRITE must be over before then.  Once the engine is
+connected (and its clock offset known) the WRITE is declined when D's
+deadline, less a safety margin, is already due, and otherwise gets that
+as its deadline when it comes before the transfer timeout: a hung WRITE is
+cancelled before D gives up.  A registration without a deadline writes
+under the transfer timeout alone.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ class PushWrite(Instance):
     remote_request_id: str = ""
     remote_block_ids: tuple = ()
     block_ids: tuple = ()
+    remote_deadline: float | None = None
     wait_deadline: float = 0.0
     transfer_deadline: float = 0.0
 
@@ -35,6 +44,7 @@ def _registered(p: PushWrite, ev: PushRegistered, cfg, now) -> None:
     p.engine_id = ev.engine_id
     p.remote_request_id = ev.remote_request_id
     p.remote_block_ids = ev.remote_block_ids
+    p.remote_deadline = ev.remote_deadline
     p.wait_deadline = now + cfg.push_registration_timeout
 
 
@@ -43,8 +53,34 @@ def _ready(p: PushWrite, ev: PushReady, cfg, now) -> None:
     p.wait_deadline = now + cfg.push_registration_timeout
 
 
-def _writing(p: PushWrite, ev, cfg, now) -> None:
+def _writing(p: PushWrite, ev: EngineReady, cfg, now) -> None:
     p.transfer_deadline = now + cfg.transfer_timeout
+    write_until = remote_write_until(p, ev, cfg)
+    if write_until is not None:
+        p.transfer_deadline = min(p.transfer_deadline, write_until)
+
+
+def push_margin(cfg) -> float:
+    """How long before D gives up our WRITE must be over: the expiry safety
+    margin (clock offset error, our step latency), but at most a quarter of
+    the push window, so a short window is not consumed by the margin alone."""
+    return min(cfg.expiry_safety_margin, cfg.push_registration_timeout / 4)
+
+
+def remote_write_until(p: PushWrite, ev: EngineReady, cfg) -> float | None:
+    """Until when (our clock) a WRITE into D's blocks may run: D's deadline
+    less the margin; None when D sent no deadline."""
+    if p.remote_deadline is None:
+        return None
+    # D's deadline is in D's clock; offset = remote clock - local clock.
+    return p.remote_deadline - ev.clock_offset - push_margin(cfg)
+
+
+# ------------------------------------------------------------------ guards
+def decoder_gives_up_first(p: PushWrite, ev: EngineReady, cfg, now) -> bool:
+    """D's deadline - margin <= now"""
+    write_until = remote_write_until(p, ev, cfg)
+    return write_until is not None and write_until <= now
 
 
 _wait = lambda p, cfg, now: p.wait_deadline  # noqa: E731
@@ -57,7 +93,8 @@ STATES = (
     State("WRITING", holds={"engine_ref", "xfer"}, waits_on_remote=True,
           deadline=lambda p, cfg, now: p.transfer_deadline),
     State("DONE", terminal=True),
-    State("FAILED", terminal=True, doc="nothing written; the lease expires or is aborted on its own"),
+    State("FAILED", terminal=True,
+          doc="no WRITE completed (failed, cancelled or declined); the lease expires or is aborted on its own"),
 )
 EVENTS = (PushRegistered, PushReady, EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort, TimerFired)
 LIVE = ["REGISTERED", "AWAITING_REG", "CONNECTING", "WRITING"]
@@ -71,6 +108,8 @@ TABLE = rows(
     ignore(["REGISTERED", "CONNECTING", "WRITING"], PushRegistered, "duplicate PUSH_REG"),
     error(["AWAITING_REG", "CONNECTING", "WRITING"], PushReady, "prefill finished twice"),
 
+    # The WRITE could not be over before D gives up and may reuse its blocks.
+    on("CONNECTING", EngineReady, "FAILED", ReleaseEngine, when=decoder_gives_up_first),
     on("CONNECTING", EngineReady, "WRITING", PostWrite, NoteActivity, do=_writing),
     ignore(["REGISTERED", "AWAITING_REG", "WRITING"], EngineReady, "stale wake-up"),
     on("CONNECTING", [EngineLost, TimerFired], "FAILED", ReleaseEngine),
