@@ -13,6 +13,7 @@ Malformed notifications are counted and logged, never raised.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -274,6 +275,9 @@ class PlaneDriver:
         host, port = self.side_channel_url[len("tcp://"):].rsplit(":", 1)
         reg = {"request_id": a.remote_request_id, "engine_id": self.engine_id, "decode_request_id": a.request_id,
                "block_ids": list(a.block_ids), "host": host, "port": int(port)}
+        if a.deadline is not None:
+            # When we give up (our clock); P bounds its WRITE by it.
+            reg["deadline"] = float(a.deadline)
         self._notify(a.engine_id, encode_push_reg(reg), follow, "push_regs")
 
     def _report_recv(self, a: A.ReportRecv, follow: list) -> None:
@@ -329,7 +333,8 @@ class PlaneDriver:
                 url = f"tcp://{reg['host']}:{int(reg['port'])}"
                 event = E.PushRegistered(request_id=str(reg["request_id"]), engine_id=str(reg["engine_id"]),
                                          remote_request_id=str(reg["decode_request_id"]),
-                                         remote_block_ids=[int(b) for b in reg["block_ids"]])
+                                         remote_block_ids=[int(b) for b in reg["block_ids"]],
+                                         remote_deadline=_push_deadline(reg))
             except (KeyError, TypeError, ValueError) as exc:
                 self.counters["notifs_malformed"] += 1
                 log.warning("ignored PUSH_REG from %s with a bad registration: %r", agent, exc)
@@ -358,6 +363,18 @@ class PlaneDriver:
                 )
                 events.append(done(request_id=request_id))
         return events
+
+
+def _push_deadline(reg: dict) -> float | None:
+    """The decoder's give-up time in a PUSH_REG (its clock); None when the
+    registration has none (an older decoder).  Anything but a finite number
+    is a malformed registration."""
+    deadline = reg.get("deadline")
+    if deadline is None:
+        return None
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+        raise ValueError(f"PUSH_REG deadline must be a finite number, got {deadline!r}")
+    return float(deadline)
 
 
 def _align_tail(remote: list, local: list) -> tuple[list, list]:

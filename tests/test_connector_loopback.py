@@ -203,3 +203,67 @@ def test_curve_authenticated_side_channel(right_key):
     finally:
         p.worker.shutdown()
         d.worker.shutdown()
+
+
+def _push_reg(request_id, **extra) -> bytes:
+    from transport.wire import encode_push_reg
+
+    reg = {"request_id": request_id, "engine_id": "D", "decode_request_id": "d-" + request_id,
+           "block_ids": [5, 6], "host": "127.0.0.1", "port": 1}
+    return encode_push_reg({**reg, **extra})
+
+
+def test_push_reg_deadline_is_parsed_and_a_malformed_one_counted(pair):
+    fabric, clock, p, d = pair
+    peer = d.driver.endpoint
+    peer.add_remote(p.driver.endpoint.local_metadata())
+    good = {"none": ({}, None), "float": ({"deadline": 1234.5}, 1234.5), "int": ({"deadline": 1234}, 1234.0),
+            "nil": ({"deadline": None}, None)}
+    bad = {"str": "soon", "bool": True, "nan": float("nan"), "inf": float("inf"), "list": [1.0]}
+    for rid, (extra, _) in good.items():
+        peer.send_notif("P", _push_reg(rid, **extra))
+    for rid, value in bad.items():
+        peer.send_notif("P", _push_reg(rid, deadline=value))
+    run(clock, (p,), 0.2)
+    for rid, (_, want) in good.items():
+        w = p.driver.plane.get("push_write", rid)
+        assert w.state == "REGISTERED" and w.remote_deadline == want, rid
+    # A registration with a bad deadline is malformed as a whole: no push, counted.
+    assert p.driver.counters["notifs_malformed"] == len(bad)
+    assert all(p.driver.plane.get("push_write", rid) is None for rid in bad)
+
+
+@pytest.mark.parametrize("d_ahead", [100.0, -50.0])
+def test_hung_push_write_is_cancelled_before_the_decoder_gives_up(d_ahead):
+    """Push over the loopback with D's clock ``d_ahead`` s off P's: the
+    PUSH_REG carries D's give-up time, P bounds its hung WRITE by it (less the
+    margin) and cancels it while D still waits; then D gives up, nothing held."""
+    fabric, clock = LoopbackFabric(), Clock()
+    cfg = PlaneConfig(kv_lease_duration=6, transfer_timeout=30.0, recv_timeout=8.0, handshake_timeout=2.0,
+                      expiry_safety_margin=2.0)
+    p = Side(fabric, "P", clock, cfg)
+    d = Side(fabric, "D", lambda: clock.t + d_ahead, cfg)
+    try:
+        fabric.hang_transfers(initiator="P")
+        p.sched.on_new_request("r1", {"do_remote_decode": True, "push": True})
+        _, params = p.sched.request_finished("r1", (1, 2, 3))
+        d.sched.on_new_request("d1", {**params, "push": True})
+        n, _ = d.sched.get_num_new_matched_tokens("d1", 48, 0)
+        d.sched.update_state_after_alloc("d1", (5, 6, 7), n)
+        assert run(clock, (d, p), 3, until=lambda: p.driver.xfers != {})
+        gives_up = d.driver.plane.get("decode_request", "d1").deadline  # D's clock
+        w = p.driver.plane.get("push_write", "r1")
+        assert w.state == "WRITING" and w.remote_deadline == gives_up
+        offset = p.driver.plane.get("remote_engine", "D").clock_offset
+        assert offset == pytest.approx(d_ahead, abs=0.1)
+        assert w.deadline == pytest.approx(gives_up - offset - 2.0)
+        assert run(clock, (d, p), 10, until=lambda: p.driver.counters["transfers_cancelled"] == 1)
+        assert clock.t + d_ahead < gives_up - 1.0  # cancelled while D still waits (margin 2 s, step 0.05 s)
+        assert d.driver.plane.get("decode_request", "d1").state == "AWAITING_PUSH"
+        assert run(clock, (d, p), 10, until=lambda: "d1" in d.recving)
+        assert d.worker.get_block_ids_with_load_errors() == {5, 6, 7}
+        assert run(clock, (d, p), 15, until=lambda: "r1" in p.sending)
+        assert d.held() == [] and p.held() == [] and p.driver.xfers == {}
+    finally:
+        p.worker.shutdown()
+        d.worker.shutdown()

@@ -4,7 +4,10 @@ Formats (see shared/design/ARCHITECTURE.md, they match vLLM's where one exists):
 
 * completion notif  ``"<peer_request_id>:<expected_consumers>"``
 * heartbeat         ``"HB:<id>,<id>,..."``
-* push registration ``b"PUSH_REG:" + msgpack(dict)``
+* push registration ``b"PUSH_REG:" + msgpack(dict)``; the dict carries
+  ``request_id`` (P's), ``engine_id``, ``decode_request_id``, ``block_ids``,
+  ``host``, ``port`` and optionally ``deadline``: when the decoder gives up
+  waiting, in its own clock (a float; absent from older decoders)
 
 Metadata framing exists because NIXL's ``add_remote_agent`` remembers a peer
 name even from a truncated blob, poisoning that name; we verify length and
