@@ -60,3 +60,27 @@ def heartbeats_to_leases(actions: Iterable[Action], peer: ControlPlane, now: flo
 
 def plane(**cfg) -> ControlPlane:
     return ControlPlane(PlaneConfig(**cfg))
+
+
+def trusting_gate_machine():
+    """decode_request with the READ gate's heartbeat-chain condition removed
+    (D trusts its last heartbeat whatever the gap before it): the mutant the
+    stall tests must catch.  It passes validation, as the real bug would."""
+    import attrs
+
+    from statemachines.machines import decode_request
+    from statemachines.spec import Transition, compile_machine
+
+    def trusting(r, ev, cfg, now):
+        """the bug: trust the last heartbeat whatever the gap before it"""
+        if r.remote_expiry is None:
+            return False
+        valid = r.remote_expiry - ev.clock_offset
+        if r.remote_renewable and ev.heartbeat_at is not None:
+            valid = max(valid, ev.heartbeat_at + cfg.lease_extension)
+        return valid <= now + min(cfg.expiry_safety_margin, cfg.heartbeat_interval)
+
+    table = tuple(attrs.evolve(t, guard=trusting) if isinstance(t, Transition)
+                  and t.guard is decode_request.remote_blocks_expired else t for t in decode_request.TABLE)
+    assert table != decode_request.TABLE
+    return compile_machine(attrs.evolve(decode_request.SPEC, table=table))

@@ -16,6 +16,8 @@ from statemachines.replay import replay
 from statemachines.spec import Ignore, MachineDefinitionError, Transition, compile_machine, with_timer_ignores
 from statemachines.validate import validate
 
+from core_support import trusting_gate_machine
+
 
 def compile_unchecked(spec):
     """compile_machine without validation: for bugs the validator would refuse."""
@@ -174,26 +176,8 @@ def test_real_machines_pass_decoder_stalls():
     assert r.ok and not r.truncated, "\n".join(map(str, r.violations))
 
 
-def _trusting_gate():
-    """The READ gate with the heartbeat-chain condition removed: D trusts its
-    last heartbeat whatever the gap before it (cf. test_read_gate_property)."""
-    def trusting(r, ev, cfg, now):
-        """the bug: trust the last heartbeat whatever the gap before it"""
-        if r.remote_expiry is None:
-            return False
-        valid = r.remote_expiry - ev.clock_offset
-        if r.remote_renewable and ev.heartbeat_at is not None:
-            valid = max(valid, ev.heartbeat_at + cfg.lease_extension)
-        return valid <= now + min(cfg.expiry_safety_margin, cfg.heartbeat_interval)
-
-    table = tuple(attrs.evolve(e, guard=trusting) if isinstance(e, Transition)
-                  and e.guard is decode_request.remote_blocks_expired else e for e in decode_request.TABLE)
-    assert table != decode_request.TABLE
-    return compile_machine(attrs.evolve(decode_request.SPEC, table=table))  # the validator cannot see this one
-
-
 def test_bug_read_gate_without_heartbeat_chain_under_stall(tmp_path):
-    machines = with_machine("decode_request", _trusting_gate())
+    machines = with_machine("decode_request", trusting_gate_machine())
     stalls = dict(requests=("read",), faults=frozenset({"stall"}), max_aborts=0, max_depth=8)
     assert explore(**stalls).ok
     # Without stalls heartbeats flow and the weaker gate is enough.

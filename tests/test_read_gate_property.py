@@ -95,25 +95,12 @@ def test_reads_happen_when_heartbeats_flow():
 def test_the_property_has_teeth_without_the_heartbeat_chain():
     """With the chain check removed, a stall right before allocation makes D
     read a lease P already reclaimed, and the property's assertion fires."""
-    import attrs
     import pytest
 
-    from statemachines.machines import MACHINES, decode_request
-    from statemachines.spec import Transition, compile_machine
+    from core_support import trusting_gate_machine
+    from statemachines.machines import MACHINES
 
-    def trusting(r, ev, cfg, now):
-        """the bug: trust the last heartbeat whatever the gap before it"""
-        if r.remote_expiry is None:
-            return False
-        valid = r.remote_expiry - ev.clock_offset
-        if r.remote_renewable and ev.heartbeat_at is not None:
-            valid = max(valid, ev.heartbeat_at + cfg.lease_extension)
-        return valid <= now + min(cfg.expiry_safety_margin, cfg.heartbeat_interval)
-
-    table = tuple(attrs.evolve(t, guard=trusting) if isinstance(t, Transition)
-                  and t.guard is decode_request.remote_blocks_expired else t for t in decode_request.TABLE)
-    assert table != decode_request.TABLE
-    buggy = {**MACHINES, "decode_request": compile_machine(attrs.evolve(decode_request.SPEC, table=table))}
+    buggy = {**MACHINES, "decode_request": trusting_gate_machine()}
     stall_before_alloc = {"offset": 0.0, "requests": [(0.0, 30.0)], "stalls": [(15.0, 14.0)]}
     assert simulate(stall_before_alloc) == []  # the real gate declines
     with pytest.raises(AssertionError, match="READ of a lease"):
