@@ -225,6 +225,19 @@ class PushAbort(Event):
     machine: ClassVar[str] = "push_write"
 
 
+@attrs.frozen(kw_only=True)
+class SourceEnded(Event):
+    """Internal: the resource this machine uses is no longer held by its
+    source (a push's lease expired, was released or aborted, or was never
+    held when the push needed it); see ``spec.Source``."""
+
+    kind: str
+    request_id: str
+    # The source's state now; None when there is no such instance.
+    source_state: str | None = None
+    machine: ClassVar[str] = ""  # routed by ``kind``
+
+
 # ------------------------------------------------------------------ remote engine
 @attrs.frozen(kw_only=True)
 class EngineAcquire(Event):
@@ -299,7 +312,7 @@ ALL_EVENTS: dict[str, type] = {
         NewRequest, BlocksAllocated, StartLoad, EngineReady, EngineLost, ReadDone, ReadFailed,
         PushDone, RequestRunning, RequestFinished, Abort,
         LeaseGranted, LeaseHeartbeat, ConsumerDone, LeaseAbort,
-        PushRegistered, PushReady, WriteDone, WriteFailed, PushAbort,
+        PushRegistered, PushReady, WriteDone, WriteFailed, PushAbort, SourceEnded,
         EngineAcquire, EngineRelease, HandshakeOk, HandshakeFailed, EngineActivity, PeerDisconnected,
         TimerFired,
     )

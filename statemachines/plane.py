@@ -11,9 +11,17 @@ order within the same call.  One timer heap serves every machine.
 Late, duplicate and unknown-id events are counted ignores; an event the
 table declares a protocol error is counted and fails the machine closed
 through its ordinary release path.  Neither ever raises out of ``handle``.
+
+A machine that uses another machine's resource (``Spec.source``: a push
+WRITEs from its lease's blocks) lives only while that resource is held: the
+plane feeds it the source's end event when the source leaves its held
+states, and instead of any event that it would handle in a state that needs
+the source, or that would move it into one, while the source is not held
+(an instance about to be created that way is not created).
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import Counter, deque
 from typing import Any, Callable, Iterable
@@ -26,7 +34,8 @@ from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
 from .config import PlaneConfig
 from .heartbeats import HeartbeatBatcher
 from .machines import MACHINES
-from .spec import IGNORED, Machine, ProtocolViolation, timer_action
+from .spec import IGNORED, Machine, ProtocolViolation, Source, timer_action, transitions_of
+from .validate import validate_sources
 
 HEARTBEAT_TIMER = "heartbeat"
 # Requester kind under which the heartbeat batcher holds an engine reference:
@@ -52,6 +61,9 @@ class ControlPlane:
     def __init__(self, config: PlaneConfig | None = None, machines: dict[str, Machine] | None = None):
         self.config = config or PlaneConfig()
         self.machines = dict(machines or MACHINES)
+        # kind -> (the Source it uses, the pairs entering its needs);
+        # source kind -> ((user kind, Source), ...)
+        self._sources, self._users = _source_wiring(tuple(self.machines.items()))
         self.instances: dict[str, dict[Any, Any]] = {kind: {} for kind in self.machines}
         self.heartbeats = HeartbeatBatcher(self.config.heartbeat_interval,
                                            self.config.lease_extension - self.config.heartbeat_interval)
@@ -178,14 +190,36 @@ class ControlPlane:
                 return
             inst = insts[key] = machine.new(key)
         before, old_deadline = inst.state, inst.deadline
+        applied = event
+        wired = self._sources.get(kind)
+        if wired is not None:
+            source, entries = wired
+            if (before in source.needs or (before, cls) in entries) and not self._source_held(source, key):
+                # The resource is gone or was never held: a machine that
+                # needs it ends now, one about to take it never does.
+                if created:
+                    del insts[key]
+                    self._anomaly("source_not_held", kind, key, event, source.kind)
+                    refund = event.refund()
+                    acts = IGNORED if refund is None else [refund]
+                    out.extend(acts)
+                    if top and self.recorder is not None:
+                        self.recorder(event, now, f"{kind}:{key}", None, None, acts)
+                    return
+                applied = self._source_ended(source, kind, key, cls)
         try:
-            acts = machine.apply(inst, event, self.config, now)
+            acts = machine.apply(inst, applied, self.config, now)
         except ProtocolViolation as exc:
             self._anomaly("protocol_violation", kind, key, event, exc.reason)
             acts = self._fail_closed(machine, inst, now)
             refund = event.refund()
             if refund is not None:
                 acts = [*acts, refund]
+        else:
+            if applied is not event:
+                refund = event.refund()
+                if refund is not None:
+                    acts = [*acts, refund]
         if acts is IGNORED:
             self.stats[f"ignored:{kind}:{before}:{cls.__name__}"] += 1
         deadline = inst.deadline
@@ -202,6 +236,11 @@ class ControlPlane:
             self.stats[f"final:{kind}:{inst.state}"] += 1
         elif created and inst.state == machine.spec.initial:
             del insts[key]  # the creating event was refused: keep no empty machine
+        users = self._users.get(kind)
+        if users is not None and inst.state != before:
+            for user_kind, src in users:
+                if before in src.held and inst.state not in src.held and key in self.instances[user_kind]:
+                    queue.append(self._source_ended(src, user_kind, key, cls))
         internal = self._internal
         for a in acts:
             if a.internal:
@@ -215,6 +254,15 @@ class ControlPlane:
             return []
         self.stats[f"fail_closed:{machine.name}"] += 1
         return machine.apply(inst, _fail_closed_event(fc, machine.name, inst.key), self.config, now)
+
+    def _source_held(self, source: Source, key: Any) -> bool:
+        inst = self.instances[source.kind].get(key)
+        return inst is not None and inst.state in source.held
+
+    def _source_ended(self, source: Source, kind: str, key: Any, cause: type) -> Event:
+        inst = self.instances[source.kind].get(key)
+        self.stats[f"source_ended:{kind}:{cause.__name__}"] += 1
+        return source.ended(kind=kind, request_id=key, source_state=None if inst is None else inst.state)
 
     def _anomaly(self, what: str, kind: str, key: Any, event: Event, detail: str = "") -> None:
         self.stats[f"{what}:{kind}:{type(event).__name__}"] += 1
@@ -328,6 +376,26 @@ class ControlPlane:
             return []
         return self.handle(E.EngineRelease(engine_id=engine_id, requester_kind=HEARTBEAT_REQUESTER,
                                            requester_key=engine_id), now)
+
+
+@functools.lru_cache(maxsize=64)
+def _source_wiring(machines: tuple) -> tuple[dict, dict]:
+    """Who uses whose resource, checked once per set of machines (the
+    explorer builds a plane per explored move)."""
+    specs = {kind: m.spec for kind, m in machines}
+    validate_sources(specs)
+    sources, users = {}, {}
+    for kind, spec in specs.items():
+        src = spec.source
+        if src is None:
+            continue
+        # (state, event) pairs that may enter a state needing the source from
+        # one that does not: checked before they are applied.
+        entries = frozenset((t.src, t.event) for t in transitions_of(spec)
+                            if t.dest in src.needs and t.src not in src.needs)
+        sources[kind] = (src, entries)
+        users[src.kind] = users.get(src.kind, ()) + ((kind, src),)
+    return sources, users
 
 
 def _copy_instance(inst):

@@ -84,6 +84,31 @@ class NoGuardMatched(ProtocolViolation):
 
 
 @attrs.frozen
+class Source:
+    """Another machine's resource that a machine uses, and how long it may.
+
+    The instance of kind ``kind`` with the same key holds it in the states
+    ``held`` (P's lease holds the blocks a push WRITEs from).  The plane
+    keeps every instance of the using machine that is in one of the states
+    ``needs`` alive only while its source is held: when the source leaves
+    ``held``, the plane feeds it ``ended`` (an event with ``kind``,
+    ``request_id`` and ``source_state`` fields); an event that it would handle
+    in ``needs``, or that would move it into ``needs``, while the source is
+    not held is replaced by ``ended`` (or refused, if it would create it).  The validator proves
+    that ``ended`` ends the machine from every live state and that an action
+    in ``uses`` is built only from a state in ``needs``: so such an action
+    (a WRITE from the blocks) is never built while the source is not held,
+    and what it started is released when the source ends.
+    """
+
+    kind: str
+    held: frozenset[str] = attrs.field(converter=frozenset)
+    needs: frozenset[str] = attrs.field(converter=frozenset)
+    ended: type
+    uses: frozenset[type] = attrs.field(default=frozenset(), converter=frozenset)
+
+
+@attrs.frozen
 class Spec:
     """The full declaration of a machine, before compilation."""
 
@@ -96,6 +121,8 @@ class Spec:
     # Event fed by the plane after a protocol violation so that the machine
     # fails closed through its ordinary release path.
     fail_closed_event: type | None = None
+    # Another machine's resource this one uses (see Source); None: none.
+    source: Source | None = None
     doc: str = ""
 
 

@@ -13,7 +13,11 @@ Checks, each reported with the state (and event) at fault:
   states hold nothing.  By induction every path to a terminal
   state releases everything any state on it acquired, and nothing is
   released twice;
-- an ignored event never carries resources (ignoring it would drop them).
+- an ignored event never carries resources (ignoring it would drop them);
+- a machine that uses another machine's resource (``Spec.source``) ends on
+  ``source.ended`` from every live state, and builds an action that uses
+  the resource only from a state that needs it, where the plane guarantees
+  the source holds it (``validate_sources`` checks the other side).
 """
 from __future__ import annotations
 
@@ -159,8 +163,56 @@ def validate(spec: Spec) -> None:
             if not s.terminal and s.name != spec.initial and not all(isinstance(t, Transition) for t in got):
                 err(f"{s.name} x {_name(fc)}: the fail-closed event must be a transition in every state")
 
+    if spec.source is not None:
+        _check_source(spec, states, entries, err)
+
     if errors:
         raise MachineDefinitionError(f"machine {spec.name!r} is invalid:\n  " + "\n  ".join(errors))
+
+
+def _check_source(spec: Spec, states: dict, entries: dict, err) -> None:
+    src = spec.source
+    ended = src.ended
+    if ended not in spec.events:
+        err(f"source.ended {_name(ended)} is not in the machine's events")
+    for name in sorted(src.needs):
+        if name not in states or states[name].terminal:
+            err(f"source.needs: {name!r} is not a live state of the machine")
+    for s in spec.states:
+        if s.terminal or s.name == spec.initial:
+            continue
+        got = entries.get((s.name, ended), [])
+        if not got or not all(isinstance(t, Transition) and states.get(t.dest) is not None
+                               and states[t.dest].terminal for t in got):
+            err(f"{s.name} x {_name(ended)}: the end of the source must end the machine (a transition to a "
+                f"terminal state) in every live state")
+    for t in spec.table:
+        if isinstance(t, Transition):
+            for a in t.actions:
+                if any(issubclass(a, u) for u in src.uses) and t.src not in src.needs:
+                    err(f"{t.src} -> {t.dest} on {_name(t.event)}: builds {a.__name__}, which uses "
+                        f"{src.kind}'s resource, from a state outside source.needs (the source may not hold it)")
+
+
+def validate_sources(specs: dict[str, Spec]) -> None:
+    """The composition side of ``Spec.source``: the source kind exists, its
+    held states are its states, and none of them is terminal (the plane sees
+    a source leave them only on a transition)."""
+    errors = []
+    for name, spec in specs.items():
+        src = spec.source
+        if src is None:
+            continue
+        other = specs.get(src.kind)
+        if other is None:
+            errors.append(f"{name}: source kind {src.kind!r} is not a machine of this plane")
+            continue
+        known = {s.name: s for s in other.states}
+        for h in sorted(src.held):
+            if h not in known or known[h].terminal:
+                errors.append(f"{name}: source state {h!r} is not a live state of {src.kind}")
+    if errors:
+        raise MachineDefinitionError("machine sources are invalid:\n  " + "\n  ".join(errors))
 
 
 def _closure(start: str, graph: dict[str, set[str]]) -> set[str]:

@@ -150,6 +150,45 @@ def test_protocol_error_on_a_fresh_push_keeps_no_machine():
     assert p.stats["unknown_id:push_write:WriteDone"] == 1
 
 
+# ------------------------------------------------- a push lives only while its lease holds the blocks
+@pytest.mark.parametrize("order", ["ready_then_reg", "reg_then_ready"])
+def test_push_readied_without_a_held_lease_takes_nothing(order):
+    """Blocks handed to a push with no lease holding them (never granted, or
+    already reclaimed): the push never has them, no handshake starts, and a
+    registration alone only waits out its deadline."""
+    p = plane()
+    reg = E.PushRegistered(request_id="p1", engine_id="D0", remote_request_id="r1", remote_block_ids=(1,))
+    ready = E.PushReady(request_id="p1", block_ids=(7,))
+    first, second = (ready, reg) if order == "ready_then_reg" else (reg, ready)
+    assert p.handle(first, 0.0) == []
+    assert p.handle(second, 0.0) == []
+    assert p.get("remote_engine", "D0") is None and p.held() == []
+    if order == "ready_then_reg":
+        assert p.stats["source_not_held:push_write:PushReady"] == 1
+        assert p.get("push_write", "p1").state == "REGISTERED"
+        assert run_timers(p, 1000.0) == []
+    else:
+        assert p.stats["source_ended:push_write:PushReady"] == 1
+    assert p.get("push_write", "p1") is None and p.stats["final:push_write:FAILED"] == 1
+
+
+def test_push_that_finds_its_lease_gone_ends_instead_of_acting():
+    """The plane's last line: whatever event a push that needs its blocks
+    gets while the lease does not hold them, it ends and uses nothing (here
+    the lease is removed behind the plane's back)."""
+    p = plane()
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(7,)), 0.0)
+    p.handle(E.PushRegistered(request_id="p1", engine_id="D0", remote_request_id="r1", remote_block_ids=(1,)), 0.0)
+    p.handle(E.PushReady(request_id="p1", block_ids=(7,)), 0.0)
+    assert p.get("push_write", "p1").state == "CONNECTING"
+    del p.instances["lease"]["p1"]
+    out = connect(p, "D0", 1.0)
+    assert of_type(out, A.PostWrite) == []
+    assert p.get("push_write", "p1") is None
+    assert p.stats["source_ended:push_write:EngineReady"] == 1
+    assert p.get("remote_engine", "D0").refs == set()
+
+
 # ------------------------------------------------------------------ timers
 def test_stale_timers_are_skipped():
     p = plane()

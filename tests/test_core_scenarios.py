@@ -654,3 +654,84 @@ def test_a_turn2_read_is_cut_at_the_hold_expiry():
     out = r.handle(E.HandshakeOk(engine_id=D_ENGINE, samples=((10.0, 0.001),)), 1.0)
     assert len(of_type(out, A.PostRead)) == 1
     assert r.get("decode_request", "t2").deadline == 30.0
+
+
+# ------------------------------------------- (e') a push lives only while its lease holds the blocks
+def _freed_then_written(log) -> list:
+    """(free time, write time) for every PostWrite that follows its lease's FreeBlocks."""
+    freed = {}
+    bad = []
+    for t, a in log:
+        if isinstance(a, A.FreeBlocks):
+            freed.setdefault(a.request_id, t)
+        elif isinstance(a, A.PostWrite) and a.request_id in freed:
+            bad.append((freed[a.request_id], t))
+    return bad
+
+
+def test_push_handshake_completing_after_the_lease_expired_posts_no_write():
+    """The issue's scenario: lease 6 s, PUSH_REG at t=1, the handshake to D
+    times out at 6 and its retry completes at 7.2.  The lease expired at 6
+    (FreeBlocks): the push ends with it, and nothing writes from the freed
+    blocks when the engine comes up."""
+    p = Side(plane(kv_lease_duration=6.0), handshake="silent")
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(7, 8)), 0.0)
+    p.handle(E.PushReady(request_id="p1", block_ids=(7, 8)), 0.0)
+    p.handle(E.PushRegistered(request_id="p1", engine_id=D_ENGINE, remote_request_id="r1", remote_block_ids=(1, 2)),
+             1.0)
+    assert p.plane.get("push_write", "p1").state == "CONNECTING"
+    p.until(7.2)
+    p.handle(E.HandshakeOk(engine_id=D_ENGINE, samples=((0.0, 0.001),)), 7.2)
+    assert [(t, a) for t, a in p.log if isinstance(a, A.FreeBlocks)] == [(6.0, A.FreeBlocks("p1", (7, 8), "expired"))]
+    assert _freed_then_written(p.log) == []
+    assert p.sent(A.PostWrite) == []
+    assert p.plane.get("push_write", "p1") is None and p.plane.stats["final:push_write:FAILED"] == 1
+    assert held_by(p.plane, "p1") == []
+    engine = p.plane.get("remote_engine", D_ENGINE)
+    assert engine is None or engine.refs == set()
+
+
+def test_push_whose_lease_expired_fails_the_decoder_recv_and_holds_nothing():
+    """End to end with D: D registers, then hangs (its heartbeats stop
+    reaching P).  P's lease expires before P can WRITE, the push is dropped,
+    and D, when its wait is over, reports the recv failed."""
+    cfg = dict(kv_lease_duration=6.0)
+    d, p = Side(plane(**cfg)), Side(plane(**cfg), handshake="silent")
+    d.handle(new_request("r1", P_ENGINE, "p1", push=True), 0.0)
+    d.handle(E.BlocksAllocated(request_id="r1", block_ids=(1, 2), num_remote_tokens=32), 0.5)
+    (reg,) = of_type(d.handle(E.StartLoad(request_id="r1"), 0.5), A.SendPushRegistration)
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(7, 8)), 0.0)
+    p.handle(E.PushReady(request_id="p1", block_ids=(7, 8)), 0.0)
+    p.handle(E.PushRegistered(request_id=reg.remote_request_id, engine_id=D_ENGINE, remote_request_id=reg.request_id,
+                              remote_block_ids=reg.block_ids, remote_deadline=reg.deadline), 1.0)
+    p.until(7.2)
+    p.handle(E.HandshakeOk(engine_id=D_ENGINE, samples=((0.0, 0.001),)), 7.2)
+    d.until(1000.0)
+    p.until(1000.0)
+    assert p.sent(A.PostWrite) == []
+    ((t, report),) = [(t, a) for t, a in d.log if isinstance(a, A.ReportRecv)]
+    assert report == A.ReportRecv("r1", False, (1, 2)) and t == reg.deadline
+    assert d.plane.held() == [] and p.plane.held() == []
+
+
+@pytest.mark.parametrize("end", ["expired", "aborted"])
+def test_lease_ending_cancels_the_write_in_flight(end):
+    """A WRITE hangs; the lease ends under it (expiry, or P's scheduler
+    aborts it).  The WRITE is cancelled in the same step that frees the
+    blocks, and its late completion consumes nothing."""
+    p = Side(plane(kv_lease_duration=6.0, transfer_timeout=100.0))
+    out = _lease_and_push(p, "p1", 0.0, "reg_first")
+    assert names(out) == ["StartHandshake", "PostWrite"]
+    if end == "expired":
+        p.until(6.0)
+        at, step = 6.0, [a for t, a in p.log if t == 6.0]
+    else:
+        at, step = 3.0, p.handle(E.LeaseAbort(request_id="p1"), 3.0)
+    reason = "expired" if end == "expired" else "aborted"
+    assert A.FreeBlocks("p1", (7, 8), reason) in step and A.ReleaseXfer("p1", True) in step
+    assert p.plane.get("push_write", "p1") is None
+    # The fabric reports the cancelled WRITE done anyway: nothing is consumed twice.
+    assert p.handle(E.WriteDone(request_id="p1"), at + 0.5) == []
+    assert len(p.sent(A.FreeBlocks)) == 1
+    assert [h[0] for h in p.plane.held()] == ["remote_engine"]
+    assert p.plane.get("remote_engine", D_ENGINE).refs == set()

@@ -162,6 +162,7 @@ def default_event(kind, ev_type, inst):
         E.WriteDone: lambda: E.WriteDone(request_id=key),
         E.WriteFailed: lambda: E.WriteFailed(request_id=key, reason="remote error"),
         E.PushAbort: lambda: E.PushAbort(request_id=key),
+        E.SourceEnded: lambda: E.SourceEnded(kind=kind, request_id=key, source_state="EXPIRED"),
     }[ev_type]()
 
 

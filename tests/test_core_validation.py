@@ -197,3 +197,43 @@ def test_every_error_is_reported_at_once():
     errs = errors_of(spec)
     assert any(e.startswith("READING: waits on a remote party") for e in errs)
     assert any(e.startswith("HEARTBEATING x StartLoad: undeclared") for e in errs)
+
+
+# ------------------------------------------------- a machine that uses another machine's resource
+def test_source_end_must_end_the_machine_in_every_live_state():
+    """A push that ignored the end of its lease would outlive the blocks it WRITEs from."""
+    spec = replace_rows(push_write.SPEC, is_row(Transition, "WRITING", E.SourceEnded),
+                        ignore("WRITING", E.SourceEnded, "let the WRITE finish"))
+    assert errors_of(spec) == ["WRITING x SourceEnded: the end of the source must end the machine (a transition "
+                               "to a terminal state) in every live state"]
+    spec = replace_rows(push_write.SPEC, is_row(Transition, "CONNECTING", E.SourceEnded),
+                        on("CONNECTING", E.SourceEnded, "CONNECTING"))
+    assert "CONNECTING x SourceEnded: the end of the source must end the machine (a transition to a terminal " \
+           "state) in every live state" in errors_of(spec)
+
+
+def test_a_write_from_a_state_that_does_not_need_the_source_is_refused():
+    """REGISTERED has no blocks yet (the lease may not exist): no WRITE from there."""
+    spec = replace_rows(push_write.SPEC, is_row(Transition, "REGISTERED", E.PushReady),
+                        on("REGISTERED", E.PushReady, "WRITING", A.AcquireEngine, A.PostWrite,
+                           do=push_write._ready))
+    assert "REGISTERED -> WRITING on PushReady: builds PostWrite, which uses lease's resource, from a state " \
+           "outside source.needs (the source may not hold it)" in errors_of(spec)
+
+
+def test_source_needs_live_states():
+    spec = attrs.evolve(push_write.SPEC, source=attrs.evolve(push_write.SOURCE, needs=("WRITING", "DONE")))
+    assert "source.needs: 'DONE' is not a live state of the machine" in errors_of(spec)
+
+
+def test_a_plane_refuses_a_source_that_is_not_one_of_its_machines():
+    from statemachines.machines import MACHINES
+    from statemachines.plane import ControlPlane
+    from statemachines.spec import compile_machine as build
+
+    ghost = build(attrs.evolve(push_write.SPEC, source=attrs.evolve(push_write.SOURCE, kind="ghost")))
+    with pytest.raises(MachineDefinitionError, match="push_write: source kind 'ghost' is not a machine"):
+        ControlPlane(machines={**MACHINES, "push_write": ghost})
+    terminal = build(attrs.evolve(push_write.SPEC, source=attrs.evolve(push_write.SOURCE, held=("EXPIRED",))))
+    with pytest.raises(MachineDefinitionError, match="source state 'EXPIRED' is not a live state of lease"):
+        ControlPlane(machines={**MACHINES, "push_write": terminal})

@@ -23,6 +23,7 @@ def sample_event(cls, key, rng):
         E.BlocksAllocated: dict(block_ids=(5, 6), num_remote_tokens=pick([0, 16]), awaiting=pick([True, False])),
         E.EngineReady: dict(kind="x", engine_id="P0", clock_offset=pick([0.0, 50.0, -50.0])),
         E.EngineLost: dict(kind="x", engine_id="P0"),
+        E.SourceEnded: dict(kind="x", source_state=pick([None, "EXPIRED"])),
         E.RequestFinished: dict(hold_for_next_turn=pick([False, True])),
         E.LeaseGranted: dict(block_ids=(1, 2), expected_consumers=pick([1, 2]), renewable=pick([True, False])),
         E.ConsumerDone: dict(consumer=pick(["d0", "d1"]), expected_consumers=pick([1, 2])),

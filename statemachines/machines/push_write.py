@@ -14,6 +14,13 @@ deadline, less a safety margin, is already due, and otherwise gets that
 as its deadline when it comes before the transfer timeout: a hung WRITE is
 cancelled before D gives up.  A registration without a deadline writes
 under the transfer timeout alone.
+
+The WRITE reads P's leased blocks, so the push lives only while the lease
+(same request id) holds them (``SOURCE``): from the moment it has the
+blocks (AWAITING_REG, CONNECTING, WRITING), the plane fails it with
+SourceEnded when the lease expires, is released or aborted, or is not held
+when the push needs it; a WRITE in flight is cancelled with it.  D is not
+told: it reports the recv failed when its wait for the push is over.
 """
 from __future__ import annotations
 
@@ -23,9 +30,12 @@ import attrs
 
 from ..actions import AcquireEngine, CancelXfer, ConsumeLease, NoteActivity, PostWrite, ReleaseEngine, ReleaseXfer
 from ..base import Instance, TimerFired
-from ..events import EngineLost, EngineReady, PushAbort, PushReady, PushRegistered, WriteDone, WriteFailed
-from ..spec import Spec, State
+from ..events import (
+    EngineLost, EngineReady, PushAbort, PushReady, PushRegistered, SourceEnded, WriteDone, WriteFailed,
+)
+from ..spec import Source, Spec, State
 from ..table import error, ignore, on, rows
+from .lease import HELD as LEASE_HELD
 
 
 @attrs.define(slots=True)
@@ -96,13 +106,19 @@ STATES = (
     State("FAILED", terminal=True,
           doc="no WRITE completed (failed, cancelled or declined); the lease expires or is aborted on its own"),
 )
-EVENTS = (PushRegistered, PushReady, EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort, TimerFired)
+EVENTS = (PushRegistered, PushReady, EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort, SourceEnded,
+          TimerFired)
 LIVE = ["REGISTERED", "AWAITING_REG", "CONNECTING", "WRITING"]
+# The WRITE is from P's lease of the same request: the push may have the
+# blocks (and WRITE from them) only while the lease holds them.
+SOURCE = Source(kind="lease", held=LEASE_HELD, needs=("AWAITING_REG", "CONNECTING", "WRITING"), ended=SourceEnded,
+                uses=(PostWrite,))
 
 TABLE = rows(
     on("NEW", PushRegistered, "REGISTERED", do=_registered),
     on("NEW", PushReady, "AWAITING_REG", do=_ready),
-    error("NEW", [EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort], "no push was registered or readied"),
+    error("NEW", [EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort, SourceEnded],
+          "no push was registered or readied"),
     on("REGISTERED", PushReady, "CONNECTING", AcquireEngine, do=_ready),
     on("AWAITING_REG", PushRegistered, "CONNECTING", AcquireEngine, do=_registered),
     ignore(["REGISTERED", "CONNECTING", "WRITING"], PushRegistered, "duplicate PUSH_REG"),
@@ -124,6 +140,12 @@ TABLE = rows(
     on(["REGISTERED", "AWAITING_REG"], PushAbort, "FAILED"),
     on("CONNECTING", PushAbort, "FAILED", ReleaseEngine),
     on("WRITING", PushAbort, "FAILED", CancelXfer, ReleaseEngine),
+
+    # The lease no longer holds the blocks (expired, released, aborted):
+    # nothing may be written from them; a WRITE in flight is cancelled.
+    on(["REGISTERED", "AWAITING_REG"], SourceEnded, "FAILED"),
+    on("CONNECTING", SourceEnded, "FAILED", ReleaseEngine),
+    on("WRITING", SourceEnded, "FAILED", CancelXfer, ReleaseEngine),
 )
 
 SPEC = Spec(
@@ -134,5 +156,6 @@ SPEC = Spec(
     events=EVENTS,
     table=TABLE,
     fail_closed_event=PushAbort,
+    source=SOURCE,
     doc=__doc__,
 )
