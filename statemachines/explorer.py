@@ -5,19 +5,22 @@ real machines, or mutated ones), an abstract network between them, and a
 scheduler per side.  Each request i is, on D, decode_request ``d<i>``
 reading P's lease ``p<i>``; with the "read2" profile D holds its blocks
 after finishing (lease ``d<i>`` on D) and P reads them back for turn 2 as
-decode_request ``q<i>``.  P's clock is D's plus ``skew``.
+decode_request ``q<i>``; with the "push" profile D registers its blocks
+(PUSH_REG) and P's push_write ``p<i>`` WRITEs from its lease ``p<i>``.
+P's clock is D's plus ``skew``.
 
 Moves (each a BFS edge):
 - scheduler: arrive (P grants the lease and D gets the request with P's
   lease expiry, renewable, as the connector exports it), allocate, start
   load, run (only after the recv was reported), finish, abort (budgeted),
-  and the turn-2 counterparts;
+  the turn-2 counterparts, and for a push P aborting its lease (budgeted
+  with the aborts: P's client went away);
 - network: deliver any in-flight message (so reordering is implicit):
-  handshake replies, READ executions, READ completions, completion notifs,
-  heartbeats, disconnect notices;
+  handshake replies, READ and WRITE executions and completions, completion
+  notifs, push registrations, heartbeats, disconnect notices;
 - faults (``max_faults`` in total): lose or duplicate a notif/heartbeat,
-  fail or hang a handshake, fail or hang a READ (a hung peer), crash P;
-  a hung READ may complete late (before it is cancelled); and, outside
+  fail or hang a handshake, fail or hang a READ or WRITE (a hung peer),
+  crash P; a hung transfer may complete late (before it is cancelled); and, outside
   the default set (``STALL_FAULTS``), D stalls: for up to ``stall``
   seconds D does nothing (no timers, so no heartbeats and no deadlines;
   no scheduling; what is addressed to D waits, a request P exported
@@ -33,7 +36,8 @@ Abstractions, chosen so that the real machines pass: block ids are the
 same for every request (they are opaque to the machines), so requests of
 one profile are interchangeable; a cancelled READ does not execute; a
 crashed P stays down (its memory went with it, so its leases are no longer
-checked).  Push mode is not modeled.
+checked).  Push mode is modeled as far as P's side needs: D's blocks are
+not checked (D cannot see or stop a one-sided WRITE; see the README).
 
 State hashing: a canonical tuple of each plane's instances (kind, state,
 relevant fields, times relative to the plane's now) + live timers (the
@@ -49,7 +53,8 @@ lease that is not held, or whose expiry (in the reader's clock) is <= now
 (P's: reading freed blocks; D's: a turn-2 read of expired D-held blocks);
 a READ the fabric executed against such a lease while D was stalled is
 no violation by itself, but D accepting its completion is (the READ
-deadline must refuse it); FreeBlocks at most once per lease; ReportRecv only
+deadline must refuse it); no WRITE posted or executed from a lease that is
+not held (the push outliving its lease); FreeBlocks at most once per lease; ReportRecv only
 for an awaited recv, at most once; no request holds an engine_ref to an
 engine that is gone (evicted under it); no engine STALE within engine_ttl
 of observed activity; no protocol violation.  Liveness: from every
@@ -90,6 +95,7 @@ class Profile:
     num_remote_tokens: int
     awaiting: bool
     turn2: bool = False
+    push: bool = False
 
 
 PROFILES = {
@@ -97,9 +103,11 @@ PROFILES = {
     "hit": Profile("hit", 0, True),  # full prefix hit, awaited: notify P, report done
     "notify": Profile("notify", 0, False),  # full prefix hit nobody awaits
     "read2": Profile("read2", 4, True, turn2=True),  # read, hold blocks, P reads them back
+    "push": Profile("push", 4, True, push=True),  # D registers, P WRITEs from its lease
 }
 
-FAULTS = frozenset({"lose", "dup", "hs_fail", "hs_hang", "read_fail", "read_hang", "crash"})
+FAULTS = frozenset({"lose", "dup", "hs_fail", "hs_hang", "read_fail", "read_hang", "write_fail", "write_hang",
+                    "crash"})
 # D stalls (SIGSTOP, overload): for up to ``ExploreConfig.stall`` seconds D's
 # loop does nothing while P's clock and timers run on.  Not in the default
 # fault set (it multiplies the state space); ``kvplane explore --stall``.
@@ -277,6 +285,8 @@ class Model:
             if (ARRIVED <= ph <= RUNNING and w.aborts < cfg.max_aborts and not (ph == LOADING and not prof.awaiting)
                     and not stalled):
                 out.append(("abort", i))
+            if prof.push and w.aborts < cfg.max_aborts and f"p{i}" in w.planes["P"].instances["lease"]:
+                out.append(("p_abort", i))
             if urgent:
                 continue
             if ph == NEW and not w.crashed:
@@ -329,6 +339,11 @@ class Model:
                     out.append(("read_fail", j))
                 if "read_hang" in allowed:
                     out.append(("read_hang", j))
+            elif k == "write":
+                if "write_fail" in allowed:
+                    out.append(("write_fail", j))
+                if "write_hang" in allowed:
+                    out.append(("write_hang", j))
         for j in range(len(w.stalled)):
             out.append(("late", j))
         if faults_left and not w.crashed and "crash" in allowed:
@@ -351,7 +366,7 @@ class Model:
     def _parked(m: tuple) -> bool:
         """A message D's own loop must handle (a reply, completion, notif,
         disconnect or new request addressed to D): it waits while D stalls."""
-        return m[1] == "D" and m[0] in ("hs", "rdone", "rfail", "notif", "disc", "new")
+        return m[1] == "D" and m[0] in ("hs", "rdone", "rfail", "notif", "disc", "new", "pushed")
 
     def _blocks_time(self, w: World, m: tuple) -> bool:
         """Whether time may not pass while ``m`` is in flight.  During a stall
@@ -393,7 +408,8 @@ class Model:
 
     def describe(self, w: World, move: tuple) -> str:
         name = move[0]
-        if name in ("deliver", "lose", "dup", "hs_fail", "hs_hang", "read_fail", "read_hang"):
+        if name in ("deliver", "lose", "dup", "hs_fail", "hs_hang", "read_fail", "read_hang", "write_fail",
+                    "write_hang"):
             return f"{name} {w.net[move[1]]} @t={w.t:g}"
         if name == "late":
             return f"late completion of hung {w.stalled[move[1]]} @t={w.t:g}"
@@ -407,6 +423,8 @@ class Model:
             return f"D stalls @t={w.t:g} (for at most {self.cfg.stall:g} s)"
         if name == "resume":
             return f"D resumes @t={w.t:g}"
+        if name == "p_abort":
+            return f"P aborts lease p{move[1]} @t={w.t:g}"
         return f"{name} request {move[1]} ({self.profiles[move[1]].name}) @t={w.t:g}"
 
     def _hb_due(self, w: World) -> bool:
@@ -461,7 +479,7 @@ class Model:
             m = w.net[move[1]]
             w.net = w.net[: move[1]] + w.net[move[1] + 1:]
             self._deliver(w, m)
-        elif name in ("lose", "dup", "hs_fail", "hs_hang", "read_fail", "read_hang"):
+        elif name in ("lose", "dup", "hs_fail", "hs_hang", "read_fail", "read_hang", "write_fail", "write_hang"):
             w.faults += 1
             j = move[1]
             m = w.net[j]
@@ -473,7 +491,9 @@ class Model:
                 self._feed(w, m[1], E.HandshakeFailed(engine_id=m[2], reason="injected"))
             elif name == "read_fail":
                 w.net = w.net + (("rfail", m[1], m[2]),)
-            elif name == "read_hang":
+            elif name == "write_fail":
+                w.net = w.net + (("wfail", m[1], m[2]),)
+            elif name in ("read_hang", "write_hang"):
                 w.stalled = w.stalled + (m,)
             # lose / hs_hang: the message is gone
         elif name == "late":
@@ -483,6 +503,9 @@ class Model:
             self._deliver(w, m)
         elif name == "crash":
             self._crash(w)
+        elif name == "p_abort":
+            w.aborts += 1
+            self._feed(w, "P", E.LeaseAbort(request_id=f"p{move[1]}"))
         else:
             self._schedule(w, name, move[1])
         self._check(w)
@@ -501,7 +524,8 @@ class Model:
         # The params as the connector exports them (connector.py _params):
         # P's lease expiry in P's clock, renewable by heartbeats.
         self._feed(w, "D", E.NewRequest(request_id=f"d{i}", engine_id="P", remote_request_id=f"p{i}",
-                                        remote_block_ids=(2,), remote_expiry=w.p_expiry[i], remote_renewable=True))
+                                        remote_block_ids=(2,), remote_expiry=w.p_expiry[i], remote_renewable=True,
+                                        push=self.profiles[i].push))
         w.phase[i] = ARRIVED
 
     def _schedule(self, w: World, name: str, i: int) -> None:
@@ -510,6 +534,8 @@ class Model:
         if name == "arrive":
             self._feed(w, "P", E.LeaseGranted(request_id=p, block_ids=(2,), expected_consumers=1))
             w.p_expiry[i] = w.planes["P"].instances["lease"][p].expiry
+            if prof.push:  # as the connector does: the push may start once D registers
+                self._feed(w, "P", E.PushReady(request_id=p, block_ids=(2,)))
             if w.stall is None:
                 self._new_request(w, i)
             else:  # the params wait for D's loop
@@ -567,9 +593,9 @@ class Model:
         for m in w.net + w.stalled:
             if m[0] == "read" and m[3] == "P":
                 net.append(("rfail", m[1], m[2]))  # the transport sees the peer die
-            elif m[0] in ("notif", "hb") and m[1] == "P":
+            elif m[0] in ("notif", "hb", "preg") and m[1] == "P":
                 continue
-            elif m[0] in ("hs", "read", "rdone", "rfail", "disc") and m[1] == "P":
+            elif m[0] in ("hs", "read", "rdone", "rfail", "disc", "write", "wdone", "wfail") and m[1] == "P":
                 continue
             else:
                 net.append(m)
@@ -604,6 +630,21 @@ class Model:
             w.net = w.net + (("rdone", src, req, dst, stale), ("notif", dst, rrid, src, n))
         elif k == "new":
             self._new_request(w, self.names[m[2]][1])
+        elif k == "preg":
+            _, dst, prid, drid, deadline = m
+            self._feed(w, dst, E.PushRegistered(request_id=prid, engine_id="D", remote_request_id=drid,
+                                                remote_block_ids=(1,), remote_deadline=deadline))
+        elif k == "write":
+            _, src, req, dst, drid = m
+            self._check_write(w, src, req, "executed")
+            # NIXL delivers the WRITE's notification with it.
+            w.net = w.net + (("wdone", src, req), ("pushed", dst, drid))
+        elif k == "wdone":
+            self._feed(w, m[1], E.WriteDone(request_id=m[2]))
+        elif k == "wfail":
+            self._feed(w, m[1], E.WriteFailed(request_id=m[2], reason="peer error"))
+        elif k == "pushed":
+            self._feed(w, m[1], E.PushDone(request_id=m[2]))
         elif k == "rdone":
             _, src, req, dst, stale = m
             inst = w.planes[src].instances["decode_request"].get(req)
@@ -654,6 +695,17 @@ class Model:
                              f"{problem}")
             raise _Found("read_of_unheld_lease", f"READ {what} against P lease {rrid}, {problem}")
 
+    def _check_write(self, w: World, src: str, req: str, what: str) -> None:
+        """A WRITE reads the writer's own lease of the same request: it must
+        be held (P's clock and timers decide; no offset is involved)."""
+        if src == "P" and w.crashed:
+            return
+        lease = w.planes[src].instances["lease"].get(req)
+        if lease is None or lease.state not in HELD_LEASE:
+            state = lease.state if lease is not None else "gone (released, expired or aborted)"
+            raise _Found("write_from_unheld_lease", f"WRITE {what} from {src} lease {req}, which is {state}: "
+                         f"the push outlived the blocks it writes from")
+
     def _emit(self, w: World, pname: str, actions) -> None:
         for a in actions:
             cname = type(a).__name__
@@ -661,10 +713,16 @@ class Model:
                 self._check_lease(w, pname, a.engine_id, a.remote_request_id, "posted")
                 w.net = w.net + (("read", pname, a.request_id, a.engine_id, a.remote_request_id,
                                   a.expected_consumers),)
+            elif cname == "PostWrite":
+                self._check_write(w, pname, a.request_id, "posted")
+                w.net = w.net + (("write", pname, a.request_id, a.engine_id, a.remote_request_id),)
+            elif cname == "SendPushRegistration":
+                w.net = w.net + (("preg", a.engine_id, a.remote_request_id, a.request_id, a.deadline),)
             elif cname == "ReleaseXfer":
                 if a.cancel:
-                    # A cancelled READ never executes; its completion may not come.
-                    keep = lambda m: not (m[0] == "read" and m[1] == pname and m[2] == a.request_id)  # noqa: E731
+                    # A cancelled transfer never executes; its completion may not come.
+                    keep = lambda m: not (m[0] in ("read", "write") and m[1] == pname  # noqa: E731
+                                          and m[2] == a.request_id)
                     w.net = tuple(m for m in w.net if keep(m))
                     w.stalled = tuple(m for m in w.stalled if keep(m))
             elif cname == "SendNotif":
@@ -774,6 +832,9 @@ class Model:
         for m in w.net:
             if m[0] == "hb":
                 net.append(("hb", m[1], tuple(sorted(rename.get(r, r) for r in m[2]))))
+            elif m[0] == "preg":  # D's give-up time (D's clock), relative
+                net.append(("preg", m[1], rename.get(m[2], m[2]), rename.get(m[3], m[3]),
+                            self._rel(m[4], self.now(w, "D"))))
             else:
                 net.append(tuple(rename.get(x, x) if isinstance(x, str) else x for x in m))
         net.sort()
@@ -802,6 +863,7 @@ class Model:
             self._lease_sig(P.instances["lease"].get(p), np_),
             self._lease_sig(D.instances["lease"].get(d), nd),
             self._req_sig(P.instances["decode_request"].get(q), np_, "P", P, True),
+            self._push_sig(P.instances["push_write"].get(p), np_),
             ("D", d) in w.awaited, ("D", d) in w.reported, ("P", q) in w.awaited, ("P", q) in w.reported,
             ("P", p) in w.freed, ("D", d) in w.freed,
             self._rel(w.hold_expiry[i], nd) if w.phase2[i] == NEW else None,
@@ -864,6 +926,14 @@ class Model:
         since, _ = D.heartbeats.chain("P")
         e = w.p_expiry[i] - self._offset("D", "P")
         return (self._rel(w.p_expiry[i], np_), since is None or e > since)
+
+    def _push_sig(self, push, now) -> tuple | None:
+        if push is None:
+            return None
+        # D's give-up time, in P's clock as the push compares it.
+        until = None if push.remote_deadline is None else push.remote_deadline - self._offset("P", "D")
+        return (push.state, self._rel(push.deadline, now), self._rel(until, now), bool(push.block_ids),
+                push.engine_id)
 
     def _lease_sig(self, lease, now) -> tuple | None:
         if lease is None:

@@ -10,7 +10,7 @@ from statemachines.base import TimerFired
 from statemachines.eventlog import read_log
 from statemachines.events import EngineActivity, EngineReady
 from statemachines.explorer import EXPLORER_PLANE_CONFIG, STALL_FAULTS, ExploreConfig, clone_plane, explore
-from statemachines.machines import MACHINES, SPECS, decode_request, lease, remote_engine
+from statemachines.machines import MACHINES, SPECS, decode_request, lease, push_write, remote_engine
 from statemachines.plane import ControlPlane
 from statemachines.replay import replay
 from statemachines.spec import Ignore, MachineDefinitionError, Transition, compile_machine, with_timer_ignores
@@ -124,6 +124,57 @@ def test_bug_evict_engine_with_transfer_in_flight():
     r = explore(machines=with_machine("remote_engine", machine), requests=("read",), faults=frozenset({"read_hang"}),
                 max_aborts=0, max_depth=14)
     assert_found(r, "evicted_while_referenced")
+
+
+# ------------------------------------------------------------ bug 8: the push outlives its lease
+def _push_outliving_its_lease():
+    """push_write as it was: no source, so nothing ends the push when its
+    lease ends, and nothing stops a WRITE from blocks no lease holds.  It
+    passes validation, as the real bug did."""
+    return compile_machine(attrs.evolve(push_write.SPEC, source=None))
+
+
+# A push window longer than the lease, as in production (60 s against 30 s):
+# a push may wait for its WRITE past the lease's expiry.
+PUSH_PLANE = attrs.evolve(EXPLORER_PLANE_CONFIG, push_registration_timeout=10.0, transfer_timeout=8.0)
+
+
+@pytest.mark.parametrize("route", ["p_abort", "write_hung_past_expiry", "handshake_after_expiry"])
+def test_bug_push_writes_from_a_lease_that_ended(route, tmp_path):
+    """p_abort: P's scheduler aborts the lease while the handshake to D is
+    under way.  write_hung_past_expiry: the WRITE hangs, D stalls (no
+    heartbeats), the lease expires and the hung WRITE then executes.
+    handshake_after_expiry: the issue's scenario: the handshake to D is lost
+    while D stalls, its retry completes after the lease expired."""
+    kw = {
+        "p_abort": dict(max_depth=10),
+        "write_hung_past_expiry": dict(faults=frozenset({"write_hang", "stall"}), max_faults=2, max_aborts=0,
+                                       max_depth=12, plane=PUSH_PLANE),
+        "handshake_after_expiry": dict(faults=frozenset({"hs_hang", "stall"}), max_faults=2, max_aborts=0,
+                                       max_depth=12, plane=attrs.evolve(PUSH_PLANE, handshake_timeout=5.5)),
+    }[route]
+    assert explore(requests=("push",), **kw).ok
+    machines = with_machine("push_write", _push_outliving_its_lease())
+    r = explore(machines=machines, requests=("push",), **kw)
+    v = assert_found(r, "write_from_unheld_lease")
+    what = "executed" if route == "write_hung_past_expiry" else "posted"
+    assert f"WRITE {what} from P lease p0" in v.message
+    if route == "p_abort":
+        assert any("P aborts lease p0" in m for m in v.moves)
+    else:
+        assert any("D stalls" in m for m in v.moves)
+    for p in v.write(str(tmp_path / "cex")):
+        res = replay(p, machines=machines)
+        assert res.divergence is None, res.divergence
+
+
+def test_real_machines_pass_push_with_faults():
+    r = explore(requests=("push",), faults=STALL_FAULTS, max_depth=12)
+    assert r.ok and not r.truncated, "\n".join(map(str, r.violations))
+    r = explore(requests=("push",), faults=STALL_FAULTS, max_faults=2, max_depth=12, plane=PUSH_PLANE, skew=-8.0)
+    assert r.ok and not r.truncated, "\n".join(map(str, r.violations))
+    r = explore(requests=("push", "read"), max_depth=8)
+    assert r.ok and not r.truncated, "\n".join(map(str, r.violations))
 
 
 def test_counterexample_logs_replay_exactly(tmp_path):
