@@ -1,39 +1,82 @@
 """Plane configuration.  Durations in seconds; derived values are properties
-so that the single source of truth is ``kv_lease_duration``."""
+so that the single source of truth is ``kv_lease_duration``.
+
+Every number must be finite and in range: a NaN or infinite duration would
+make a comparison that guards blocks (a deadline, the READ gate) silently
+false.  A bad value raises ``ConfigError`` naming the field.
+"""
 from __future__ import annotations
+
+import math
 
 import attrs
 
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
+# Exponential backoff doubles per attempt; beyond this the delay is absurd
+# (2**63 s) and the float arithmetic overflows.
+MAX_HANDSHAKE_ATTEMPTS = 64
+
+
+class ConfigError(ValueError):
+    """A PlaneConfig field with a bad value; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+def _number(minimum: float, *, strict: bool = False, integer: bool = False, maximum: float | None = None):
+    """A validator: a finite real number (an int when ``integer``) that is
+    >= ``minimum`` (> when ``strict``) and <= ``maximum``."""
+    kind = "an integer" if integer else "a finite number"
+    bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+    if maximum is not None:
+        bound += f" and <= {maximum:g}"
+
+    def check(inst, attribute, value):
+        ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok_type:
+            raise ConfigError(attribute.name, f"must be {kind} {bound}, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(attribute.name, f"must be {kind} {bound}, got {value!r}")
+        if (value <= minimum if strict else value < minimum) or (maximum is not None and value > maximum):
+            raise ConfigError(attribute.name, f"must be {bound}, got {value!r}")
+
+    return check
 
 
 def _positive(inst, attribute, value):
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+    _number(0, strict=True)(inst, attribute, value)
+
+
+def _policy(inst, attribute, value):
+    if value not in LOAD_FAILURE_POLICIES:
+        raise ConfigError(attribute.name, f"must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
 class PlaneConfig:
     # Prefill lease: granted for this long, extended by heartbeats.  At least
     # 6 s, so the heartbeat interval (d // 6) is at least one second.
-    kv_lease_duration: float = attrs.field(default=30.0, validator=attrs.validators.ge(6))
+    kv_lease_duration: float = attrs.field(default=30.0, validator=_number(6))
     # Bidirectional: how long D keeps a finished request's blocks for turn 2.
     decoder_kv_blocks_ttl: float = attrs.field(default=480.0, validator=_positive)
     # Turn-2 reads are declined this close to the remote expiry.
-    expiry_safety_margin: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
+    expiry_safety_margin: float = attrs.field(default=5.0, validator=_number(0))
     # A connected engine with no activity for this long becomes STALE, and is
     # evicted one more TTL later unless a transfer still references it.
     engine_ttl: float = attrs.field(default=60.0, validator=_positive)
     handshake_timeout: float = attrs.field(default=5.0, validator=_positive)
     handshake_backoff: float = attrs.field(default=1.0, validator=_positive)
-    handshake_max_attempts: int = attrs.field(default=3, validator=_positive)
+    handshake_max_attempts: int = attrs.field(
+        default=3, validator=_number(1, integer=True, maximum=MAX_HANDSHAKE_ATTEMPTS))
     # Bound on one posted READ/WRITE: a hung peer keeps a transfer in PROC forever.
     transfer_timeout: float = attrs.field(default=30.0, validator=_positive)
     # Bound on a whole recv, from block allocation to the last byte.
     recv_timeout: float = attrs.field(default=120.0, validator=_positive)
     # Push mode: how long P keeps a D registration, and D waits for P's WRITE.
     push_registration_timeout: float = attrs.field(default=60.0, validator=_positive)
-    kv_load_failure_policy: str = attrs.field(default="recompute", validator=attrs.validators.in_(LOAD_FAILURE_POLICIES))
+    kv_load_failure_policy: str = attrs.field(default="recompute", validator=_policy)
 
     @property
     def heartbeat_interval(self) -> float:

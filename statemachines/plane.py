@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 from collections import Counter, deque
 from typing import Any, Callable, Iterable
 
@@ -57,6 +58,17 @@ CREATORS: dict[type, str] = {
 Recorder = Callable[[Event, float, str, str | None, str | None, list], None]
 
 
+class NonFiniteTime(ValueError):
+    """``now`` passed to the plane is NaN or infinite: every deadline and
+    gate would compare false.  The embedder's clock is broken; nothing is
+    changed."""
+
+
+def _check_now(now) -> None:
+    if not math.isfinite(now):
+        raise NonFiniteTime(f"now must be a finite number of seconds, got {now!r}")
+
+
 class ControlPlane:
     def __init__(self, config: PlaneConfig | None = None, machines: dict[str, Machine] | None = None):
         self.config = config or PlaneConfig()
@@ -77,7 +89,9 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ input
     def handle(self, event: Event, now: float) -> list[Action]:
-        """Feed one external stimulus; returns the actions for the world."""
+        """Feed one external stimulus; returns the actions for the world.
+        Raises NonFiniteTime, and does nothing, when ``now`` is not finite."""
+        _check_now(now)
         out: list[Action] = []
         queue: list[Event] = []  # internal events, FIFO by index (no deque per call)
         self._dispatch(event, now, out, queue, True)
@@ -109,6 +123,7 @@ class ControlPlane:
 
     def fire_due(self, now: float) -> list[Action]:
         """Fire every timer due at ``now``; returns the actions for the world."""
+        _check_now(now)
         out: list[Action] = []
         timers = self._timers
         while timers and timers[0][0] <= now:
@@ -224,6 +239,12 @@ class ControlPlane:
             self.stats[f"ignored:{kind}:{before}:{cls.__name__}"] += 1
         deadline = inst.deadline
         if deadline is not None and deadline != old_deadline:
+            if not math.isfinite(deadline):
+                # A deadline that is not a number (a NaN or infinite duration
+                # in an event) would never fire, or break the heap: the
+                # machine times out now, through its ordinary release path.
+                self._anomaly("nonfinite_deadline", kind, key, event, repr(deadline))
+                deadline = inst.deadline = now
             self._seq += 1
             heapq.heappush(self._timers, (deadline, self._seq, kind, key))
         if top and self.recorder is not None:

@@ -105,3 +105,41 @@ def test_the_property_has_teeth_without_the_heartbeat_chain():
     assert simulate(stall_before_alloc) == []  # the real gate declines
     with pytest.raises(AssertionError, match="READ of a lease"):
         simulate(stall_before_alloc, buggy)
+
+
+# ------------------------------------------------------ inputs that are not numbers
+_finite = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)
+_non_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+
+
+@settings(max_examples=300, deadline=None)
+@given(expiry=_finite, offset=_finite, arrived=_finite, hb=st.one_of(st.none(), _finite), gap=st.floats(0, 100),
+       now=_finite, renewable=st.booleans(), spoil=st.sampled_from(["remote_expiry", "clock_offset", "heartbeat_at",
+                                                                    "heartbeats_since", "now"]),
+       bad=_non_finite)
+def test_the_gate_declines_whenever_an_input_is_not_finite(expiry, offset, arrived, hb, gap, now, renewable, spoil,
+                                                           bad):
+    """Whatever the finite inputs, replacing one that the gate reads by NaN
+    or an infinity makes it decline (never a READ on a number it cannot
+    compare)."""
+    import attrs
+
+    from statemachines.machines.decode_request import DecodeRequest, remote_blocks_expired
+
+    since = None if hb is None else hb - gap
+    r = DecodeRequest(key="r", state="HANDSHAKING", remote_expiry=expiry, remote_renewable=renewable,
+                      arrived=arrived)
+    ev = E.EngineReady(kind="decode_request", request_id="r", engine_id="P", clock_offset=offset, heartbeat_at=hb,
+                       heartbeats_since=since)
+    if spoil == "remote_expiry":
+        r.remote_expiry = bad
+    elif spoil == "now":
+        now = bad
+    elif spoil in ("heartbeat_at", "heartbeats_since"):
+        if not renewable:
+            return  # a fixed-TTL hold does not read heartbeats
+        ev = attrs.evolve(ev, heartbeat_at=bad if spoil == "heartbeat_at" else (hb if hb is not None else 0.0),
+                          heartbeats_since=bad if spoil == "heartbeats_since" else (since if since is not None else 0.0))
+    else:
+        ev = attrs.evolve(ev, clock_offset=bad)
+    assert remote_blocks_expired(r, ev, CFG, now)

@@ -11,6 +11,7 @@ awaited recv is reported exactly once and a notify-only one never is.
 """
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import attrs
@@ -102,22 +103,34 @@ def full_prefix_hit(r: DecodeRequest, ev, cfg, now) -> bool:
 
 
 def remote_blocks_expired(r: DecodeRequest, ev: EngineReady, cfg, now) -> bool:
-    """remote blocks valid until <= now + margin"""
+    """remote blocks not valid beyond now + margin"""
     valid_until = remote_valid_until(r, ev, cfg)
     if valid_until is None:
         return False
     # Heartbeats keep a live lease at least extension - interval ahead.
     margin = min(cfg.expiry_safety_margin, cfg.heartbeat_interval) if r.remote_renewable else cfg.expiry_safety_margin
-    return valid_until <= now + margin
+    # Written so that a comparison with NaN declines; a ``now`` of -inf would
+    # make any expiry look far ahead.
+    return not (valid_until > now + margin and math.isfinite(now))
+
+
+# Validity of blocks whose expiry cannot be judged (an input is not a finite
+# number): never valid, so the gate declines and a READ deadline is now.
+NOT_VALID = -math.inf
 
 
 def remote_valid_until(r: DecodeRequest, ev: EngineReady, cfg) -> float | None:
     """Until when (our clock) the remote blocks are surely still held; None
-    when the remote sent no expiry."""
+    when the remote sent no expiry; NOT_VALID when an input (the expiry, the
+    clock offset, our heartbeat times) is NaN or infinite."""
     if r.remote_expiry is None:
         return None
     # The expiry is in the remote clock; offset = remote clock - local clock.
+    if not (_finite(r.remote_expiry) and _finite(ev.clock_offset)):
+        return NOT_VALID
     valid_until = r.remote_expiry - ev.clock_offset
+    if not math.isfinite(valid_until):  # two huge finite values
+        return NOT_VALID
     if r.remote_renewable:
         # Each heartbeat P received extended the lease to at least its send
         # time + extension (our clock; receipt is later still), provided the
@@ -125,9 +138,17 @@ def remote_valid_until(r: DecodeRequest, ev: EngineReady, cfg) -> float | None:
         # carried this request and no gap broke the chain since.  A decoder
         # that stalled (SIGSTOP, overload) must not read blocks P reclaimed.
         hb, since = ev.heartbeat_at, ev.heartbeats_since
-        if hb is not None and hb > r.arrived and valid_until > max(r.arrived + cfg.heartbeat_interval, since):
-            valid_until = max(valid_until, hb + cfg.lease_extension)
+        if hb is not None:
+            if not (_finite(hb) and _finite(since) and _finite(r.arrived)):
+                return NOT_VALID
+            if hb > r.arrived and valid_until > max(r.arrived + cfg.heartbeat_interval, since):
+                valid_until = max(valid_until, hb + cfg.lease_extension)
     return valid_until
+
+
+def _finite(x) -> bool:
+    """A real, finite number (not a bool, not None)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def push_mode(r: DecodeRequest, ev, cfg, now) -> bool:

@@ -24,6 +24,7 @@ told: it reports the recv failed when its wait for the push is over.
 """
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import attrs
@@ -79,18 +80,29 @@ def push_margin(cfg) -> float:
 
 def remote_write_until(p: PushWrite, ev: EngineReady, cfg) -> float | None:
     """Until when (our clock) a WRITE into D's blocks may run: D's deadline
-    less the margin; None when D sent no deadline."""
+    less the margin; None when D sent no deadline; -inf (never) when D's
+    deadline or the clock offset is NaN or infinite."""
     if p.remote_deadline is None:
         return None
     # D's deadline is in D's clock; offset = remote clock - local clock.
-    return p.remote_deadline - ev.clock_offset - push_margin(cfg)
+    until = _as_float(p.remote_deadline) - _as_float(ev.clock_offset) - push_margin(cfg)
+    return until if math.isfinite(until) else -math.inf
+
+
+def _as_float(x) -> float:
+    """``x`` as a float, NaN when it is not a real number."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return math.nan
+    return float(x)
 
 
 # ------------------------------------------------------------------ guards
 def decoder_gives_up_first(p: PushWrite, ev: EngineReady, cfg, now) -> bool:
-    """D's deadline - margin <= now"""
+    """D's deadline - margin not after now"""
     write_until = remote_write_until(p, ev, cfg)
-    return write_until is not None and write_until <= now
+    # Written so that a comparison with NaN declines; a ``now`` of -inf
+    # would make any deadline look far ahead.
+    return write_until is not None and not (write_until > now and math.isfinite(now))
 
 
 _wait = lambda p, cfg, now: p.wait_deadline  # noqa: E731

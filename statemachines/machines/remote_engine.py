@@ -4,10 +4,13 @@ Requests acquire a reference before they use the engine and release it on
 every path out; the engine is never evicted while a reference (an in-flight
 transfer, a pending push) exists.  Any activity refreshes liveness; silence
 for ``engine_ttl`` makes it STALE and one more TTL evicts it.  The clock
-offset is the one from the lowest-RTT handshake sample.
+offset is the one from the lowest-RTT handshake sample; a sample that is not
+a pair of finite numbers is not taken, and an engine with samples but none
+usable has an unknown (NaN) offset, which every expiry gate declines.
 """
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import attrs
@@ -74,10 +77,34 @@ def _connected(e: RemoteEngine, ev: HandshakeOk, cfg, now) -> None:
 
 
 def _resampled(e: RemoteEngine, ev: HandshakeOk, cfg, now) -> None:
-    for offset, rtt in ev.samples:
+    usable = False
+    for sample in ev.samples:
+        offset, rtt = _sample(sample)
+        if offset is None:
+            continue
+        usable = True
         if rtt < e.best_rtt:
             e.best_rtt, e.clock_offset = rtt, offset
+    if ev.samples and not usable and e.best_rtt == math.inf:
+        # Samples came, none a number: the offset is unknown, and an unknown
+        # offset makes every expiry gate decline (NaN fails closed there).
+        e.clock_offset = math.nan
     e.last_activity = now
+
+
+def _sample(sample) -> tuple[float | None, float]:
+    """(offset, rtt) of a clock sample, or (None, inf) unless both are
+    finite numbers and the round trip is not negative."""
+    try:
+        offset, rtt = sample
+    except (TypeError, ValueError):
+        return None, math.inf
+    for x in (offset, rtt):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            return None, math.inf
+    if rtt < 0:
+        return None, math.inf
+    return float(offset), float(rtt)
 
 
 def _touch(e: RemoteEngine, ev, cfg, now) -> None:
