@@ -7,13 +7,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from statemachines import events as E
-from statemachines.actions import ReportRecv
+from statemachines.actions import PostWrite, ReleaseXfer, ReportRecv
 from statemachines.config import PlaneConfig
+from statemachines.machines.push_write import SOURCE
 from statemachines.plane import ControlPlane
 
 REQ = st.sampled_from(["r1", "r2", "r3", "ghost"])
 ENG = st.sampled_from(["e1", "e2", "nope"])
 PEER = st.sampled_from(["x1", "x2", "x3"])
+# Numbers from the wire or the embedder, NaN and infinities included.
+NON_FINITE = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 CFG = PlaneConfig(kv_lease_duration=6.0, engine_ttl=4.0, handshake_timeout=2.0, transfer_timeout=3.0,
                   recv_timeout=8.0, push_registration_timeout=3.0, decoder_kv_blocks_ttl=10.0)
 
@@ -33,6 +36,12 @@ class PlaneMachine(RuleBasedStateMachine):
         states = p.machines["decode_request"].states
         awaiting = {k for k, i in p.instances["decode_request"].items() if "report" in states[i.state].holds}
         out = fn()  # never raises: any exception fails the test
+        for n, a in enumerate(out):
+            if isinstance(a, PostWrite):
+                # From blocks the lease still holds, or cancelled in the same step.
+                lease = p.instances["lease"].get(a.request_id)
+                assert (lease is not None and lease.state in SOURCE.held) or \
+                    ReleaseXfer(a.request_id, True) in out[n:], f"WRITE {a.request_id} from an unheld lease"
         for a in out:
             if isinstance(a, ReportRecv):
                 assert a.request_id in awaiting, f"ReportRecv for {a.request_id}, which was not awaited"
@@ -43,7 +52,7 @@ class PlaneMachine(RuleBasedStateMachine):
         # A request that awaits again (a new incarnation) may be reported again.
         self.reported -= {k for k, i in p.instances["decode_request"].items() if "report" in states[i.state].holds}
 
-    @rule(r=REQ, e=ENG, peer=PEER, push=st.booleans(), expiry=st.none() | st.floats(0, 30))
+    @rule(r=REQ, e=ENG, peer=PEER, push=st.booleans(), expiry=st.none() | st.floats(0, 30) | NON_FINITE)
     def new_request(self, r, e, peer, push, expiry):
         self._feed(E.NewRequest(request_id=r, engine_id=e, remote_request_id=peer, remote_block_ids=(1,),
                                 push=push, remote_expiry=expiry))
@@ -60,7 +69,7 @@ class PlaneMachine(RuleBasedStateMachine):
     def finished(self, r, hold):
         self._feed(E.RequestFinished(request_id=r, block_ids=(2,), hold_for_next_turn=hold))
 
-    @rule(e=ENG, offset=st.floats(-5, 5), notify=st.booleans())
+    @rule(e=ENG, offset=st.floats(-5, 5) | NON_FINITE, notify=st.booleans())
     def handshake_ok(self, e, offset, notify):
         self._feed(E.HandshakeOk(engine_id=e, samples=((offset, 0.01),), notify_only=notify))
 
@@ -68,9 +77,9 @@ class PlaneMachine(RuleBasedStateMachine):
     def engine_event(self, e, which):
         self._feed(getattr(E, which)(engine_id=e))
 
-    @rule(p=PEER, n=st.integers(1, 2))
-    def lease_granted(self, p, n):
-        self._feed(E.LeaseGranted(request_id=p, block_ids=(3,), expected_consumers=n))
+    @rule(p=PEER, n=st.integers(1, 2), duration=st.none() | st.floats(0, 20) | NON_FINITE)
+    def lease_granted(self, p, n, duration):
+        self._feed(E.LeaseGranted(request_id=p, block_ids=(3,), expected_consumers=n, duration=duration))
 
     @rule(p=PEER, which=st.sampled_from(["LeaseHeartbeat", "LeaseAbort"]))
     def lease_event(self, p, which):
@@ -80,10 +89,12 @@ class PlaneMachine(RuleBasedStateMachine):
     def consumer_done(self, p, consumer, n):
         self._feed(E.ConsumerDone(request_id=p, consumer=consumer, expected_consumers=n))
 
-    @rule(p=PEER, e=ENG, which=st.sampled_from(["reg", "ready", "WriteDone", "WriteFailed", "PushAbort"]))
-    def push_event(self, p, e, which):
+    @rule(p=PEER, e=ENG, which=st.sampled_from(["reg", "ready", "WriteDone", "WriteFailed", "PushAbort"]),
+          deadline=st.none() | st.floats(0, 40) | NON_FINITE)
+    def push_event(self, p, e, which, deadline):
         if which == "reg":
-            ev = E.PushRegistered(request_id=p, engine_id=e, remote_request_id="d-" + p, remote_block_ids=(1,))
+            ev = E.PushRegistered(request_id=p, engine_id=e, remote_request_id="d-" + p, remote_block_ids=(1,),
+                                  remote_deadline=deadline)
         elif which == "ready":
             ev = E.PushReady(request_id=p, block_ids=(3,))
         else:
@@ -113,6 +124,21 @@ class PlaneMachine(RuleBasedStateMachine):
                 if states[inst.state].holds:
                     expected.add((kind, key, inst.state, tuple(sorted(states[inst.state].holds))))
         assert set(p.held()) == expected
+
+    @invariant()
+    def a_push_has_blocks_only_while_its_lease_holds_them(self):
+        p = self.plane
+        for key, push in p.instances["push_write"].items():
+            if push.state in SOURCE.needs:
+                lease = p.instances["lease"].get(key)
+                assert lease is not None and lease.state in SOURCE.held, f"push {key} in {push.state} outlives its lease"
+
+    @invariant()
+    def deadlines_are_finite(self):
+        import math
+
+        for at, _, _, _ in self.plane._timers:
+            assert math.isfinite(at)
 
     @invariant()
     def no_live_terminal_instance(self):
