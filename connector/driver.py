@@ -391,8 +391,15 @@ class PlaneDriver:
         self._forget_lease_name(a.request_id)
 
     def _refused(self, a: A.RefuseNotification, follow: list) -> None:
-        self.counters[f"refused_{a.reason}"] += 1
-        log.warning("lease %s refused a notification from %s: %s", a.request_id, a.sender, a.reason)
+        self._count_and_warn(f"refused_{a.reason}", "lease %s refused a notification from %.64r: %s",
+                             a.request_id, a.sender, a.reason)
+
+    def _count_and_warn(self, counter: str, fmt: str, *args: Any) -> None:
+        """Count a refused input; log the first few and then every 1000th, so
+        a flood of forgeries costs a counter, not a log line each."""
+        n = self.counters[counter] = self.counters[counter] + 1
+        if n <= 10 or n % 1000 == 0:
+            log.warning(f"{fmt} (%s #%d)", *args, counter, n)
 
     # --------------------------------------------------------------- polling
     def _notif_events(self) -> list[E.Event]:
@@ -409,8 +416,7 @@ class PlaneDriver:
             sender = self._sender_engine(agent)
             if sender is None:
                 # Not an engine we trust or handshook with: whatever it says.
-                self.counters["notifs_unknown_sender"] += 1
-                log.warning("ignored a notification from unknown agent %.64r", agent)
+                self._count_and_warn("notifs_unknown_sender", "ignored a notification from unknown agent %.64r", agent)
                 continue
             try:
                 notif = decode_notif(msg)
@@ -444,9 +450,9 @@ class PlaneDriver:
             if reader is not None and reader.state == "AWAITING_PUSH":
                 if reader.engine_id != sender:
                     # Only the engine that pushes to us may say its WRITE is done.
-                    self.counters["refused_push_done_foreign_sender"] += 1
-                    log.warning("request %s: push completion from %s, not from %s: refused",
-                                notif.request_id, sender, reader.engine_id)
+                    self._count_and_warn("refused_push_done_foreign_sender",
+                                         "request %s: push completion from %.64r, not from %s: refused",
+                                         notif.request_id, sender, reader.engine_id)
                     return []
                 return [E.PushDone(request_id=notif.request_id)]
             rid = self._lease_named(notif.request_id)
@@ -483,8 +489,7 @@ class PlaneDriver:
         elif not admits(lease, sender):
             why = "the lease is bound to other consumers"
         if why is not None:
-            self.counters["push_regs_refused"] += 1
-            log.warning("ignored PUSH_REG from %s: %s", sender, why)
+            self._count_and_warn("push_regs_refused", "ignored PUSH_REG from %.64r: %s", sender, why)
             return None
         self.learn_engine(sender, url)
         return attrs.evolve(event, request_id=rid)

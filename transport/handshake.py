@@ -346,8 +346,9 @@ class _AllowList(zmq.auth.Authenticator):
         if z85_client_key in self.allowed:
             return True
         self.refused += 1
-        log.warning("side channel: refused a CURVE client whose key is not on the allow-list (%s...)",
-                    z85_client_key[:8].decode("ascii", "replace"))
+        if self.refused <= 10 or self.refused % 1000 == 0:  # a flood costs a counter, not a line each
+            log.warning("side channel: refused a CURVE client whose key is not on the allow-list (%s..., #%d)",
+                        z85_client_key[:8].decode("ascii", "replace"), self.refused)
         return False
 
     def curve_user_id(self, client_public_key: bytes) -> str:
