@@ -217,9 +217,9 @@ def test_an_oversize_frame_is_dropped_by_zmq_without_stalling_the_server(insecur
         big.close()
         s.close()
     assert s.requests_served == 3 and s.bad_requests == 0
-    # Each poll returned (no 100 MB recv or unpack inside one); a bound far
-    # above a poll's 5 ms timeout, far below the seconds a 100 MB decode took.
-    assert max(polls) < 1.0, max(polls)
+    # Each poll returned (no 100 MB recv, unpack or echo inside one); the bound
+    # is loose for a loaded machine: the logical asserts above are the proof.
+    assert max(polls) < 2.0, max(polls)
 
 
 def test_silent_peer_times_out_without_blocking_others(server_factory):
