@@ -95,7 +95,9 @@ class PlaneDriver:
                         engine_id)
             self.keypair: tuple[bytes, bytes] | None = None
         else:
-            self.keypair = curve_keypair or _curve_keypair()
+            pub, secret = curve_keypair or _curve_keypair()
+            # z85 text (from a config file) or bytes; the secret is never logged.
+            self.keypair = (public_key(pub), secret.encode("ascii") if isinstance(secret, str) else bytes(secret))
         # Peers we trust: engine id -> public key (None: named only, insecure).
         self._trusted: dict[str, bytes | None] = {}
         # The public key each peer's side channel must prove (engine id -> key).
