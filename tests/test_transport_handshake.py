@@ -321,3 +321,18 @@ def test_a_payload_failure_is_a_typed_refusal(server_factory):
     with pytest.raises(HandshakeRefused) as ei:
         hs(s, "P0", "abc", timeout_s=2.0)
     assert ei.value.code == "unavailable"
+
+
+def test_keys_from_certificate_files_and_z85_text(tmp_path):
+    """How a deployment configures keys: zmq.auth certificate files or z85 strings."""
+    import zmq.auth
+
+    from transport.handshake import load_keypair, public_key
+
+    pub_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "decode-0")
+    pub, secret = load_keypair(secret_file)
+    assert public_key(pub_file) == pub == public_key(pub.decode()) and len(secret) == 40
+    with pytest.raises(ValueError, match="secret"):
+        load_keypair(pub_file)
+    with pytest.raises(ValueError):
+        public_key(b"short")
