@@ -102,21 +102,27 @@ def read_bw(a, b, src, dst, blocks: int, reps: int) -> tuple[list[float], list[f
 
 
 def handshake_times(a, iters: int) -> tuple[list[float], list[float], list[float]]:
+    import zmq
+
     from transport.handshake import HandshakeServer, build_payload, handshake
     from transport.nixl_agent import NixlEndpoint
 
     payload = build_payload(engine_id="bench-P", compat_hash="bench", tp_rank=0, metadata=a.local_metadata(),
                             cache=a.describe_cache())
-    server = HandshakeServer("tcp://127.0.0.1:0", lambda pp, tp: payload)
+    # Authenticated, as the drivers are by default (CURVE, allow-list).
+    server_keys, client_keys = zmq.curve_keypair(), zmq.curve_keypair()
+    server = HandshakeServer("tcp://127.0.0.1:0", lambda pp, tp: payload, curve_keypair=server_keys,
+                             allowed_clients={client_keys[0]: "bench-C"})
+    auth = dict(server_public_key=server_keys[0], client_keypair=client_keys)
     server.serve_in_thread(poll_ms=1)
     c = NixlEndpoint("bench-C")
     zmq1, zmq3, add = [], [], []
     try:
         for i in range(iters + 1):
             t0 = time.perf_counter()
-            handshake(server.url, "bench-P", "bench", 5.0, samples=1)
+            handshake(server.url, "bench-P", "bench", 5.0, samples=1, **auth)
             t1 = time.perf_counter()
-            res = handshake(server.url, "bench-P", "bench", 5.0, samples=3)  # what the Handshaker asks for
+            res = handshake(server.url, "bench-P", "bench", 5.0, samples=3, **auth)  # what the Handshaker asks for
             t2 = time.perf_counter()
             name = c.add_remote(res.metadata)
             t3 = time.perf_counter()
@@ -136,7 +142,7 @@ def hb_to_extension(iters: int) -> tuple[list[float], int]:
     import torch
 
     from connector.connector import KVPlaneScheduler, KVPlaneWorker
-    from connector.driver import PlaneDriver
+    from connector.driver import PlaneDriver, introduce
     from statemachines.config import PlaneConfig
     from transport.nixl_agent import NixlEndpoint
 
@@ -155,6 +161,7 @@ def hb_to_extension(iters: int) -> tuple[list[float], int]:
 
     P, Ps, _kp = side("P")
     D, Ds, _kd = side("D")
+    introduce(P, D)
     try:
         Ps.on_new_request("r1", {"do_remote_decode": True})
         _, params = Ps.request_finished("r1", [1, 2, 3])
@@ -213,8 +220,9 @@ def run(quick: bool) -> list[Table]:
             f"heartbeat -> extension: each sample moves D's clock one heartbeat interval and P's past the extension "
             f"point, so every D.step sends one HB: batch and every sample extends the lease ({ext} extensions); it "
             "includes D's whole step (timers, poll) and P's polling loop (notif decode, plane.handle).",
-            "Handshake: HandshakeServer answered by a thread polling every 1 ms (the drivers poll once per step "
-            "instead, which adds up to one step of latency).",
+            "Handshake: authenticated (CURVE, allow-list; a fresh REQ socket per attempt, so each pays the CURVE "
+            "key exchange); HandshakeServer answered by a thread polling every 1 ms (the drivers poll once per "
+            "step instead, which adds up to one step of latency).",
         ]
         bw = Table("nixl.read", "Real NIXL READ throughput vs a torch copy of the same bytes (DRAM -> DRAM)",
                    ["size", "NIXL READ GB/s", "torch copy_ GB/s", "NIXL / torch", "bytes verified", "reps"])

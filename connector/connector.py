@@ -146,8 +146,9 @@ class KVPlaneScheduler:
         host, port = self.driver.side_channel_url[len("tcp://"):].rsplit(":", 1)
         return {
             "do_remote_prefill": True,
+            # The lease's unguessable name: only who is handed these params can act on it.
             **RemoteKV(remote_engine_id=self.driver.engine_id, remote_host=host, remote_port=int(port),
-                       remote_request_id=request_id, remote_block_ids=block_ids,
+                       remote_request_id=self.driver.export_lease(request_id), remote_block_ids=block_ids,
                        expected_consumers=consumers, remote_expiry=expiry,
                        remote_renewable=renewable).to_dict(),
         }

@@ -9,15 +9,28 @@ handshakes run on a small pool and come back through a queue.
 Transport failures become events (ReadFailed, WriteFailed,
 HandshakeFailed, PeerDisconnected), so the machines decide what they mean.
 Malformed notifications are counted and logged, never raised.
+
+Authentication (see transport/handshake.py for the threat model): the
+driver has one CURVE keypair, its side channel's server key and its client
+key for handshakes with peers.  ``trust_peer(engine_id, public_key)`` does
+both halves for a peer: it may fetch our metadata, and its server must
+prove that key.  Notifications are accepted only from agents the driver
+knows (a trusted peer, whose NIXL agent is named by its engine id, or an
+agent added through a handshake) and name a lease only through the
+unguessable name ``export_lease`` gave it; the lease machine then binds
+the lease to its consumers.
 """
 from __future__ import annotations
 
 import logging
 import math
 import random
+import secrets
 import time
 from collections import Counter
 from typing import Any, Callable
+
+import attrs
 
 from statemachines import actions as A
 from statemachines import events as E
@@ -25,7 +38,8 @@ from statemachines.config import PlaneConfig
 from statemachines.plane import HEARTBEAT_REQUESTER, ControlPlane
 from transport.errors import PeerDisconnected as PeerGone
 from transport.errors import TransportError
-from transport.handshake import HandshakeServer, build_payload
+from statemachines.machines.lease import admits
+from transport.handshake import HandshakeServer, build_payload, public_key
 from transport.wire import (
     CompletionNotif, HeartbeatNotif, MalformedNotification, PushRegNotif, encode_completion, encode_heartbeat,
     encode_push_reg, decode_notif,
@@ -50,8 +64,18 @@ class PlaneDriver:
         drop_notifications: float = 0.0,
         seed: int = 0,
         curve_keypair: tuple[bytes, bytes] | None = None,
+        trusted_peers: dict[str, Any] | None = None,
         server_public_keys: dict[str, bytes] | None = None,
+        insecure: bool = False,
     ):
+        """``curve_keypair`` (public, secret; z85): this engine's CURVE key,
+        generated when not given.  ``trusted_peers``: engine id -> its public
+        key (z85 text or bytes, or a ``zmq.auth`` certificate path), see
+        ``trust_peer``.  ``server_public_keys``: engine id -> the key of a
+        peer's side channel that does not fetch from us.  ``insecure=True``
+        (tests, benchmarks): no CURVE on our side channel, plaintext to peers
+        whose key we lack, and, while no peer is trusted, notifications
+        accepted from any agent."""
         self.engine_id = engine_id
         self.endpoint = endpoint
         self.config = config or PlaneConfig()
@@ -63,12 +87,31 @@ class PlaneDriver:
         self.engine_of_agent: dict[str, str] = {}
         self.layouts: dict[str, dict] = {}  # engine id -> remote cache layout
         self.xfers: dict[str, tuple[Any, str, str]] = {}  # request id -> (handle, "READ"|"WRITE", engine)
-        self.server = HandshakeServer(f"tcp://{host}:{port}", self._handshake_payload, curve_keypair=curve_keypair,
-                                      clock=clock)
-        # CURVE: our side channel's keypair, and the public key of each peer
-        # whose side channel is authenticated (engine id -> key).
-        self._server_keys = dict(server_public_keys or {})
-        self.handshaker = Handshaker(compat_hash, self.config.handshake_timeout, clock=clock)
+        self.insecure = insecure
+        if insecure and curve_keypair is not None:
+            raise ValueError("curve_keypair and insecure=True are exclusive")
+        if insecure:
+            log.warning("%s: insecure side channel and notifications (insecure=True): tests and benchmarks only",
+                        engine_id)
+            self.keypair: tuple[bytes, bytes] | None = None
+        else:
+            pub, secret = curve_keypair or _curve_keypair()
+            # z85 text (from a config file) or bytes; the secret is never logged.
+            self.keypair = (public_key(pub), secret.encode("ascii") if isinstance(secret, str) else bytes(secret))
+        # Peers we trust: engine id -> public key (None: named only, insecure).
+        self._trusted: dict[str, bytes | None] = {}
+        # The public key each peer's side channel must prove (engine id -> key).
+        self._server_keys = {e: public_key(k) for e, k in (server_public_keys or {}).items()}
+        self.server = HandshakeServer(f"tcp://{host}:{port}", self._handshake_payload, curve_keypair=self.keypair,
+                                      insecure=insecure, clock=clock)
+        self.handshaker = Handshaker(compat_hash, self.config.handshake_timeout, clock=clock,
+                                     client_keypair=self.keypair, insecure=insecure)
+        for peer, key in (trusted_peers or {}).items():
+            self.trust_peer(peer, key)
+        # Lease names: what P exports as the remote request id (a capability:
+        # the request id plus 128 random bits), both ways.
+        self._lease_name: dict[str, str] = {}
+        self._lease_of_name: dict[str, str] = {}
         self._drop_rate = drop_notifications
         self._rng = random.Random(seed)
         # What the scheduler collects (vLLM: finished_sending / finished_recving).
@@ -88,12 +131,62 @@ class PlaneDriver:
     def side_channel_port(self) -> int:
         return int(self.server.url.rsplit(":", 1)[1])
 
+    @property
+    def public_key(self) -> bytes | None:
+        """Our CURVE public key (z85), for peers to trust; None when insecure."""
+        return self.keypair[0] if self.keypair is not None else None
+
+    def trust_peer(self, engine_id: str, key: Any = None) -> None:
+        """Trust engine ``engine_id`` holding CURVE public ``key``: it may
+        fetch our metadata (allow-list), its side channel must prove the key,
+        and its agent may send us notifications.  ``key`` None names a peer
+        without a key (insecure drivers only)."""
+        if key is None:
+            if not self.insecure:
+                raise ValueError(f"trust_peer({engine_id!r}): an authenticated driver needs the peer's public key")
+            self._trusted[engine_id] = None
+            return
+        key = public_key(key)
+        self._trusted[engine_id] = key
+        self._server_keys[engine_id] = key
+        if not self.insecure:
+            self.server.allow_client(key, engine_id)
+
     def learn_engine(self, engine_id: str, url: str, server_public_key: bytes | None = None) -> None:
         """Where to handshake with ``engine_id`` (from kv_transfer_params or
         PUSH_REG), and its side channel's CURVE public key if it has one."""
         self.directory[engine_id] = url
         if server_public_key is not None:
-            self._server_keys[engine_id] = server_public_key
+            self._server_keys[engine_id] = public_key(server_public_key)
+
+    def export_lease(self, request_id: str) -> str:
+        """The name under which a peer refers to our lease on ``request_id``
+        (the remote request id of kv_transfer_params): unguessable, so only
+        a peer that was handed the params can heartbeat or complete it."""
+        name = self._lease_name.get(request_id)
+        if name is None:
+            name = f"{request_id}-{secrets.token_hex(16)}"
+            if self.plane.get("lease", request_id) is not None:  # else nothing to name: stays unknown
+                self._lease_name[request_id] = name
+                self._lease_of_name[name] = request_id
+        return name
+
+    def _forget_lease_name(self, request_id: str) -> None:
+        if self.plane.get("lease", request_id) is None:
+            name = self._lease_name.pop(request_id, None)
+            if name is not None:
+                self._lease_of_name.pop(name, None)
+
+    def _sender_engine(self, agent: str) -> str | None:
+        """The engine a notification's agent is, or None: not one we know."""
+        engine = self.engine_of_agent.get(agent)
+        if engine is not None:
+            return engine
+        if agent in self._trusted:
+            return agent  # a peer's NIXL agent is named by its engine id
+        if self.insecure and not self._trusted:
+            return agent
+        return None
 
     def _handshake_payload(self, pp_rank: int, tp_rank: int) -> dict | None:
         if tp_rank != 0 or pp_rank != 0:
@@ -174,8 +267,14 @@ class PlaneDriver:
         if url is None:
             follow.append(E.HandshakeFailed(engine_id=a.engine_id, reason="no side-channel address known"))
             return
+        key = self._server_keys.get(a.engine_id)
+        if key is None and not self.insecure:
+            self.counters["handshakes_refused_no_key"] += 1
+            log.warning("no CURVE public key known for engine %s: not handshaking (trust_peer it first)", a.engine_id)
+            follow.append(E.HandshakeFailed(engine_id=a.engine_id, reason="no CURVE public key known for the engine"))
+            return
         self.counters["handshakes_started"] += 1
-        self.handshaker.submit(a.engine_id, url, server_public_key=self._server_keys.get(a.engine_id))
+        self.handshaker.submit(a.engine_id, url, server_public_key=key)
 
     def _handshake_event(self, outcome) -> E.Event:
         if outcome.error is not None:
@@ -291,6 +390,18 @@ class PlaneDriver:
         self.counters[f"blocks_freed_{a.reason}"] += len(a.block_ids)
         self.freed.append((a.request_id, a.block_ids, a.reason))
         self.finished_sending.add(a.request_id)
+        self._forget_lease_name(a.request_id)
+
+    def _refused(self, a: A.RefuseNotification, follow: list) -> None:
+        self._count_and_warn(f"refused_{a.reason}", "lease %s refused a notification from %.64r: %s",
+                             a.request_id, a.sender, a.reason)
+
+    def _count_and_warn(self, counter: str, fmt: str, *args: Any) -> None:
+        """Count a refused input; log the first few and then every 1000th, so
+        a flood of forgeries costs a counter, not a log line each."""
+        n = self.counters[counter] = self.counters[counter] + 1
+        if n <= 10 or n % 1000 == 0:
+            log.warning(f"{fmt} (%s #%d)", *args, counter, n)
 
     # --------------------------------------------------------------- polling
     def _notif_events(self) -> list[E.Event]:
@@ -304,6 +415,11 @@ class PlaneDriver:
             if self._drop_rate and self._rng.random() < self._drop_rate:
                 self.counters["notifs_dropped_injected"] += 1
                 continue
+            sender = self._sender_engine(agent)
+            if sender is None:
+                # Not an engine we trust or handshook with: whatever it says.
+                self._count_and_warn("notifs_unknown_sender", "ignored a notification from unknown agent %.64r", agent)
+                continue
             try:
                 notif = decode_notif(msg)
             except MalformedNotification as exc:
@@ -311,22 +427,40 @@ class PlaneDriver:
                 log.warning("ignored malformed notification from %s: %s", agent, exc)
                 continue
             self.counters["notifs_received"] += 1
-            events.extend(self._notif_to_events(agent, notif))
+            events.extend(self._notif_to_events(sender, notif))
             engine = self.engine_of_agent.get(agent)
             if engine is not None and self.plane.get("remote_engine", engine) is not None:
                 events.append(E.EngineActivity(engine_id=engine))
         return events
 
-    def _notif_to_events(self, agent: str, notif) -> list[E.Event]:
+    def _lease_named(self, name: str) -> str | None:
+        """Our request id of the lease a peer names, or None (counted): a
+        name we never exported, or one whose lease has ended."""
+        rid = self._lease_of_name.get(name)
+        if rid is None:
+            self.counters["notifs_unknown_lease"] += 1
+        return rid
+
+    def _notif_to_events(self, sender: str, notif) -> list[E.Event]:
+        """``sender``: the engine the notification came from (checked)."""
         if isinstance(notif, HeartbeatNotif):
             self.counters["heartbeats_received"] += 1
-            return [E.LeaseHeartbeat(request_id=rid) for rid in notif.request_ids]
+            rids = [self._lease_named(name) for name in notif.request_ids]
+            return [E.LeaseHeartbeat(request_id=rid, sender=sender) for rid in rids if rid is not None]
         if isinstance(notif, CompletionNotif):
             reader = self.plane.get("decode_request", notif.request_id)
             if reader is not None and reader.state == "AWAITING_PUSH":
+                if reader.engine_id != sender:
+                    # Only the engine that pushes to us may say its WRITE is done.
+                    self._count_and_warn("refused_push_done_foreign_sender",
+                                         "request %s: push completion from %.64r, not from %s: refused",
+                                         notif.request_id, sender, reader.engine_id)
+                    return []
                 return [E.PushDone(request_id=notif.request_id)]
-            return [E.ConsumerDone(request_id=notif.request_id, consumer=agent,
-                                   expected_consumers=notif.expected_consumers)]
+            rid = self._lease_named(notif.request_id)
+            if rid is None:
+                return []
+            return [E.ConsumerDone(request_id=rid, consumer=sender, expected_consumers=notif.expected_consumers)]
         if isinstance(notif, PushRegNotif):
             reg = notif.registration
             try:
@@ -337,11 +471,30 @@ class PlaneDriver:
                                          remote_deadline=_push_deadline(reg))
             except (KeyError, TypeError, ValueError) as exc:
                 self.counters["notifs_malformed"] += 1
-                log.warning("ignored PUSH_REG from %s with a bad registration: %r", agent, exc)
+                log.warning("ignored PUSH_REG from %s with a bad registration: %r", sender, exc)
                 return []
-            self.learn_engine(event.engine_id, url)
-            return [event]
+            event = self._admit_push_reg(sender, event, url)
+            return [] if event is None else [event]
         return []
+
+    def _admit_push_reg(self, sender: str, event: E.PushRegistered, url: str) -> E.PushRegistered | None:
+        """A registration may only come from the engine it names, for a lease
+        we hold that admits that engine; only then does its address enter
+        the directory.  Otherwise a counted, logged ignore."""
+        why = None
+        rid = self._lease_of_name.get(event.request_id)
+        lease = self.plane.get("lease", rid) if rid is not None else None
+        if event.engine_id != sender:
+            why = "names another engine"
+        elif lease is None or lease.state not in ("LEASED", "PARTIALLY_READ"):
+            why = "names no lease we hold"
+        elif not admits(lease, sender):
+            why = "the lease is bound to other consumers"
+        if why is not None:
+            self._count_and_warn("push_regs_refused", "ignored PUSH_REG from %.64r: %s", sender, why)
+            return None
+        self.learn_engine(sender, url)
+        return attrs.evolve(event, request_id=rid)
 
     def _transfer_events(self) -> list[E.Event]:
         events: list[E.Event] = []
@@ -400,4 +553,20 @@ _HANDLERS: dict[type, Callable] = {
     A.SendPushRegistration: PlaneDriver._send_push_reg,
     A.ReportRecv: PlaneDriver._report_recv,
     A.FreeBlocks: PlaneDriver._free_blocks,
+    A.RefuseForeignSender: PlaneDriver._refused,
+    A.RefuseWrongCount: PlaneDriver._refused,
 }
+
+
+def _curve_keypair() -> tuple[bytes, bytes]:
+    import zmq
+
+    return zmq.curve_keypair()
+
+
+def introduce(*drivers: "PlaneDriver") -> None:
+    """Make every pair of ``drivers`` trust each other (tests, one-host jobs)."""
+    for a in drivers:
+        for b in drivers:
+            if a is not b:
+                a.trust_peer(b.engine_id, b.public_key)

@@ -26,23 +26,30 @@ class HandshakeOutcome:
 
 class Handshaker:
     def __init__(self, compat_hash: str, timeout_s: float, *, samples: int = 3, workers: int = 4,
-                 clock: Any = None):
+                 clock: Any = None, client_keypair: tuple[bytes, bytes] | None = None, insecure: bool = False):
+        """``client_keypair``: our CURVE key, on the allow-list of the peers we
+        handshake with; ``insecure``: talk plaintext to a peer whose server
+        key we do not know (tests only)."""
         self.compat_hash = compat_hash
         self.timeout_s = timeout_s
         self.samples = samples
         self.clock = clock
+        self.client_keypair = client_keypair
+        self.insecure = insecure
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvplane-handshake")
         self._done: queue.SimpleQueue[HandshakeOutcome] = queue.SimpleQueue()
 
     def submit(self, engine_id: str, url: str, tp_rank: int = 0, server_public_key: bytes | None = None) -> None:
-        """``server_public_key``: the peer's CURVE key when its side channel is authenticated."""
+        """``server_public_key``: the peer's CURVE key; without one the attempt
+        fails (HandshakeAuthError) unless this handshaker is insecure."""
         self._pool.submit(self._run, engine_id, url, tp_rank, server_public_key)
 
     def _run(self, engine_id: str, url: str, tp_rank: int, server_public_key: bytes | None) -> None:
         try:
             kwargs = {"clock": self.clock} if self.clock is not None else {}
             result = handshake(url, engine_id, self.compat_hash, self.timeout_s, tp_rank,
-                               samples=self.samples, server_public_key=server_public_key, **kwargs)
+                               samples=self.samples, server_public_key=server_public_key,
+                               client_keypair=self.client_keypair, insecure=self.insecure, **kwargs)
             self._done.put(HandshakeOutcome(engine_id, url, result, None))
         except Exception as exc:  # every failure becomes a HandshakeFailed event
             self._done.put(HandshakeOutcome(engine_id, url, None, exc))

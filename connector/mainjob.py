@@ -151,6 +151,16 @@ def make_stream(opts: RunOptions) -> list[Req]:
     return reqs
 
 
+def run_keys() -> dict[str, dict]:
+    """A CURVE keypair per node for this run; each node gets its own secret
+    and the other's public key (its server key and its allow-list entry)."""
+    import zmq
+
+    pairs = {role: zmq.curve_keypair() for role in ENGINE_IDS}
+    return {role: {"keypair": pairs[role], "peers": {ENGINE_IDS[o]: pairs[o][0] for o in ENGINE_IDS if o != role}}
+            for role in ENGINE_IDS}
+
+
 class _Child:
     def __init__(self, role: str, proc, conn):
         self.role, self.proc, self.conn = role, proc, conn
@@ -189,10 +199,11 @@ class Orchestrator:
         saved = {k: os.environ.get(k) for k in ("UCX_NET_DEVICES", "NIXL_LOG_LEVEL")}
         os.environ["UCX_NET_DEVICES"] = "lo"
         os.environ["NIXL_LOG_LEVEL"] = "ERROR"
+        keys = run_keys()
         try:
             for role in ("P", "D"):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=node_main, args=(role, child, node_opts),
+                proc = ctx.Process(target=node_main, args=(role, child, {**node_opts, "curve": keys[role]}),
                                    name=f"kvplane-{role}", daemon=True)
                 proc.start()
                 child.close()

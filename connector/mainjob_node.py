@@ -58,7 +58,9 @@ class Node:
         self.ep = NixlEndpoint(self.engine_id)
         self.driver = PlaneDriver(engine_id=self.engine_id, endpoint=self.ep, config=self.cfg, clock=self.clock,
                                   drop_notifications=opts["drop_notifications"],
-                                  seed=opts["seed"] * 2 + (role == "D"))
+                                  seed=opts["seed"] * 2 + (role == "D"),
+                                  # Authenticated side channel: this run's keys (mainjob.run_keys).
+                                  curve_keypair=tuple(opts["curve"]["keypair"]), trusted_peers=opts["curve"]["peers"])
         self.sched = KVPlaneScheduler(self.driver)
         self.worker = KVPlaneWorker(self.driver)
         nb, be = opts["num_blocks"], opts["block_elems"]

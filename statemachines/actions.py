@@ -295,11 +295,41 @@ class ConsumeLease(Action):
         return cls(inst.key, inst.engine_id)
 
 
+@attrs.frozen
+class RefuseNotification(Action):
+    """A heartbeat or completion a lease refused; nothing changed.  For the
+    embedder to count and log (a forged or misdirected message)."""
+
+    request_id: str
+    sender: str | None
+    reason: str
+    REASON: ClassVar[str] = "refused"
+
+    @classmethod
+    def build(cls, inst, ev, cfg, now):
+        return cls(inst.key, ev.sender, cls.REASON)
+
+
+@attrs.frozen
+class RefuseForeignSender(RefuseNotification):
+    """From a sender the lease is not bound to."""
+
+    REASON: ClassVar[str] = "foreign_sender"
+
+
+@attrs.frozen
+class RefuseWrongCount(RefuseNotification):
+    """A completion whose consumer count disagrees with the lease's plan."""
+
+    REASON: ClassVar[str] = "wrong_consumer_count"
+
+
 ALL_ACTIONS: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         StartHeartbeat, StopHeartbeat, SendHeartbeat, AcquireEngine, ReleaseEngine, NoteActivity,
         WakeRequesters, FailRequesters, StartHandshake, RemoveRemoteAgent, PostRead, PostWrite,
         ReleaseXfer, SendNotif, SendPushRegistration, ReportRecv, FreeBlocks, GrantHold, ConsumeLease,
+        RefuseForeignSender, RefuseWrongCount,
     )
 }

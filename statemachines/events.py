@@ -160,20 +160,27 @@ class LeaseGranted(Event):
 
 @attrs.frozen(kw_only=True)
 class LeaseHeartbeat(Event):
-    """One id of a ``HB:`` notification."""
+    """One id of a ``HB:`` notification from ``sender`` (the engine the
+    transport says sent it; None for a stimulus without one)."""
 
     request_id: str
+    sender: str | None = None
     machine: ClassVar[str] = "lease"
 
 
 @attrs.frozen(kw_only=True)
 class ConsumerDone(Event):
-    """Completion notification ``<id>:<expected_consumers>`` from ``consumer``."""
+    """Completion notification ``<id>:<expected_consumers>`` from ``consumer``
+    (the engine that sent it)."""
 
     request_id: str
     consumer: str
     expected_consumers: int
     machine: ClassVar[str] = "lease"
+
+    @property
+    def sender(self) -> str:
+        return self.consumer
 
 
 @attrs.frozen(kw_only=True)

@@ -102,13 +102,47 @@ def test_protocol_error_fails_the_decode_request_closed():
     assert held_by(p, "r1") == []
 
 
-def test_protocol_error_fails_the_lease_closed():
+def test_a_completion_with_the_wrong_count_is_refused_not_obeyed():
     p = plane()
     p.handle(E.LeaseGranted(request_id="p1", block_ids=(1, 2), expected_consumers=1), 0.0)
-    # The notif disagrees with the planned consumer count: fail closed.
+    # The notif disagrees with the planned consumer count: refused, nothing freed.
     out = p.handle(E.ConsumerDone(request_id="p1", consumer="d", expected_consumers=3), 1.0)
-    assert out == [A.FreeBlocks("p1", (1, 2), "consumed")]
-    assert p.get("lease", "p1") is None and p.held() == []
+    assert out == [A.RefuseWrongCount("p1", "d", "wrong_consumer_count")]
+    assert p.get("lease", "p1").state == "LEASED" and p.get("lease", "p1").consumers == frozenset()
+    # The planned consumer's own completion still frees the blocks, once.
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="d", expected_consumers=1), 2.0) == [
+        A.FreeBlocks("p1", (1, 2), "consumed")]
+    assert p.held() == []
+
+
+def test_a_lease_is_bound_to_its_consumers():
+    """The first expected_consumers senders bind the lease; a stranger's
+    heartbeat extends nothing and its completion frees nothing."""
+    p = plane()
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(1,), expected_consumers=1), 0.0)
+    p.handle(E.LeaseHeartbeat(request_id="p1", sender="D"), 1.0)
+    lease = p.get("lease", "p1")
+    expiry = lease.expiry
+    assert lease.bound == frozenset({"D"})
+    assert p.handle(E.LeaseHeartbeat(request_id="p1", sender="X"), 5.0) == [
+        A.RefuseForeignSender("p1", "X", "foreign_sender")]
+    assert lease.expiry == expiry
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="X", expected_consumers=1), 5.0) == [
+        A.RefuseForeignSender("p1", "X", "foreign_sender")]
+    assert p.get("lease", "p1").state == "LEASED"
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="D", expected_consumers=1), 5.0) == [
+        A.FreeBlocks("p1", (1,), "consumed")]
+
+
+def test_two_planned_consumers_bind_two_senders():
+    p = plane()
+    p.handle(E.LeaseGranted(request_id="p1", block_ids=(1,), expected_consumers=2), 0.0)
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="D1", expected_consumers=2), 1.0) == []
+    assert p.handle(E.LeaseHeartbeat(request_id="p1", sender="D2"), 1.0) == []
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="D3", expected_consumers=2), 2.0) == [
+        A.RefuseForeignSender("p1", "D3", "foreign_sender")]
+    assert p.handle(E.ConsumerDone(request_id="p1", consumer="D2", expected_consumers=2), 3.0) == [
+        A.FreeBlocks("p1", (1,), "consumed")]
 
 
 def test_a_second_grant_merges_blocks_and_frees_each_once():

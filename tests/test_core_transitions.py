@@ -79,13 +79,16 @@ def decode_path(state, *, full=False, push=False, remote_expiry=None):
     return d
 
 
-def lease_path(state, *, consumers=2, renewable=True):
+def lease_path(state, *, consumers=2, renewable=True, bind=()):
+    """``bind``: senders whose heartbeats bind the lease on the way."""
     d = Drive("lease")
     if state == "PREFILLING":
         return d
     d(E.LeaseGranted(request_id="p1", block_ids=(3, 4), expected_consumers=consumers, renewable=renewable), dt=0.0)
     if state == "PARTIALLY_READ":
         d(E.ConsumerDone(request_id="p1", consumer="c1", expected_consumers=consumers))
+    for sender in bind:
+        d(E.LeaseHeartbeat(request_id="p1", sender=sender), dt=0.0)
     return d
 
 
@@ -190,7 +193,17 @@ def arrange(kind, row):
             assert g is None or opts, f"no recipe for guard {g}"
             event = default_event(kind, ev, d.inst)
     elif kind == "lease":
-        if ev is E.ConsumerDone:
+        if g == "foreign_sender":
+            # Every consumer slot is bound (c1, and c3 by a heartbeat where
+            # two are planned); c2 is a stranger.
+            consumers = 1 if src == "LEASED" else 2
+            d = lease_path(src, consumers=consumers, bind=("c1",) if src == "LEASED" else ("c3",))
+            event = (E.ConsumerDone(request_id="p1", consumer="c2", expected_consumers=consumers)
+                     if ev is E.ConsumerDone else E.LeaseHeartbeat(request_id="p1", sender="c2"))
+            deadline = d.inst.deadline
+            checks.append(lambda inst, acts: "c2" not in inst.bound and inst.deadline == deadline
+                          and inst.consumers == (frozenset() if src == "LEASED" else frozenset({"c1"})))
+        elif ev is E.ConsumerDone:
             consumers, consumer, expected = {
                 ("LEASED", "wrong_consumer_count"): (2, "c2", 3),
                 ("PARTIALLY_READ", "wrong_consumer_count"): (2, "c2", 3),
@@ -206,10 +219,14 @@ def arrange(kind, row):
                 checks.append(lambda inst, acts: consumer in inst.consumers)
             if g == "duplicate_consumer":
                 checks.append(lambda inst, acts: inst.consumers == frozenset({"c1"}))
+            if g == "wrong_consumer_count":
+                # Refused, not obeyed: nothing counted, the lease still held.
+                checks.append(lambda inst, acts: consumer not in inst.consumers)
         elif ev is E.LeaseHeartbeat and src in ("LEASED", "PARTIALLY_READ"):
             d = lease_path(src, renewable=g == "renewable")
             d.now = 14.5  # the heartbeat comes at 15: now + extension (35) > grant expiry (30)
-            event = E.LeaseHeartbeat(request_id="p1")
+            event = E.LeaseHeartbeat(request_id="p1", sender="c1")
+            checks.append(lambda inst, acts: "c1" in inst.bound)
             if g == "renewable":
                 checks.append(lambda inst, acts: inst.deadline == 15.0 + CFG.lease_extension)
             else:

@@ -8,6 +8,15 @@ TTL (``decoder_kv_blocks_ttl``) that heartbeats do not extend.
 
 Consumers are counted by sender, so a duplicated completion notification
 cannot free blocks another consumer is still reading.
+
+A lease is bound to its consumers: the first ``expected_consumers``
+distinct senders of a heartbeat or completion bind it, and a heartbeat or
+completion from any other sender is refused (``RefuseForeignSender``), as
+is a completion whose consumer count disagrees with the plan
+(``RefuseWrongCount``): neither frees, extends or changes the lease.  A
+stimulus without a sender (an internal one) binds nothing and is not
+refused for it.  Which senders may reach the lease at all is the
+embedder's part (authenticated agents, an unguessable lease name).
 """
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ from typing import ClassVar
 
 import attrs
 
-from ..actions import FreeBlocks
+from ..actions import FreeBlocks, RefuseForeignSender, RefuseWrongCount
 from ..base import Instance, TimerFired
 from ..events import ConsumerDone, LeaseAbort, LeaseGranted, LeaseHeartbeat
 from ..spec import Spec, State
@@ -28,6 +37,8 @@ class Lease(Instance):
     block_ids: tuple = ()
     expected_consumers: int = 1
     consumers: frozenset = frozenset()
+    # Senders (consumer engines) the lease accepts heartbeats and completions from.
+    bound: frozenset = frozenset()
     renewable: bool = True
     expiry: float = 0.0
     extensions: int = 0
@@ -47,7 +58,13 @@ def _regrant(lease: Lease, ev: LeaseGranted, cfg, now) -> None:
     lease.expiry = max(lease.expiry, now + (ev.duration if ev.duration is not None else cfg.kv_lease_duration))
 
 
+def _bind(lease: Lease, ev, cfg, now) -> None:
+    if ev.sender is not None and ev.sender not in lease.bound:
+        lease.bound = lease.bound | {ev.sender}
+
+
 def _extend(lease: Lease, ev, cfg, now) -> None:
+    _bind(lease, ev, cfg, now)
     new = now + cfg.lease_extension
     if new > lease.expiry:
         lease.expiry = new
@@ -55,7 +72,19 @@ def _extend(lease: Lease, ev, cfg, now) -> None:
 
 
 def _consumed(lease: Lease, ev: ConsumerDone, cfg, now) -> None:
+    _bind(lease, ev, cfg, now)
     lease.consumers = lease.consumers | {ev.consumer}
+
+
+def admits(lease: Lease, sender: str | None) -> bool:
+    """Whether ``sender`` may act on the lease: unnamed (internal), already
+    bound, or a consumer slot is still free for it to bind."""
+    return sender is None or sender in lease.bound or len(lease.bound) < lease.expected_consumers
+
+
+def foreign_sender(lease: Lease, ev, cfg, now) -> bool:
+    """sender not bound to the lease"""
+    return not admits(lease, ev.sender)
 
 
 def renewable(lease: Lease, ev, cfg, now) -> bool:
@@ -100,17 +129,21 @@ TABLE = rows(
 
     on(HELD, TimerFired, "EXPIRED", FreeBlocks),
     on(HELD, LeaseAbort, "RELEASED", FreeBlocks),
-    # Guards are tried in order: a duplicate never counts as the last consumer.
-    on("PARTIALLY_READ", ConsumerDone, "PARTIALLY_READ", when=duplicate_consumer),
-    on(HELD, ConsumerDone, "RELEASED", FreeBlocks, when=wrong_consumer_count),
-    on(HELD, ConsumerDone, "RELEASED", FreeBlocks, when=last_consumer, do=_consumed),
+    # Guards are tried in order.  Refusals first: a stranger's message or a
+    # count that disagrees with the plan changes nothing (counted by the
+    # embedder), and a duplicate never counts as the last consumer.
     *(
         rows(
+            on(s, ConsumerDone, s, RefuseForeignSender, when=foreign_sender),
+            on(s, ConsumerDone, s, RefuseWrongCount, when=wrong_consumer_count),
+            on(s, LeaseHeartbeat, s, RefuseForeignSender, when=foreign_sender),
             on(s, LeaseHeartbeat, s, when=renewable, do=_extend),
-            on(s, LeaseHeartbeat, s),  # fixed TTL: a decoder's hold is not extended
+            on(s, LeaseHeartbeat, s, do=_bind),  # fixed TTL: a decoder's hold is not extended
         )
         for s in HELD
     ),
+    on("PARTIALLY_READ", ConsumerDone, "PARTIALLY_READ", when=duplicate_consumer),
+    on(HELD, ConsumerDone, "RELEASED", FreeBlocks, when=last_consumer, do=_consumed),
     on(HELD, ConsumerDone, "PARTIALLY_READ", do=_consumed),
 )
 
