@@ -206,11 +206,13 @@ def test_curve_authenticated_side_channel(right_key):
 
 
 def _push_reg(request_id, **extra) -> bytes:
-    from transport.wire import encode_push_reg
+    # Raw bytes: the encoder refuses the bad values a forged PUSH_REG may carry.
+    import msgpack
+    from transport.wire import PUSH_REG_PREFIX
 
     reg = {"request_id": request_id, "engine_id": "D", "decode_request_id": "d-" + request_id,
            "block_ids": [5, 6], "host": "127.0.0.1", "port": 1}
-    return encode_push_reg({**reg, **extra})
+    return PUSH_REG_PREFIX + msgpack.packb({**reg, **extra}, use_bin_type=True)
 
 
 def test_push_reg_deadline_is_parsed_and_a_malformed_one_counted(pair):
