@@ -383,3 +383,14 @@ def test_a_heartbeat_batch_over_the_bound_goes_out_as_several_messages():
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("data, err, why", [
+    ("KVPM", CorruptMetadata, "must be bytes"),
+    (5, CorruptMetadata, "must be bytes"),  # bytes(5) would be five zero bytes
+    (None, CorruptMetadata, "must be bytes"),
+    (frame_metadata(b"x")[:8] + (2**63).to_bytes(8, "big") + frame_metadata(b"x")[16:], CorruptMetadata, "claims"),
+])
+def test_unframe_refuses_non_bytes_and_oversized_claims(data, err, why):
+    with pytest.raises(err, match=why):
+        unframe_metadata(data)

@@ -393,14 +393,24 @@ _HEADER = struct.Struct(">4sHHQI")
 HEADER_SIZE = _HEADER.size
 
 
+# NIXL agent metadata is kilobytes (a worker address and one descriptor
+# list per registered region); a frame claiming more is refused unread.
+MAX_METADATA_BYTES = 16 << 20
+
+
 def frame_metadata(payload: bytes) -> bytes:
     payload = bytes(payload)
+    if len(payload) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata of {len(payload)} bytes, more than {MAX_METADATA_BYTES}")
     header = _HEADER.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(payload), zlib.crc32(payload))
     return header + payload
 
 
 def unframe_metadata(data: bytes) -> bytes:
     """Return the payload of a framed blob, or raise a :class:`WireError`."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        # bytes(5) would be five zero bytes, bytes("x") a TypeError.
+        raise CorruptMetadata(f"metadata frame must be bytes, got {type(data).__name__}")
     data = bytes(data)
     if len(data) < HEADER_SIZE:
         raise TruncatedMetadata(
@@ -415,6 +425,8 @@ def unframe_metadata(data: bytes) -> bytes:
         )
     if reserved != 0:
         raise CorruptMetadata(f"metadata frame reserved field is {reserved:#06x}, expected 0")
+    if length > MAX_METADATA_BYTES:
+        raise CorruptMetadata(f"metadata frame claims {length} bytes, more than {MAX_METADATA_BYTES}")
     body = data[HEADER_SIZE:]
     if len(body) < length:
         raise TruncatedMetadata(f"metadata payload is {len(body)} bytes, header says {length}")
