@@ -338,6 +338,18 @@ def _short(v: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+_SCHEMAS: dict[type, tuple[tuple[str, tuple[str, ...], bool], ...]] = {}
+
+
+def _schema(cls: type) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
+    """(field name, declared type options, has a converter) for each field."""
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        schema = _SCHEMAS[cls] = tuple((a.name, _type_options(a), a.converter is not None)
+                                       for a in attrs.fields(cls))
+    return schema
+
+
 def build(registry: dict[str, type], name: str, data: Any, line: int, what: str) -> Any:
     cls = registry.get(name)
     if cls is None:
@@ -345,14 +357,14 @@ def build(registry: dict[str, type], name: str, data: Any, line: int, what: str)
     if not isinstance(data, dict):
         raise MalformedLine(line, f"{what} data must be an object, got {_json_type(data)}")
     kwargs = {}
-    for a in attrs.fields(cls):
-        if a.name in data:
-            v = data[a.name]
-            problem = _value_problem(a.name, _type_options(a), v)
+    for field, options, converts in _schema(cls):
+        if field in data:
+            v = data[field]
+            problem = _value_problem(field, options, v)
             if problem is not None:
-                raise MalformedLine(line, f"{what} {name}: field {a.name!r} {problem}")
+                raise MalformedLine(line, f"{what} {name}: field {field!r} {problem}")
             # A converter restores its own tuples; elsewhere lists were tuples.
-            kwargs[a.name] = v if a.converter is not None else _tuplify(v)
+            kwargs[field] = v if converts else _tuplify(v)
     extra = set(data) - set(kwargs)
     if extra:
         raise UnknownEvent(line, f"{what} {name} has no field(s) {sorted(extra)[:5]}")
