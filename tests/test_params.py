@@ -90,3 +90,24 @@ def test_accepted_params_always_encode_their_completion():
     rk = RemoteKV.from_dict({**GOOD, "remote_request_id": "é" * 128, "expected_consumers": wire.MAX_EXPECTED_CONSUMERS})
     notif = wire.decode_notif(wire.encode_completion(rk.remote_request_id, rk.expected_consumers))
     assert notif == wire.CompletionNotif(rk.remote_request_id, rk.expected_consumers)
+
+
+@pytest.mark.parametrize("change", [{"remote_expiry": math.nan}, {"remote_expiry": -math.inf},
+                                    {"remote_ranks": None}, {"remote_request_id": "a:b"}])
+def test_the_scheduler_refuses_bad_params_before_the_plane_sees_them(change):
+    """Issue 9, item 3: a NaN expiry reached the READ gate; now the request is
+    refused at on_new_request and nothing is created or held."""
+    from connector.connector import KVPlaneScheduler
+    from connector.driver import PlaneDriver
+    from transport.loopback import LoopbackEndpoint, LoopbackFabric
+
+    driver = PlaneDriver(engine_id="D", endpoint=LoopbackEndpoint(LoopbackFabric(), "D"), clock=lambda: 0.0)
+    try:
+        sched = KVPlaneScheduler(driver)
+        with pytest.raises(BadTransferParams):
+            sched.on_new_request("d1", {**GOOD, **change, "do_remote_prefill": True})
+        assert driver.plane.get("decode_request", "d1") is None and driver.plane.held() == []
+        assert driver.directory == {}
+        assert sched.get_num_new_matched_tokens("d1", 64, 0) == (0, False)
+    finally:
+        driver.close()

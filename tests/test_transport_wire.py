@@ -394,3 +394,40 @@ def test_a_heartbeat_batch_over_the_bound_goes_out_as_several_messages():
 def test_unframe_refuses_non_bytes_and_oversized_claims(data, err, why):
     with pytest.raises(err, match=why):
         unframe_metadata(data)
+
+
+def test_huge_notifications_over_real_nixl_leave_the_plane_running_and_holding_only_its_lease():
+    """The issue's crash end to end on real NIXL (UCX, DRAM): a stranger
+    agent sends the notifications that crashed P; P counts them and steps on."""
+    import time
+
+    import torch
+
+    from connector.driver import PlaneDriver
+    from statemachines import events as E
+    from transport.nixl_agent import NixlEndpoint
+
+    p_ep, x = NixlEndpoint("P-huge"), NixlEndpoint("X-huge")
+    p = PlaneDriver(engine_id="P", endpoint=p_ep)
+    try:
+        for ep in (p_ep, x):
+            ep.register_kv_cache(torch.zeros(4, 4096, dtype=torch.uint8), 4096)
+        x.add_remote(p_ep.local_metadata())
+        p.feed(E.LeaseGranted(request_id="L", block_ids=[1, 2]))
+        hostile = [b"x:" + b"9" * 5000, b"L:" + b"9" * 5000, b"HB:" + b",".join([b"L"] * 5000),
+                   _raw_reg(deadline=float("nan")), b"HB:" + b"L" * (MAX_NOTIF_BYTES + 1)]
+        for msg in hostile:
+            x.send_notif(p_ep.name, msg)
+        end = time.monotonic() + 30  # generous: UCX wires the connection lazily; a busy machine is slow
+        while p.counters["notifs_malformed"] < len(hostile) and time.monotonic() < end:
+            x.poll_notifs()  # without a progress thread the sender must progress too
+            p.step()
+            time.sleep(0.001)
+        assert p.counters["notifs_malformed"] == len(hostile) and p.counters["notifs_received"] == 0
+        assert p.plane.get("lease", "L").state == "LEASED" and p.freed == []
+        p.feed(E.LeaseAbort(request_id="L"))
+        assert p.plane.held() == []
+    finally:
+        p.close()
+        p_ep.close()
+        x.close()
