@@ -23,7 +23,6 @@ the lease to its consumers.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import secrets
 import time
@@ -41,8 +40,8 @@ from transport.errors import TransportError
 from statemachines.machines.lease import admits
 from transport.handshake import HandshakeServer, build_payload, public_key
 from transport.wire import (
-    CompletionNotif, HeartbeatNotif, MalformedNotification, PushRegNotif, encode_completion, encode_heartbeat,
-    encode_push_reg, decode_notif,
+    CompletionNotif, HeartbeatNotif, MalformedNotification, PushRegistration, PushRegNotif, encode_completion,
+    encode_heartbeats, encode_push_reg, decode_notif,
 )
 
 from .handshaker import Handshaker
@@ -368,15 +367,21 @@ class PlaneDriver:
 
     def _send_heartbeat(self, a: A.SendHeartbeat, follow: list) -> None:
         # Every rank of the engine gets the batch; this driver connects rank 0.
-        self._notify(a.engine_id, encode_heartbeat(a.request_ids), follow, "heartbeats")
+        # More ids than one HB: may carry go out as several messages.
+        for msg in encode_heartbeats(a.request_ids):
+            self._notify(a.engine_id, msg, follow, "heartbeats")
 
     def _send_push_reg(self, a: A.SendPushRegistration, follow: list) -> None:
         host, port = self.side_channel_url[len("tcp://"):].rsplit(":", 1)
-        reg = {"request_id": a.remote_request_id, "engine_id": self.engine_id, "decode_request_id": a.request_id,
-               "block_ids": list(a.block_ids), "host": host, "port": int(port)}
-        if a.deadline is not None:
-            # When we give up (our clock); P bounds its WRITE by it.
-            reg["deadline"] = float(a.deadline)
+        try:
+            # deadline: when we give up (our clock); P bounds its WRITE by it.
+            reg = PushRegistration(request_id=a.remote_request_id, engine_id=self.engine_id,
+                                   decode_request_id=a.request_id, block_ids=a.block_ids, host=host,
+                                   port=int(port), deadline=a.deadline)
+        except ValueError as exc:  # e.g. a request id no notification can carry: D's push times out
+            self.counters["push_regs_unencodable"] += 1
+            log.warning("cannot send PUSH_REG for %s: %s", a.request_id, exc)
+            return
         self._notify(a.engine_id, encode_push_reg(reg), follow, "push_regs")
 
     def _report_recv(self, a: A.ReportRecv, follow: list) -> None:
@@ -462,18 +467,11 @@ class PlaneDriver:
                 return []
             return [E.ConsumerDone(request_id=rid, consumer=sender, expected_consumers=notif.expected_consumers)]
         if isinstance(notif, PushRegNotif):
-            reg = notif.registration
-            try:
-                url = f"tcp://{reg['host']}:{int(reg['port'])}"
-                event = E.PushRegistered(request_id=str(reg["request_id"]), engine_id=str(reg["engine_id"]),
-                                         remote_request_id=str(reg["decode_request_id"]),
-                                         remote_block_ids=[int(b) for b in reg["block_ids"]],
-                                         remote_deadline=_push_deadline(reg))
-            except (KeyError, TypeError, ValueError) as exc:
-                self.counters["notifs_malformed"] += 1
-                log.warning("ignored PUSH_REG from %s with a bad registration: %r", sender, exc)
-                return []
-            event = self._admit_push_reg(sender, event, url)
+            reg = notif.registration  # validated by the decoder
+            event = E.PushRegistered(request_id=reg.request_id, engine_id=reg.engine_id,
+                                     remote_request_id=reg.decode_request_id, remote_block_ids=reg.block_ids,
+                                     remote_deadline=reg.deadline)
+            event = self._admit_push_reg(sender, event, reg.side_channel)
             return [] if event is None else [event]
         return []
 
@@ -516,18 +514,6 @@ class PlaneDriver:
                 )
                 events.append(done(request_id=request_id))
         return events
-
-
-def _push_deadline(reg: dict) -> float | None:
-    """The decoder's give-up time in a PUSH_REG (its clock); None when the
-    registration has none (an older decoder).  Anything but a finite number
-    is a malformed registration."""
-    deadline = reg.get("deadline")
-    if deadline is None:
-        return None
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
-        raise ValueError(f"PUSH_REG deadline must be a finite number, got {deadline!r}")
-    return float(deadline)
 
 
 def _align_tail(remote: list, local: list) -> tuple[list, list]:

@@ -11,6 +11,11 @@ from typing import Any
 
 import attrs
 
+from transport import wire
+
+# Ranks of one engine (its TP x PP size) a request's blocks may live on.
+MAX_RANKS = 1024
+
 
 class BadTransferParams(ValueError):
     """kv_transfer_params missing a field or with a wrong type; names the field."""
@@ -41,31 +46,51 @@ class RemoteKV:
 
     @classmethod
     def from_dict(cls, d: Any) -> "RemoteKV":
+        """Validate ``kv_transfer_params`` from the proxy: every wrong type,
+        value or size raises BadTransferParams naming the field, never a bare
+        TypeError.  The ids and counts must be ones a notification can carry
+        (transport.wire's bounds), so nothing accepted here fails later when
+        the READ's completion is encoded.  Keys kvplane does not use (vLLM's
+        do_remote_prefill, push, ...) are ignored."""
         if not isinstance(d, dict):
             raise BadTransferParams(f"kv_transfer_params must be a dict, got {type(d).__name__}")
-        typed = {
-            "remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
-            "remote_block_ids": (list, tuple),
-        }
-        for name, typ in typed.items():
+        for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids"):
             if name not in d:
                 raise BadTransferParams(f"kv_transfer_params: missing {name!r}")
-            if not isinstance(d[name], typ) or isinstance(d[name], bool):
-                raise BadTransferParams(f"kv_transfer_params: {name!r} has type {type(d[name]).__name__}")
-        if not all(isinstance(b, int) and b >= 0 for b in d["remote_block_ids"]):
-            raise BadTransferParams("kv_transfer_params: 'remote_block_ids' must be non-negative ints")
+
+        def check(name: str, problem: str | None) -> None:
+            if problem is not None:
+                raise BadTransferParams(f"kv_transfer_params: {name!r}: {problem}")
+
+        check("remote_engine_id", wire.name_problem(d["remote_engine_id"], "engine id"))
+        check("remote_host", wire.host_problem(d["remote_host"]))
+        check("remote_port", wire.port_problem(d["remote_port"]))
+        check("remote_request_id", wire.id_problem(d["remote_request_id"]))
+        check("remote_block_ids", wire.block_ids_problem(d["remote_block_ids"]))
+        ranks = d.get("remote_ranks", (0,))  # absent: rank 0; null is a wrong type like any other
+        if not isinstance(ranks, (list, tuple)) or not 1 <= len(ranks) <= MAX_RANKS or not all(
+                isinstance(r, int) and not isinstance(r, bool) and 0 <= r < MAX_RANKS for r in ranks):
+            check("remote_ranks", f"must be a list of 1 to {MAX_RANKS} ints in 0..{MAX_RANKS - 1}, "
+                                  f"got {_short(ranks)}")
         consumers = d.get("expected_consumers", 1)
-        if not isinstance(consumers, int) or consumers < 1:
-            raise BadTransferParams(f"kv_transfer_params: 'expected_consumers' must be an int >= 1, got {consumers!r}")
+        if isinstance(consumers, bool) or not isinstance(consumers, int) or not (
+                1 <= consumers <= wire.MAX_EXPECTED_CONSUMERS):
+            check("expected_consumers", f"must be an int in 1..{wire.MAX_EXPECTED_CONSUMERS}, got {_short(consumers)}")
         expiry = d.get("remote_expiry")
-        if expiry is not None and (not isinstance(expiry, (int, float)) or isinstance(expiry, bool)):
-            raise BadTransferParams(f"kv_transfer_params: 'remote_expiry' must be a number, got {expiry!r}")
+        # A NaN expiry compares false with everything: the READ gate would
+        # never see it as past.  Only a finite number (or none) is an expiry.
+        check("remote_expiry", wire.finite_problem(expiry, "the expiry"))
         renewable = d.get("remote_renewable", False)
         if not isinstance(renewable, bool):
-            raise BadTransferParams(f"kv_transfer_params: 'remote_renewable' must be a bool, got {renewable!r}")
+            check("remote_renewable", f"must be a bool, got {_short(renewable)}")
         return cls(
             remote_engine_id=d["remote_engine_id"], remote_host=d["remote_host"], remote_port=d["remote_port"],
             remote_request_id=d["remote_request_id"], remote_block_ids=d["remote_block_ids"],
-            remote_ranks=d.get("remote_ranks", (0,)), expected_consumers=consumers,
+            remote_ranks=ranks, expected_consumers=consumers,
             remote_expiry=None if expiry is None else float(expiry), remote_renewable=renewable,
         )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from typing import Any, Iterable, Iterator, TextIO
 
@@ -185,6 +186,52 @@ class MemoryLog(EventLogWriter):
 
 
 # ------------------------------------------------------------------ decoding
+# Reading is total: any bytes give an EventLog or an EventLogError naming the
+# line, never another exception.  Numbers are bounded while they are parsed
+# (no NaN/Infinity, no int past 64 bits, no float overflowing to inf), JSON
+# nesting past the interpreter's recursion limit is refused by the parser,
+# and every field the machines will see is checked against its declared
+# type before an event or action is built.
+
+
+class EmptyLog(EventLogError):
+    """A log without a single event line (an empty file, or a header alone)."""
+
+    def __str__(self) -> str:
+        return f"empty log: no event line in {self.line} line(s)"
+
+
+class _BadNumber(ValueError):
+    pass
+
+
+_MAX_INT_DIGITS = 20  # 2**64 has 20 digits
+
+
+def _parse_int(text: str) -> int:
+    # Before int(): Python refuses (or is slow on) thousands of digits.
+    if len(text) - text.startswith("-") > _MAX_INT_DIGITS:
+        raise _BadNumber(f"integer of {len(text)} digits (at most 64 bits)")
+    value = int(text)
+    if not -(2**63) <= value < 2**64:
+        raise _BadNumber(f"integer {text} is out of the 64-bit range")
+    return value
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _BadNumber(f"number {text[:40]} overflows to {value}")
+    return value
+
+
+def _parse_constant(name: str) -> Any:
+    raise _BadNumber(f"{name} is not a number (non-finite values are refused)")
+
+
+_DECODER = json.JSONDecoder(parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+
+
 @attrs.frozen
 class LogRecord:
     line: int
@@ -212,30 +259,126 @@ def _tuplify(value: Any) -> Any:
     return value
 
 
-def build(registry: dict[str, type], name: str, data: dict, line: int, what: str) -> Any:
+# What the elements of a ``tuple`` field are, by field name; any other tuple
+# field holds hashable JSON (scalars, or lists of them: they become tuples).
+_INDEX, _STR, _SAMPLE = "a non-negative int", "a string", "an [offset, rtt] pair of numbers"
+_TUPLE_ELEMENTS = {
+    "block_ids": _INDEX, "remote_block_ids": _INDEX, "local_block_ids": _INDEX, "failed_block_ids": _INDEX,
+    "ranks": _INDEX, "remote_ranks": _INDEX, "request_ids": _STR, "samples": _SAMPLE,
+}
+_MAX_VALUE_DEPTH = 4  # lists in lists in a field: a (kind, key) requester is two deep
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _hashable_json(v: Any, depth: int = 0) -> bool:
+    if v is None or isinstance(v, (str, int, float)):
+        return True
+    if isinstance(v, list) and depth < _MAX_VALUE_DEPTH:
+        return all(_hashable_json(x, depth + 1) for x in v)
+    return False
+
+
+def _element_ok(kind: str | None, v: Any) -> bool:
+    if kind is _INDEX:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if kind is _STR:
+        return isinstance(v, str)
+    if kind is _SAMPLE:
+        return isinstance(v, list) and len(v) == 2 and all(_is_number(x) for x in v)
+    return _hashable_json(v, 1)
+
+
+def _type_options(attribute) -> tuple[str, ...]:
+    # Annotations are strings here (``from __future__ import annotations``).
+    t = attribute.type
+    text = t if isinstance(t, str) else getattr(t, "__name__", repr(t))
+    return tuple(part.strip().split("[")[0] for part in text.split("|"))
+
+
+def _value_problem(name: str, options: tuple[str, ...], v: Any) -> str | None:
+    """Why the JSON value ``v`` cannot be field ``name`` of the declared type, or None."""
+    if v is None:
+        return None if "None" in options else "must not be null"
+    for opt in options:
+        if opt == "str" and isinstance(v, str):
+            return None
+        if opt == "bool" and isinstance(v, bool):
+            return None
+        if opt == "int" and isinstance(v, int) and not isinstance(v, bool):
+            return None
+        if opt == "float" and _is_number(v):
+            return None
+        if opt == "tuple" and isinstance(v, list):
+            kind = _TUPLE_ELEMENTS.get(name)
+            bad = next((x for x in v if not _element_ok(kind, x)), _OK)
+            if bad is _OK:
+                return None
+            return f"element {_short(bad)} is not {kind or 'a scalar or a list of them'}"
+        if opt not in ("str", "bool", "int", "float", "tuple", "None") and _hashable_json(v):
+            return None  # Any (timer keys) and types this reader has no rule for
+    names = {"tuple": "a list", "None": "null", "str": "a string", "bool": "a bool", "int": "an integer",
+             "float": "a number"}
+    want = " or ".join(names.get(o, "a scalar or a list of them") for o in options)
+    return f"must be {want}, got {_json_type(v)}"
+
+
+_OK = object()
+
+
+def _json_type(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a bool", type(None): "null"}.get(
+        type(v), "a number")
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v) if _hashable_json(v) else f"<{_json_type(v)}>"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_SCHEMAS: dict[type, tuple[tuple[str, tuple[str, ...], bool], ...]] = {}
+
+
+def _schema(cls: type) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
+    """(field name, declared type options, has a converter) for each field."""
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        schema = _SCHEMAS[cls] = tuple((a.name, _type_options(a), a.converter is not None)
+                                       for a in attrs.fields(cls))
+    return schema
+
+
+def build(registry: dict[str, type], name: str, data: Any, line: int, what: str) -> Any:
     cls = registry.get(name)
     if cls is None:
-        raise UnknownEvent(line, f"unknown {what} {name!r}")
+        raise UnknownEvent(line, f"unknown {what} {_short(name)}")
     if not isinstance(data, dict):
-        raise MalformedLine(line, f"{what} data must be an object, got {type(data).__name__}")
+        raise MalformedLine(line, f"{what} data must be an object, got {_json_type(data)}")
     kwargs = {}
-    for a in attrs.fields(cls):
-        if a.name in data:
-            v = data[a.name]
+    for field, options, converts in _schema(cls):
+        if field in data:
+            v = data[field]
+            problem = _value_problem(field, options, v)
+            if problem is not None:
+                raise MalformedLine(line, f"{what} {name}: field {field!r} {problem}")
             # A converter restores its own tuples; elsewhere lists were tuples.
-            kwargs[a.name] = v if a.converter is not None else _tuplify(v)
+            kwargs[field] = v if converts else _tuplify(v)
     extra = set(data) - set(kwargs)
     if extra:
-        raise UnknownEvent(line, f"{what} {name} has no field(s) {sorted(extra)}")
+        raise UnknownEvent(line, f"{what} {name} has no field(s) {sorted(extra)[:5]}")
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # a missing field, a validator
         raise MalformedLine(line, f"bad {what} {name} data: {exc}") from None
 
 
-def _iter_lines(source) -> Iterator[str]:
+def _iter_lines(source) -> Iterator[str | bytes]:
     if isinstance(source, (str, os.PathLike)):
-        with open(source, encoding="utf-8") as f:
+        # Bytes: a line that is not UTF-8 is reported with its number, not
+        # raised by the file object in the middle of iteration.
+        with open(source, "rb") as f:
             yield from f
     else:
         yield from source
@@ -244,37 +387,66 @@ def _iter_lines(source) -> Iterator[str]:
 def parse_config(obj: Any, line: int) -> PlaneConfig:
     if not isinstance(obj, dict):
         raise MalformedLine(line, "config must be an object")
+    fields = {a.name: a for a in attrs.fields(PlaneConfig)}
+    for key, value in obj.items():
+        if key in fields:
+            problem = _value_problem(key, _type_options(fields[key]), value)
+            if problem is not None:
+                raise MalformedLine(line, f"bad config: {key!r} {problem}")
     try:
         return PlaneConfig(**obj)
     except (TypeError, ValueError) as exc:
         raise MalformedLine(line, f"bad config: {exc}") from None
 
 
-def parse_line(text: str, line: int) -> dict:
+def parse_line(text: str | bytes, line: int) -> dict:
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise MalformedLine(line, f"not UTF-8: byte {text[exc.start]:#04x} at column {exc.start + 1}") from None
+    elif not isinstance(text, str):
+        raise MalformedLine(line, f"a log line must be text, got {type(text).__name__}")
     try:
-        obj = json.loads(text)
+        obj = _DECODER.decode(text)
     except json.JSONDecodeError as exc:
-        raise MalformedLine(line, f"not JSON: {exc.msg}") from None
+        raise MalformedLine(line, f"not JSON: {exc.msg} at column {exc.colno}") from None
+    except _BadNumber as exc:
+        raise MalformedLine(line, f"bad number: {exc}") from None
+    except RecursionError:
+        raise MalformedLine(line, "JSON nested too deep") from None
     if not isinstance(obj, dict):
         raise MalformedLine(line, "a log line must be a JSON object")
     v = obj.get("v")
-    if v != LOG_VERSION:
-        if isinstance(v, int) and not isinstance(v, bool):
+    if type(v) is not int or v != LOG_VERSION:  # type(): true == 1 and 1.0 == 1 in Python
+        if type(v) is int:
             raise UnsupportedVersion(line, f"log version {v} (this reader understands {LOG_VERSION})")
-        raise MalformedLine(line, f"missing or invalid version 'v': {v!r}")
+        raise MalformedLine(line, f"missing or invalid version 'v': {_short(v)}")
     return obj
 
 
-def read_log(source) -> EventLog:
-    """Parse a log from a path, an open file or an iterable of lines.
+def _optional_str(obj: dict, key: str, line: int) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise MalformedLine(line, f"{key!r} must be a string or null, got {_json_type(value)}")
+    return value
 
-    Raises an ``EventLogError`` subclass naming the first bad line.
+
+def read_log(source) -> EventLog:
+    """Parse a log from a path, an open file or an iterable of lines (str or bytes).
+
+    Raises an ``EventLogError`` subclass naming the first bad line: bad
+    bytes, JSON or numbers, a field of the wrong type, time going backwards,
+    an explicit ``seq`` that does not increase; ``EmptyLog`` when there is
+    no event line at all.
     """
     config = None
     records: list[LogRecord] = []
     last_t = float("-inf")
+    last_seq: int | None = None
+    n = 0
     for n, text in enumerate(_iter_lines(source), start=1):
-        if not text.strip():
+        if isinstance(text, (str, bytes, bytearray)) and not text.strip():
             continue
         obj = parse_line(text, n)
         if "config" in obj and "event" not in obj:
@@ -284,16 +456,22 @@ def read_log(source) -> EventLog:
             continue
         name = obj.get("event")
         if not isinstance(name, str):
-            raise MalformedLine(n, "missing 'event'")
+            raise MalformedLine(n, f"missing or non-string 'event': {_short(name)}")
         t = obj.get("t")
-        if isinstance(t, bool) or not isinstance(t, (int, float)):
-            raise MalformedLine(n, f"missing or non-numeric time 't': {t!r}")
+        if not _is_number(t):
+            raise MalformedLine(n, f"missing or non-numeric time 't': {_short(t)}")
         if t < last_t:
             raise MalformedLine(n, f"time goes backwards ({t} after {last_t})")
         last_t = t
-        seq = obj.get("seq", n)
-        if isinstance(seq, bool) or not isinstance(seq, int):
-            raise MalformedLine(n, f"non-integer 'seq': {seq!r}")
+        if "seq" in obj:
+            seq = obj["seq"]
+            if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+                raise MalformedLine(n, f"'seq' must be a non-negative integer, got {_short(seq)}")
+            if last_seq is not None and seq <= last_seq:
+                raise MalformedLine(n, f"'seq' {seq} does not increase (after {last_seq})")
+            last_seq = seq
+        else:
+            seq = n  # hand-written logs may omit it
         data = obj.get("data", {})
         event = build(ALL_EVENTS, name, data, n, "event")
         recorded = "state_after" in obj or "actions" in obj
@@ -306,9 +484,9 @@ def read_log(source) -> EventLog:
                 raise MalformedLine(n, "'actions' must be a list of [name, {fields}]")
             for a_name, a_data in actions:
                 build(ACTION_TYPES, a_name, a_data, n, "action")  # validates names and fields
-        machine = obj.get("machine")
-        if machine is not None and not isinstance(machine, str):
-            raise MalformedLine(n, "'machine' must be a string")
-        records.append(LogRecord(n, seq, float(t), machine, event, data, recorded,
-                                 obj.get("state_before"), obj.get("state_after"), actions))
+        machine = _optional_str(obj, "machine", n)
+        before, after = _optional_str(obj, "state_before", n), _optional_str(obj, "state_after", n)
+        records.append(LogRecord(n, seq, float(t), machine, event, data, recorded, before, after, actions))
+    if not records:
+        raise EmptyLog(n, "no event line")
     return EventLog(config, tuple(records))

@@ -16,6 +16,7 @@ reported at the end).  The log is replayed into a fresh plane (see
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any
 
 import attrs
@@ -64,8 +65,15 @@ class MonitorReport:
     replay: ReplayResult | None = None
 
     @property
+    def divergence(self):
+        """Where the replay stopped agreeing with the recorded log, or None."""
+        return None if self.replay is None else self.replay.divergence
+
+    @property
     def ok(self) -> bool:
-        return not self.hot
+        # A recorded log the machines do not reproduce is not the run the
+        # monitors watched (they saw the replay): such a log fails.
+        return not self.hot and self.divergence is None
 
 
 # A live run polls its timers, so a deadline fires a little after it is due;
@@ -77,6 +85,9 @@ class LivenessMonitor:
     """Observer for ``replay``: tracks hot obligations per instance."""
 
     def __init__(self, machines: dict[str, Machine] | None = None, grace: float = DEFAULT_GRACE):
+        # A NaN grace would make every "past deadline" comparison false.
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < math.inf:
+            raise ValueError(f"grace must be a finite number >= 0, got {grace!r}")
         self.hot_states = obligations(machines)
         self.grace = grace
         # (kind, key) -> (instance, {hot resource: since})
@@ -136,8 +147,9 @@ def check_log(source, config: PlaneConfig | None = None, *, machines: dict[str, 
               until: float | None = None, grace: float = DEFAULT_GRACE) -> MonitorReport:
     """Run the liveness monitors over a log (recorded or stimuli-only).
 
-    Raises ``EventLogError`` on bad input.  A replay divergence is kept in
-    ``report.replay`` (the monitors still report what was seen up to it).
+    Raises ``EventLogError`` on bad input, ValueError on a bad ``grace``.
+    A replay divergence is kept in ``report.replay`` (the monitors still
+    report what was seen up to it) and fails the report.
     """
     log = source if isinstance(source, EventLog) else read_log(source)
     mon = LivenessMonitor(machines, grace)

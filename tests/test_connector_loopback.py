@@ -218,11 +218,13 @@ def test_side_channel_is_authenticated_by_default(case):
 
 
 def _push_reg(request_id, engine_id="D", **extra) -> bytes:
-    from transport.wire import encode_push_reg
+    # Raw bytes: the encoder refuses the bad values a forged PUSH_REG may carry.
+    import msgpack
+    from transport.wire import PUSH_REG_PREFIX
 
     reg = {"request_id": request_id, "engine_id": engine_id, "decode_request_id": "d-" + request_id,
            "block_ids": [5, 6], "host": "127.0.0.1", "port": 1}
-    return encode_push_reg({**reg, **extra})
+    return PUSH_REG_PREFIX + msgpack.packb({**reg, **extra}, use_bin_type=True)
 
 
 def _lease(p, rid, blocks=(1,)) -> str:

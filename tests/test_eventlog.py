@@ -8,7 +8,7 @@ import pytest
 from statemachines import events as E
 from statemachines.config import PlaneConfig
 from statemachines.eventlog import (
-    EventLogWriter, MalformedLine, MemoryLog, UnknownEvent, UnsupportedVersion, read_log,
+    EmptyLog, EventLogError, EventLogWriter, MalformedLine, MemoryLog, UnknownEvent, UnsupportedVersion, read_log,
 )
 from statemachines.plane import ControlPlane
 
@@ -98,3 +98,105 @@ def test_file_paths(tmp_path):
         run_small(p)
         w.flush()
     assert len(read_log(path).records) == w.seq > 5
+
+
+# ------------------------------------------------------------ hostile input (issue 9, item 9)
+GOOD = b'{"v":1,"seq":1,"t":0,"event":"LeaseGranted","data":{"request_id":"a","block_ids":[1]}}'
+
+
+def _line(t=b"1", data=b'{"request_id":"a"}', event=b"LeaseAbort", seq=b"2") -> bytes:
+    return b'{"v":1,"seq":' + seq + b',"t":' + t + b',"event":"' + event + b'","data":' + data + b"}"
+
+
+HOSTILE = [
+    # (what, second line, error class, words the message must contain)
+    ("non-UTF-8 bytes", _line(data=b'{"request_id":"' + bytes([0xFF, 0xFE]) + b'"}'), MalformedLine, "not UTF-8"),
+    ("5000-digit integer time", _line(t=b"9" * 5000), MalformedLine, "integer of 5000 digits"),
+    ("5000-digit integer field", _line(data=b'{"request_id":"a","block_ids":[' + b"1" * 5000 + b"]}",
+                                       event=b"LeaseGranted"), MalformedLine, "integer of 5000 digits"),
+    ("float overflowing to inf", _line(t=b"1e400"), MalformedLine, "overflows to inf"),
+    ("JSON nested 100k deep", _line(data=b"[" * 100_000 + b"]" * 100_000), MalformedLine, "nested too deep"),
+    ("object nested 100k deep", _line(data=b'{"a":' * 100_000 + b"1" + b"}" * 100_000), MalformedLine,
+     "nested too deep"),
+    ("request_id: {}", _line(data=b'{"request_id":{}}'), MalformedLine, "'request_id' must be a string"),
+    ("duration: []", _line(event=b"LeaseGranted", data=b'{"request_id":"b","block_ids":[2],"duration":[]}'),
+     MalformedLine, "'duration' must be a number or null"),
+    ("block id not an int", _line(event=b"LeaseGranted", data=b'{"request_id":"b","block_ids":[{}]}'),
+     MalformedLine, "'block_ids' element <an object>"),
+    ("timer key an object", _line(event=b"TimerFired", data=b'{"kind":"lease","key":{"x":1},"at":1}'),
+     MalformedLine, "'key' must be a scalar or a list"),
+    ("bool as count", _line(event=b"ConsumerDone",
+                            data=b'{"request_id":"a","consumer":"d","expected_consumers":true}'),
+     MalformedLine, "'expected_consumers' must be an integer"),
+    ("NaN time", _line(t=b"NaN"), MalformedLine, "NaN is not a number"),
+    ("infinite time", _line(t=b"Infinity"), MalformedLine, "Infinity is not a number"),
+    ("-infinite time", _line(t=b"-Infinity"), MalformedLine, "-Infinity is not a number"),
+    ("NaN in data", _line(event=b"LeaseGranted", data=b'{"request_id":"b","block_ids":[2],"duration":NaN}'),
+     MalformedLine, "NaN is not a number"),
+    ("time going backwards", _line(t=b"-1"), MalformedLine, "time goes backwards"),
+    ("duplicated seq", _line(seq=b"1"), MalformedLine, "'seq' 1 does not increase"),
+    ("seq going backwards", _line(seq=b"0"), MalformedLine, "'seq' 0 does not increase"),
+    ("seq a float", _line(seq=b"2.5"), MalformedLine, "'seq' must be a non-negative integer"),
+    ("state_after an object", _line()[:-1] + b',"state_after":{},"actions":[]}', MalformedLine,
+     "'state_after' must be a string or null"),
+    ("version true", b'{"v":true,"t":1,"event":"LeaseAbort","data":{"request_id":"a"}}', MalformedLine,
+     "invalid version"),
+]
+
+
+@pytest.mark.parametrize("what, second, err, words", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_lines_raise_a_typed_error_naming_their_line(what, second, err, words, tmp_path):
+    # The same through every kind of source: bytes lines, str lines, a file.
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(GOOD + b"\n" + second + b"\n")
+    sources = [[GOOD, second], path]
+    try:
+        sources.append([GOOD.decode(), second.decode()])
+    except UnicodeDecodeError:
+        pass
+    for source in sources:
+        with pytest.raises(err) as info:
+            read_log(source)
+        assert info.value.line == 2 and str(info.value).startswith("line 2: ") and words in str(info.value), (
+            what, str(info.value)[:200])
+
+
+def test_time_going_backwards_after_a_nan_is_refused_at_the_nan():
+    lines = [GOOD, _line(t=b"NaN"), _line(t=b"-5", seq=b"3")]
+    with pytest.raises(MalformedLine) as info:
+        read_log(lines)
+    assert info.value.line == 2
+
+
+@pytest.mark.parametrize("text, lines", [(b"", 0), (b"\n\n", 2), (b'{"v":1,"config":{}}\n', 1)])
+def test_an_empty_log_is_an_error(tmp_path, text, lines):
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(text)
+    with pytest.raises(EmptyLog) as info:
+        read_log(path)
+    assert info.value.line == lines and "empty log" in str(info.value)
+    assert isinstance(info.value, EventLogError)
+
+
+def test_omitted_seqs_take_the_line_number_and_explicit_ones_must_increase():
+    log = read_log([GOOD, _line(seq=b"7"), b'{"v":1,"t":2,"event":"LeaseAbort","data":{"request_id":"a"}}',
+                    _line(seq=b"9", t=b"3")])
+    assert [r.seq for r in log.records] == [1, 7, 3, 9]
+
+
+def test_bounded_numbers_still_load():
+    big = 2**64 - 1
+    log = read_log([b'{"v":1,"seq":' + str(2**63).encode() + b',"t":1e300,"event":"LeaseGranted",'
+                    b'"data":{"request_id":"a","block_ids":[' + str(big).encode() + b'],"duration":-0.0}}'])
+    rec = log.records[0]
+    assert rec.t == 1e300 and rec.event.block_ids == (big,) and rec.seq == 2**63
+
+
+def test_a_config_header_of_the_wrong_type_names_line_1():
+    for config, words in ((b'{"kv_lease_duration":"30"}', "'kv_lease_duration' must be a number"),
+                          (b'{"kv_lease_duration":NaN}', "NaN is not a number"),
+                          (b'{"handshake_max_attempts":2.5}', "'handshake_max_attempts' must be an integer"),
+                          (b"[]", "config must be an object")):
+        with pytest.raises(MalformedLine) as info:
+            read_log([b'{"v":1,"config":' + config + b"}", GOOD])
+        assert info.value.line == 1 and words in str(info.value)

@@ -59,3 +59,41 @@ def test_past_deadline_in_a_recorded_log_whose_timers_were_not_fired():
     rep = check_log(log.lines())
     assert [(h.key, h.reason, h.deadline, h.at) for h in rep.hot] == [("a", "past_deadline", 30.0, 50.0)]
     assert not rep.ok
+
+
+def test_a_recorded_log_the_machines_do_not_reproduce_fails_the_check(tmp_path, capsys):
+    """Issue 9, item 11: a recorded recv marked done whose report never appears
+    (ReportRecv cut from its line).  The monitors watch the replay, which does
+    report; the log must still fail, naming the divergence, as replay does."""
+    import json
+
+    from connector.cli_checks import cmd_check_log, cmd_replay
+
+    p = ControlPlane()
+    log = MemoryLog(config=p.config)
+    p.recorder = log
+    p.handle(E.NewRequest(request_id="r1", engine_id="e", remote_request_id="x", remote_block_ids=[1]), 0.0)
+    p.handle(E.HandshakeOk(engine_id="e", samples=[(0.0, 0.01)]), 0.1)
+    p.handle(E.BlocksAllocated(request_id="r1", block_ids=[3], num_remote_tokens=4), 1.0)
+    p.handle(E.StartLoad(request_id="r1"), 1.0)
+    p.handle(E.ReadDone(request_id="r1"), 2.0)
+    p.handle(E.RequestRunning(request_id="r1"), 2.0)
+    p.handle(E.RequestFinished(request_id="r1"), 3.0)
+    lines = log.lines()
+    assert check_log(lines).ok  # as recorded: clean
+    idx = next(i for i, l in enumerate(lines) if '"event":"ReadDone"' in l)
+    rec = json.loads(lines[idx])
+    assert rec["state_after"] == "RECV_DONE"
+    rec["actions"] = [a for a in rec["actions"] if a[0] != "ReportRecv"]
+    lines[idx] = json.dumps(rec)
+
+    rep = check_log(lines)
+    assert rep.hot == []  # the replayed plane reported, so nothing is hot...
+    assert rep.divergence is not None and rep.divergence.what == "actions" and rep.divergence.line == idx + 1
+    assert not rep.ok  # ...but the log is not the run the monitors saw
+    path = tmp_path / "diverged.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert cmd_check_log(str(path)) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"DIVERGENCE at seq {rec['seq']} (line {idx + 1}): actions differs" in out and "FAILED" in out
+    assert cmd_replay(str(path)) == 1

@@ -155,3 +155,63 @@ def test_a_change_inside_an_internal_cascade_diverges():
     assert r.divergence is not None
     assert r.divergence.seq == start["seq"] and r.divergence.what == "actions"
 
+
+
+# ------------------------------------------------------------ bad logs through the CLI (issue 9, item 9)
+_GOOD = b'{"v":1,"seq":1,"t":0,"event":"LeaseGranted","data":{"request_id":"a","block_ids":[1]}}\n'
+_BAD_LOGS = {
+    # name: (file contents, what the message must say)
+    "non-utf8": (_GOOD + b'{"v":1,"t":1,"event":"Abort","data":{"request_id":"\xff"}}\n', "line 2: not UTF-8"),
+    "5000-digit int": (_GOOD + b'{"v":1,"t":' + b"9" * 5000 + b',"event":"Abort","data":{"request_id":"a"}}\n',
+                       "line 2: bad number: integer of 5000 digits"),
+    "100k deep": (_GOOD + b'{"v":1,"t":1,"event":"Abort","data":' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+                  "line 2: JSON nested too deep"),
+    "request_id {}": (_GOOD + b'{"v":1,"t":1,"event":"Abort","data":{"request_id":{}}}\n',
+                      "line 2: event Abort: field 'request_id' must be a string"),
+    "duration []": (b'{"v":1,"t":1,"event":"LeaseGranted","data":{"request_id":"a","block_ids":[1],"duration":[]}}\n',
+                    "line 1: event LeaseGranted: field 'duration' must be a number or null"),
+    "NaN time": (_GOOD + b'{"v":1,"t":NaN,"event":"Abort","data":{"request_id":"a"}}\n' + _GOOD.replace(b"0", b"-9"),
+                 "line 2: bad number: NaN"),
+    "inf time": (_GOOD + b'{"v":1,"t":-Infinity,"event":"Abort","data":{"request_id":"a"}}\n',
+                 "line 2: bad number: -Infinity"),
+    "backwards": (_GOOD.replace(b'"t":0', b'"t":5') + _GOOD.replace(b'"seq":1', b'"seq":2'),
+                  "line 2: time goes backwards"),
+    "dup seq": (_GOOD + _GOOD, "line 2: 'seq' 1 does not increase"),
+    "empty": (b"", "empty log"),
+    "markup in a name": (b'{"v":1,"t":0,"event":"[/x]","data":{}}\n', 'line 1: unknown event "[/x]"'),
+}
+
+
+@pytest.mark.parametrize("name", list(_BAD_LOGS))
+@pytest.mark.parametrize("command", ["replay", "check-log"])
+def test_cli_refuses_bad_logs_with_exit_2_naming_the_line(name, command, tmp_path, capsys):
+    from connector.cli import main
+
+    text, words = _BAD_LOGS[name]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(text)
+    assert main([command, str(path)]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert words in out and "Traceback" not in out
+
+
+def test_cli_prints_log_contents_verbatim_never_as_markup(tmp_path, capsys):
+    """rich parsed "[/x]" in a lease id as a closing tag and raised MarkupError."""
+    from connector.cli import main
+
+    path = tmp_path / "leak.jsonl"
+    path.write_text('{"v":1,"t":0,"event":"LeaseGranted","data":{"request_id":"[/x][bold]","block_ids":[1]}}\n')
+    assert main(["replay", str(path)]) == 1
+    assert main(["check-log", str(path)]) == 1
+    assert "[/x][bold]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("grace", ["nan", "inf", "-1"])
+def test_check_log_refuses_a_grace_that_is_not_a_finite_duration(grace, tmp_path, capsys):
+    from connector.cli import main
+
+    _, lines = recorded_session()
+    path = tmp_path / "good.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["check-log", "--grace", grace, str(path)]) == 2
+    assert "bad --grace" in capsys.readouterr().out
