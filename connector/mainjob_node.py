@@ -150,6 +150,7 @@ class Node:
         self.recompute_reasons: Counter = Counter()
         self.abandoned: Counter = Counter()  # what the timeout made us give up
         self.aborting: set[str] = set()  # requests aborted by the timeout, their recv report pending
+        self.waited_for_blocks: set[str] = set()  # requests that found the pool short at least once
         # P
         self.prefill_q: deque[dict] = deque()
         self.turn2_q: deque[dict] = deque()
@@ -167,6 +168,7 @@ class Node:
 
     def alloc(self, rid: str, n: int) -> list[int] | None:
         if len(self.free) < n:
+            self.waited_for_blocks.add(rid)
             return None
         blocks = [self.free.popleft() for _ in range(n)]
         self.owned[rid] = blocks
@@ -540,6 +542,8 @@ class Node:
                           ("unknown_id", "unknown_kind", "protocol_violation", "fail_closed")},
             "stalls": self.stalls, "loop": self.gaps.to_dict(), "clock_offsets": offsets,
             "recompute_reasons": dict(self.recompute_reasons), "abandoned": dict(self.abandoned),
+            "waited_for_blocks": dict(Counter("turn2" if rid.startswith("p2-") else "prefill" if rid.startswith("p-")
+                                              else "decode" for rid in self.waited_for_blocks)),
         }
         self.send("summary", summary)
         self.worker.shutdown()

@@ -29,6 +29,10 @@ SCENARIOS: dict[str, dict] = {
     "push": dict(requests=12, overload=0.5, push=True, hold_ttl=2.5),
     # Turn 2 on time and late (inside the margin), D's clock 50 s ahead.
     "turn2_expired": dict(requests=12, overload=0.0, hold_ttl=6.0, clock_skew=50.0),
+    # Sustained load: requests arrive faster than D's 2 s queue lets P's
+    # leases go, so P's block pool is always full; turn 2 (a 4 s hold, 3 s
+    # to read it before the margin) must still get blocks.
+    "sustained": dict(requests=400, overload=2.0, hold_ttl=4.0),
     # The job times out mid-stream (requests arrive for 8 s, D queues each
     # for 1 s): it must abandon what is in flight and end holding nothing.
     "timeout": dict(requests=400, overload=1.0, hold_ttl=3.0, timeout=4.0),
