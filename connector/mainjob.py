@@ -718,8 +718,11 @@ def _loop_brief(side: dict | None) -> dict | None:
     if not side or "loop" not in side:
         return None
     lp = side["loop"]
+    calls = (side.get("nixl_calls") or {}).get("max_s") or {}
+    slowest = max(calls.items(), key=lambda kv: kv[1], default=None)
     return {"max_gap_s": lp["max_gap_s"], f"gaps_over_{lp['report_over_s']:g}s": lp["gaps_over_report"],
-            "stalls": len(lp["stalls"]), "stall_limit_s": lp["stall_limit_s"]}
+            "stalls": len(lp["stalls"]), "stall_limit_s": lp["stall_limit_s"],
+            "slowest_nixl_call": None if slowest is None else {"call": slowest[0], "s": slowest[1]}}
 
 
 def _slim(s: dict | None) -> dict | None:
@@ -775,6 +778,10 @@ def _table(summary: dict):
     loop = summary.get("loop") or {}
     t.add_row("longest loop stall P / D (gaps > 0.1 s)",
               " / ".join("-" if loop.get(r) is None else f"{loop[r]['max_gap_s']:.3f} s ({loop[r]['gaps_over_0.1s']})"
+                         for r in ("P", "D")))
+    t.add_row("slowest NIXL call P / D",
+              " / ".join("-" if not (loop.get(r) or {}).get("slowest_nixl_call") else
+                         f"{loop[r]['slowest_nixl_call']['call']} {loop[r]['slowest_nixl_call']['s'] * 1e3:.1f} ms"
                          for r in ("P", "D")))
     ab = summary.get("abandoned")
     if ab:

@@ -541,6 +541,8 @@ class Node:
             "anomalies": {k: v for k, v in stats.items() if k.split(":")[0] in
                           ("unknown_id", "unknown_kind", "protocol_violation", "fail_closed")},
             "stalls": self.stalls, "loop": self.gaps.to_dict(), "clock_offsets": offsets,
+            # Which NIXL call, if any, held the loop up (the slowest of each kind).
+            "nixl_calls": self.ep.call_times.to_dict(),
             "recompute_reasons": dict(self.recompute_reasons), "abandoned": dict(self.abandoned),
             "waited_for_blocks": dict(Counter("turn2" if rid.startswith("p2-") else "prefill" if rid.startswith("p-")
                                               else "decode" for rid in self.waited_for_blocks)),

@@ -173,3 +173,6 @@ def test_notifications_to_a_sigstopped_peer_never_block_the_sender(peer_and_read
         peer.proc.send_signal(signal.SIGCONT)
     # Generous for a loaded machine; a blocking send would take until SIGCONT.
     assert total < 10.0 and worst < 5.0, (total, worst)
+    # The endpoint's own record of its slowest calls says the same.
+    assert ep.call_times.max_s["send_notif"] <= worst
+    assert ep.call_times.slow.get("send_notif", 0) < sends / 10
