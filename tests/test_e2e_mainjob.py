@@ -101,7 +101,7 @@ def test_decode_hung_p_reclaims_then_decode_recomputes(e2e_dir):
     # and recomputed instead of reading reclaimed blocks (no corrupt bytes).
     d = s["sides"]["D"]
     assert d["stalls"] and max(d["stalls"]) >= EXTENSION - 1
-    assert s["loop"]["D"]["max_gap_s"] >= max(d["stalls"]) and s["loop"]["D"]["stalls"] >= 1
+    assert s["loop"]["D"]["max_gap_s"] >= max(d["stalls"]) - 1e-3 and s["loop"]["D"]["stalls"] >= 1
     assert d["counters"].get("reads_posted", 0) == 0
     # Full prefix hits read nothing remote: they finish; every other request recomputes.
     outcomes = {r["lid"]: (r["kind"], r["turn1"]) for r in s["requests_detail"]}
