@@ -26,7 +26,7 @@ import logging
 import random
 import secrets
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Callable
 
 import attrs
@@ -245,9 +245,11 @@ class PlaneDriver:
 
     # --------------------------------------------------------------- loop
     def _run(self, events: list[E.Event]) -> None:
-        pending = list(events)
+        # FIFO with O(1) pops: one poll may bring tens of thousands of events
+        # (a large heartbeat batch), and list.pop(0) made a step quadratic.
+        pending = deque(events)
         while pending:
-            event = pending.pop(0)
+            event = pending.popleft()
             pending.extend(self._execute(self.plane.handle(event, self.clock())))
 
     def _execute(self, actions: list) -> list[E.Event]:

@@ -12,6 +12,7 @@ the parent, and Ctrl-C cleans up.
 """
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import multiprocessing as mp
@@ -31,10 +32,17 @@ KINDS = ("normal", "prefix", "normal", "multiturn", "full_awaited", "normal",
          "prefix", "multiturn_late", "full_notify", "normal", "multiturn", "prefix")
 # Timer slack: loops poll every ~1 ms; allow for scheduling on a busy 2-core box.
 SLACK_S = 0.5
+# D's plane clock is monotonic() + skew: far beyond any real skew is a typo,
+# and a float clock that large loses its resolution (at 1e16 s it stops).
+MAX_CLOCK_SKEW = 1e6
 
 
 class RunError(ValueError):
     """Invalid run options (a clear message for the command line)."""
+
+
+class StartupFailed(RuntimeError):
+    """An engine process did not come up (in time); the job stops them all."""
 
 
 @attrs.frozen(kw_only=True)
@@ -51,6 +59,9 @@ class RunOptions:
     overload: float = 2.0  # long enough for heartbeats to extend leases in the default demo
     seed: int = 0
     timeout: float = 120.0
+    # Spawning a process that imports torch and NIXL takes ~5 s here idle and
+    # over a minute at load average 10 on 2 cores.
+    startup_timeout: float = 300.0
     quiet: bool = False
     spacing: float = 0.02  # seconds between request arrivals
     num_blocks: int = 768
@@ -69,6 +80,26 @@ class RunOptions:
         return cls(**kw)
 
     def validate(self) -> None:
+        # Every number first: NaN passes no comparison (a NaN fault time is
+        # never due, a NaN lease never expires) and inf never arrives, so each
+        # one would hang the job or crash a child instead of failing here.
+        for name in ("lease", "hold_ttl", "drop_notifications", "clock_skew", "overload", "timeout",
+                     "startup_timeout", "kill_decode_at", "hang_decode_at", "spacing", "expiry_margin"):
+            v = getattr(self, name)
+            if v is None and name in ("kill_decode_at", "hang_decode_at"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise RunError(f"--{name.replace('_', '-')} must be a finite number, got {v!r}")
+        for name in ("requests", "seed", "num_blocks", "block_elems", "min_blocks", "max_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise RunError(f"--{name.replace('_', '-')} must be an integer, got {v!r}")
+        if abs(self.clock_skew) > MAX_CLOCK_SKEW:
+            raise RunError(f"--clock-skew must be within +-{MAX_CLOCK_SKEW:g} s, got {self.clock_skew:g}")
+        if self.timeout <= 0:
+            raise RunError(f"--timeout must be > 0, got {self.timeout:g}")
+        if self.startup_timeout <= 0:
+            raise RunError(f"--startup-timeout must be > 0, got {self.startup_timeout:g}")
         if self.lease < MIN_LEASE:
             raise RunError(f"--lease must be >= {MIN_LEASE:g} s (heartbeat interval = lease // 6 must be >= 1 s), "
                            f"got {self.lease:g}")
@@ -169,6 +200,8 @@ class _Child:
         self.status: dict | None = None
         self.dead = False  # exited (or killed on purpose)
         self.stopped = False
+        self.abandoned: dict | None = None  # its answer to "abandon" (what it gave up)
+        self.released: dict | None = None  # its answer to "release"
 
 
 class Orchestrator:
@@ -183,6 +216,14 @@ class Orchestrator:
         self.fault_at: float | None = None
         self.errors: list[str] = []
         self.phase = "starting"
+        self.startup_s: float | None = None
+        self.abandoning: str | None = None  # why the run is being given up (timeout, a crash)
+        self.abandoned: dict | None = None
+        self._open = {r.lid for r in self.reqs}  # requests not done yet
+        self._next_unsent = 0  # reqs are in arrival order
+        self._turn2_heap: list[tuple[float, int, str]] = []  # (due, seq, lid)
+        self._seq = 0
+        self._progress_at = 0.0
 
     # ------------------------------------------------------------ processes
     def start(self) -> None:
@@ -214,13 +255,20 @@ class Orchestrator:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        deadline = time.monotonic() + 60.0
+        started = time.monotonic()
+        deadline = started + self.o.startup_timeout
         while any(c.ready is None for c in self.children.values()):
             if time.monotonic() > deadline:
-                raise TimeoutError("the engine processes did not start within 60 s")
+                late = [r for r, c in self.children.items() if c.ready is None]
+                raise StartupFailed(f"engine process {' and '.join(late)} did not start within "
+                                    f"{self.o.startup_timeout:g} s (--startup-timeout)")
             self.pump(0.2)
             if self.errors or any(c.dead for c in self.children.values()):
-                raise RuntimeError("an engine process failed to start: " + "; ".join(self.errors or ["exited"]))
+                # The last line of a child's traceback names the error; the
+                # whole traceback stays in the summary's errors.
+                why = [e.strip().splitlines()[-1] if "crashed" in e else e for e in self.errors]
+                raise StartupFailed("an engine process failed to start: " + "; ".join(why or ["exited"]))
+        self.startup_s = time.monotonic() - started
 
     def stop_all(self) -> None:
         for c in self.children.values():
@@ -292,14 +340,22 @@ class Orchestrator:
     def on_summary(self, c: _Child, body: dict) -> None:
         c.summary = body
 
+    def on_abandoned(self, c: _Child, body: dict) -> None:
+        c.abandoned = body
+
+    def on_released(self, c: _Child, body: dict) -> None:
+        c.released = body
+
     def on_prefilled(self, c: _Child, body: dict) -> None:
         r = self.by_lid[body["lid"]]
-        if self.fault_at is not None:
-            # The proxy routes nothing to a decoder it knows is down; P's lease expires.
-            r.turn1, r.detail = "failed", "not routed: decode down"
+        if self.fault_at is not None or self.abandoning:
+            # The proxy routes nothing to a decoder it knows is down (P's
+            # lease expires), nor after a timeout (P releases it).
+            why = "not routed: decode down" if self.abandoning is None else f"not routed: {self.abandoning}"
+            r.turn1, r.detail = ("failed" if self.abandoning is None else "abandoned"), why
             if r.hold:
-                r.turn2 = "skipped"
-            self._advance()
+                r.turn2 = "skipped" if self.abandoning is None else "abandoned"
+            self._advance(r)
             return
         params = dict(body["params"])
         if r.push:
@@ -316,21 +372,35 @@ class Orchestrator:
                 r.turn2 = "skipped"
             else:
                 r.hold_params, r.hold_at = body["hold"], time.monotonic()
-                if self.fault_at is not None:
+                if self.abandoning:
+                    r.turn2 = "abandoned"  # no new work after a timeout; D releases the hold
+                elif self.fault_at is not None:
                     r.turn2 = "skipped"  # no new work after a fault; D's hold times out
-                # A late turn 2 arrives inside the safety margin: the gate must decline it.
-                delay = self.o.hold_ttl - self.o.expiry_margin / 2 if r.late else 0.0
-                r.turn2_due = r.hold_at + delay
-        self._advance()
+                else:
+                    # A late turn 2 arrives inside the safety margin: the gate must decline it.
+                    delay = self.o.hold_ttl - self.o.expiry_margin / 2 if r.late else 0.0
+                    r.turn2_due = r.hold_at + delay
+                    self._seq += 1
+                    heapq.heappush(self._turn2_heap, (r.turn2_due, self._seq, r.lid))
+        self._advance(r)
 
     def on_turn2_done(self, c: _Child, body: dict) -> None:
         r = self.by_lid[body["lid"]]
         r.turn2 = body["outcome"]
-        self._advance()
+        self._advance(r)
 
-    def _advance(self) -> None:
+    def _advance(self, r: Req | None = None) -> None:
+        """After outcomes changed: keep the set of open requests (one request,
+        or all of them after a bulk change) and the progress bar current."""
+        if r is None:
+            self._open = {x.lid for x in self.reqs if not x.done}
+        elif r.done:
+            self._open.discard(r.lid)
         if self.progress is not None:
-            self.progress(self)
+            now = time.monotonic()
+            if now - self._progress_at > 0.1 or not self._open:  # O(requests): not per message
+                self._progress_at = now
+                self.progress(self)
 
     # ------------------------------------------------------------ the run
     def elapsed(self) -> float:
@@ -344,34 +414,109 @@ class Orchestrator:
         fault_kind = "kill" if o.kill_decode_at is not None else "hang" if o.hang_decode_at is not None else None
         fault_time = o.kill_decode_at if fault_kind == "kill" else o.hang_decode_at
         self.phase = "streaming"
+        timed_out = False
         while True:
             now = time.monotonic()
             if now > hard_deadline:
                 self.errors.append(f"timed out after {o.timeout:g} s in phase {self.phase!r}")
+                timed_out = True
                 break
             if fault_kind and self.fault_at is None and now - self.t0 >= fault_time:
                 self._inject(fault_kind)
             if self.fault_at is None:
-                for r in self.reqs:
-                    if not r.sent and r.arrive <= now - self.t0:
-                        r.sent = self.send("P", "prefill", {"lid": r.lid, "pid": f"p-{r.lid}",
-                                                            "nblocks": r.nblocks, "push": r.push})
-                    if r.turn2_due is not None and r.turn2_due <= now and r.turn2 is None and r.hold_at is not None:
-                        r.turn2_due = None
-                        self.send("P", "turn2", {"lid": r.lid, "p2id": f"p2-{r.lid}", "nblocks": r.nblocks,
-                                                 "params": r.hold_params})
+                self._send_due(now)
             if self.fault_at is not None and self._fault_settled():
                 break
-            if self.fault_at is None and all(r.done for r in self.reqs):
+            if self.fault_at is None and not self._open:
                 if not fault_kind or now - self.t0 >= fault_time:
                     break
             if self.errors:
                 break
             self.pump(0.01)
-        if not self.errors:
+        if self.errors:
+            # A timeout, or a side that crashed: whatever still runs gives up
+            # its work and frees what it holds, so no block outlives the job.
+            self._abandon("timed out" if timed_out else "a side failed")
+        else:
             self._drain_blocks(hard_deadline)
         self._collect_summaries()
         return self._summary()
+
+    def _send_due(self, now: float) -> None:
+        """Send the prefills whose arrival time has come, and the turn 2s that
+        are due (both in order, without scanning every request)."""
+        while self._next_unsent < len(self.reqs):
+            r = self.reqs[self._next_unsent]
+            if r.sent:
+                self._next_unsent += 1
+                continue
+            if r.arrive > now - self.t0:
+                break
+            r.sent = self.send("P", "prefill", {"lid": r.lid, "pid": f"p-{r.lid}", "nblocks": r.nblocks,
+                                                "push": r.push})
+            if not r.sent:
+                break
+            self._next_unsent += 1
+        while self._turn2_heap and self._turn2_heap[0][0] <= now:
+            _, _, lid = heapq.heappop(self._turn2_heap)
+            r = self.by_lid[lid]
+            if r.turn2_due is None or r.turn2 is not None:
+                continue  # skipped meanwhile
+            r.turn2_due = None
+            self.send("P", "turn2", {"lid": r.lid, "p2id": f"p2-{r.lid}", "nblocks": r.nblocks,
+                                     "params": r.hold_params})
+
+    def _abandon(self, why: str) -> None:
+        """Give up the run in bounded time and leave nothing held: route
+        nothing more, have each live side abort its work through the machines
+        (queued requests dropped, recvs in flight aborted, their READs
+        cancelled), then, once the other side has done so (or is dead), free
+        its leases (P) or holds (D), and wait for both to report 0 blocks."""
+        self.abandoning = why
+        self.phase = f"{why}: abandoning"
+        for c in self.children.values():
+            if c.stopped and not c.dead:
+                os.kill(c.proc.pid, signal.SIGCONT)
+                c.stopped = False
+        not_sent = set()
+        for r in self.reqs:
+            if not r.sent:
+                r.turn1, r.sent, r.detail = "abandoned", True, f"not sent: {why}"
+                not_sent.add(r.lid)
+        live = [role for role, c in self.children.items() if not c.dead]
+        self._round(live, "abandon", "abandoned")
+        # Only once the reader has stopped: P's leases when D has abandoned
+        # (or died), D's holds when P has.
+        safe = [role for role, other in (("P", "D"), ("D", "P"))
+                if role in live and (self.children[other].dead or self.children[other].abandoned is not None)]
+        self._round(safe, "release", "released")
+        unresolved = {"turn1": 0, "turn2": 0}
+        for r in self.reqs:
+            if r.turn1 is None:
+                r.turn1, r.detail = "abandoned", f"in flight: {why}"
+            if r.hold and r.turn2 is None:
+                r.turn2 = "abandoned"
+            if r.lid not in not_sent:  # sent, then given up (here or when its outcome came)
+                unresolved["turn1"] += r.turn1 == "abandoned"
+                unresolved["turn2"] += r.hold and r.turn2 == "abandoned"
+        self._advance()
+        cfg = self.o.plane_config()
+        self._drain_blocks(time.monotonic() + cfg["transfer_timeout"] + 2 * SLACK_S + 5.0)
+        self.abandoned = {
+            "reason": why, "requests_not_sent": len(not_sent), "in_flight_turn1": unresolved["turn1"],
+            "in_flight_turn2": unresolved["turn2"],
+            **{role: (c.released or c.abandoned or {}).get("counts") for role, c in self.children.items()},
+        }
+
+    def _round(self, roles: list[str], kind: str, reply: str, timeout: float = 15.0) -> None:
+        """Send ``kind`` to ``roles`` and wait, bounded, until each one that is
+        still alive answered ``reply``."""
+        waiting = [r for r in roles if self.send(r, kind)]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(getattr(self.children[r], reply) is not None or self.children[r].dead for r in waiting):
+                return
+            self.pump(0.05)
 
     def _inject(self, kind: str) -> None:
         d = self.children["D"]
@@ -404,7 +549,9 @@ class Orchestrator:
         d = self.children["D"]
         if d.stopped:
             st = self._ask("P")
-            bound = self.fault_at + self.o.lease + 2 * SLACK_S + 1.0
+            # P's timers fire at its first loop tick after they are due: a P
+            # whose loop stalls (a loaded machine) reclaims that much later.
+            bound = self.fault_at + self.o.lease + 2 * SLACK_S + 1.0 + (st or {}).get("max_loop_gap_s", 0.0)
             if (st is not None and st["lease_blocks"] == 0) or time.monotonic() > bound:
                 self.fault["p_reclaimed_before_resume"] = st is not None and st["lease_blocks"] == 0
                 self.fault["resumed_at_s"] = round(self.elapsed(), 3)
@@ -412,7 +559,7 @@ class Orchestrator:
                 d.stopped = False
                 self.phase = "decode resumed: draining"
             return False
-        return all(r.done or r.turn1 == "skipped" for r in self.reqs)
+        return all(self.by_lid[lid].turn1 == "skipped" for lid in self._open)
 
     def _ask(self, role: str, timeout: float = 2.0) -> dict | None:
         c = self.children[role]
@@ -451,19 +598,20 @@ class Orchestrator:
     def _summary(self) -> dict:
         o = self.o
         P, D = (self.children[r].summary for r in ("P", "D"))
-        t1 = {k: 0 for k in ("ok", "recomputed", "corrupt", "failed", "skipped", "pending")}
+        t1 = {k: 0 for k in ("ok", "recomputed", "corrupt", "failed", "skipped", "abandoned", "pending")}
         t2 = dict(t1)
         for r in self.reqs:
             t1[r.turn1 or "pending"] += 1
             if r.hold:
                 t2[r.turn2 or "pending"] += 1
-        late = [r for r in self.reqs if r.late and r.turn2 not in (None, "skipped")]
-        on_time = [r for r in self.reqs if r.hold and not r.late and r.turn2 not in (None, "skipped")]
+        late = [r for r in self.reqs if r.late and r.turn2 not in (None, "skipped", "abandoned")]
+        on_time = [r for r in self.reqs if r.hold and not r.late and r.turn2 not in (None, "skipped", "abandoned")]
         moved = sum(s["bytes_moved"] for s in (P, D) if s)
         busy = sum(s["busy_s"] for s in (P, D) if s)
         verified = sum(s["verified_bytes"] for s in (P, D) if s)
         wall = self.elapsed()
-        clean = o.drop_notifications == 0 and self.fault_at is None
+        # Only a run without faults, drops or a timeout must read everything.
+        clean = o.drop_notifications == 0 and self.fault_at is None and self.abandoned is None
         checks: dict[str, Any] = {}
         checks["no_errors"] = not self.errors
         checks["p_blocks_held_zero"] = bool(P) and P["held_blocks"] == 0
@@ -501,6 +649,14 @@ class Orchestrator:
             "clock_skew": o.clock_skew,
             "p_estimated_offset_of_d": (P or {}).get("clock_offsets", {}).get(ENGINE_IDS["D"]),
             "fault": self.fault or None, "errors": self.errors, "checks": checks,
+            "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
+            # What a timeout (or a crashed side) made the job give up; None when it ran to the end.
+            "abandoned": self.abandoned,
+            # Why reads were recomputed: turn 1 is D reading P, turn 2 P reading D.
+            "recompute_reasons": {"turn1": (D or {}).get("recompute_reasons"),
+                                  "turn2": (P or {}).get("recompute_reasons")},
+            # Each side's step loop: its longest gap between ticks (how late a timer can fire).
+            "loop": {role: _loop_brief(side) for role, side in (("P", P), ("D", D))},
             "expired_before_fault": expired_early,
             "sides": {"P": _slim(P), "D": _slim(D)},
             # Written by each side as it runs; a killed side's log ends where it died.
@@ -529,10 +685,17 @@ class Orchestrator:
             return out
         last_free = max(r["freed"] for r in after)
         out["p_all_reclaimed_s"] = round(last_free - self.t0, 3)
+        # P frees a lease at its first loop tick after the expiry: the slack
+        # is SLACK_S plus the longest gap of P's loop in the reclaim window
+        # (a loaded machine, not the protocol, makes that late).
+        stall = _loop_stall_between(P.get("loop"), self.fault_at, last_free)
+        slack = SLACK_S + stall
+        out["p_loop_stall_s"] = round(stall, 3)
+        out["slack_s"] = round(slack, 3)
         late = []
         for r in after:
             due = max(r["granted"] + o.lease, (r["hb"] or -math.inf) + o.extension)
-            if r["freed"] > due + SLACK_S:
+            if r["freed"] > due + slack:
                 late.append(r["id"])
         out["late_leases"] = late
         if last_hb is not None:
@@ -541,11 +704,36 @@ class Orchestrator:
             bound = max(o.extension, max(r["granted"] + o.lease for r in after) - last_hb)
             out["reclaim_after_last_heartbeat_s"] = round(reclaim, 3)
             out["bound_s"] = round(bound, 3)
-            out["within_one_extension"] = reclaim <= o.extension + SLACK_S
-            out["within_bound"] = not late and not live and reclaim <= bound + SLACK_S
+            out["within_one_extension"] = reclaim <= o.extension + slack
+            out["within_bound"] = not late and not live and reclaim <= bound + slack
         else:
             out["within_bound"] = not late and not live
         return out
+
+
+def _loop_stall_between(loop: dict | None, start: float, end: float) -> float:
+    """The longest gap of a side's loop that overlaps [start, end] (its
+    monotonic clock, the one every process here shares)."""
+    if not loop:
+        return 0.0
+    if loop["gaps_over_report"] > len(loop["long_gaps"]):
+        return loop["max_gap_s"]  # the list was capped: assume the worst
+    worst = loop["report_over_s"]  # gaps shorter than this are not listed
+    for gap_end, gap in loop["long_gaps"]:
+        if gap_end >= start and gap_end - gap <= end:
+            worst = max(worst, gap)
+    return worst
+
+
+def _loop_brief(side: dict | None) -> dict | None:
+    if not side or "loop" not in side:
+        return None
+    lp = side["loop"]
+    calls = (side.get("nixl_calls") or {}).get("max_s") or {}
+    slowest = max(calls.items(), key=lambda kv: kv[1], default=None)
+    return {"max_gap_s": lp["max_gap_s"], f"gaps_over_{lp['report_over_s']:g}s": lp["gaps_over_report"],
+            "stalls": len(lp["stalls"]), "stall_limit_s": lp["stall_limit_s"],
+            "slowest_nixl_call": None if slowest is None else {"call": slowest[0], "s": slowest[1]}}
 
 
 def _slim(s: dict | None) -> dict | None:
@@ -564,11 +752,17 @@ def _table(summary: dict):
     r1, r2 = summary["requests"]["turn1"], summary["requests"]["turn2"]
     t.add_row("requests (turn 1): ok / recomputed / failed",
               f"{r1['ok']} / {r1['recomputed']} / {r1['failed'] + r1['corrupt'] + r1['pending']}"
-              + (f"  (+{r1['skipped']} not sent)" if r1["skipped"] else ""))
+              + (f"  (+{r1['skipped']} not sent)" if r1["skipped"] else "")
+              + (f"  (+{r1['abandoned']} abandoned)" if r1["abandoned"] else ""))
     t.add_row("turn 2 (P reads D's held blocks): ok / recomputed / failed",
               f"{r2['ok']} / {r2['recomputed']} / {r2['failed'] + r2['corrupt'] + r2['pending']}"
-              + (f"  (+{r2['skipped']} skipped)" if r2["skipped"] else ""))
+              + (f"  (+{r2['skipped']} skipped)" if r2["skipped"] else "")
+              + (f"  (+{r2['abandoned']} abandoned)" if r2["abandoned"] else ""))
     t.add_row("late turn 2 declined by the expiry gate", f"{summary['requests']['late_turn2']}")
+    for turn, reasons in (summary.get("recompute_reasons") or {}).items():
+        if reasons:
+            t.add_row(f"{turn.replace('turn', 'turn ')} recomputed because",
+                      "; ".join(f"{why}: {n}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])))
     mib = summary["bytes_moved"] / 2**20
     t.add_row("bytes moved (verified)", f"{mib:.1f} MiB ({summary['bytes_verified'] / 2**20:.1f} MiB)")
     g = summary["gbps_in_flight"]
@@ -592,6 +786,21 @@ def _table(summary: dict):
                       f"bound {f['bound_s']} s)")
         t.add_row("leases reclaimed after the fault (expired)",
                   f"{f['leases_reclaimed_after_fault']} ({f['leases_expired_after_fault']})")
+    loop = summary.get("loop") or {}
+    t.add_row("longest loop stall P / D (gaps > 0.1 s)",
+              " / ".join("-" if loop.get(r) is None else f"{loop[r]['max_gap_s']:.3f} s ({loop[r]['gaps_over_0.1s']})"
+                         for r in ("P", "D")))
+    t.add_row("slowest NIXL call P / D",
+              " / ".join("-" if not (loop.get(r) or {}).get("slowest_nixl_call") else
+                         f"{loop[r]['slowest_nixl_call']['call']} {loop[r]['slowest_nixl_call']['s'] * 1e3:.1f} ms"
+                         for r in ("P", "D")))
+    ab = summary.get("abandoned")
+    if ab:
+        t.add_row(f"abandoned ({ab['reason']}): not sent / in flight (turn 1, turn 2)",
+                  f"{ab['requests_not_sent']} / {ab['in_flight_turn1']}, {ab['in_flight_turn2']}")
+        for role in ("P", "D"):
+            if ab.get(role):
+                t.add_row(f"  {role} gave up", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ab[role].items()))
     t.add_row("wall time", f"{summary['wall_s']} s")
     for name, v in summary["checks"].items():
         if v is not None:
@@ -637,19 +846,24 @@ def run_job(opts: RunOptions, *, console=None) -> dict:
 
 def cmd_run(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console()
     try:
         opts = RunOptions.from_args(args)
         opts.validate()
     except (RunError, ValueError, TypeError) as exc:
-        console.print(f"[red]kvplane run: {exc}[/red]")
+        console.print(f"[red]kvplane run: {escape(str(exc))}[/red]", soft_wrap=True)
         return 2
     try:
         summary = run_job(opts, console=console)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; engine processes stopped[/yellow]")
         return 130
+    except StartupFailed as exc:
+        # run_job stopped every process it started before this reaches us.
+        console.print(f"[red]kvplane run: {escape(str(exc))}; engine processes stopped[/red]", soft_wrap=True)
+        return 1
     console.print(_table(summary))
     for e in summary["errors"]:
         console.print(f"[red]{e}[/red]")

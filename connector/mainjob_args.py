@@ -22,5 +22,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hold-ttl", type=float, default=None, metavar="S",
                    help="decoder_kv_blocks_ttl: how long D holds blocks for turn 2 (default 4)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="stop sending work after this many seconds, abort what is in flight, release "
+                        "everything held and report what was abandoned (exit 1)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="S",
+                   help="how long the two engine processes may take to start (default 300; a loaded "
+                        "machine needs more than an idle one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -17,11 +17,14 @@ Messages are ``(kind, dict)`` tuples over a multiprocessing Pipe.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import traceback
 import zlib
 from collections import Counter, deque
+
+import attrs
 
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
 BLOCK_TOKENS = 16
@@ -29,8 +32,70 @@ POISON = -1.0
 _MASK = (1 << 20) - 1  # pattern values stay exact in float32
 
 
+# A gap between two loop ticks longer than this is listed in the summary
+# (its end time and length): every timer due inside it fired that late.
+LOOP_GAP_REPORT_S = 0.1
+LOOP_GAPS_KEPT = 10_000
+# Why a turn-2 read was not made although its hold was on time: P had no
+# free blocks before the hold's validity, less the gate's margin, ran out.
+NO_BLOCKS = "declined: no free blocks before the hold's expiry"
+
+
 def pattern_seed(lid: str, block_index: int) -> int:
     return zlib.crc32(f"{lid}/{block_index}".encode()) & _MASK
+
+
+@attrs.define
+class LoopGaps:
+    """How long the step loop went without a tick (a stall: SIGSTOP, a busy
+    machine, a blocking call).  A timer fires at the first tick after it is
+    due, so a gap is also how late it can fire."""
+
+    stall_limit: float  # a gap this long is a stall (listed apart, as D's always were)
+    max_gap_s: float = 0.0
+    gaps_over_report: int = 0
+    long_gaps: list = attrs.Factory(list)  # [end (monotonic), length] of each gap > LOOP_GAP_REPORT_S, capped
+    stalls: list = attrs.Factory(list)  # lengths of the gaps > stall_limit
+
+    def note(self, now: float, gap: float) -> None:
+        if gap > self.max_gap_s:
+            self.max_gap_s = gap
+        if gap > LOOP_GAP_REPORT_S:
+            self.gaps_over_report += 1
+            if len(self.long_gaps) < LOOP_GAPS_KEPT:
+                self.long_gaps.append([round(now, 4), round(gap, 4)])
+        if gap > self.stall_limit:
+            self.stalls.append(round(gap, 3))
+
+    def to_dict(self) -> dict:
+        return {"max_gap_s": round(self.max_gap_s, 4), "report_over_s": LOOP_GAP_REPORT_S,
+                "gaps_over_report": self.gaps_over_report, "long_gaps": self.long_gaps,
+                "stall_limit_s": self.stall_limit, "stalls": list(self.stalls)}
+
+
+def recv_failure_reason(event_name: str, label: str, before: str | None) -> str:
+    """Why a recv was reported failed, from the stimulus whose effects
+    reported it (the machine that took it, and its state before)."""
+    kind = label.split(":", 1)[0]
+    if kind == "decode_request":
+        if event_name == "StartLoad":  # the engine was connected: the gate ran at once
+            return "declined by the expiry gate"
+        if event_name == "ReadFailed":
+            return "transfer failed"
+        if event_name == "Abort":
+            return "aborted"
+        if event_name == "TimerFired":
+            return {"READING": "transfer deadline (timeout or the remote blocks' validity)",
+                    "HANDSHAKING": "handshake did not complete in time",
+                    "AWAITING_PUSH": "push did not arrive in time"}.get(before or "", "recv timed out")
+    if kind == "remote_engine":
+        if event_name == "HandshakeOk":  # connected now: the waiting requests' gate ran
+            return "declined by the expiry gate"
+        if event_name in ("HandshakeFailed", "TimerFired"):
+            return "handshake failed"
+    if event_name == "PeerDisconnected":
+        return "engine lost"
+    return f"{event_name} ({kind})"
 
 
 class Node:
@@ -81,7 +146,13 @@ class Node:
         self.outcomes: Counter = Counter()
         self.verified_bytes = 0
         self.busy_s = 0.0  # time with at least one posted transfer in flight
-        self.stalls: list[float] = []
+        self.gaps = LoopGaps(stall_limit=opts["stall_limit"])
+        self.stalls = self.gaps.stalls
+        self.fail_reason: dict[str, str] = {}  # request id -> why its recv was reported failed
+        self.recompute_reasons: Counter = Counter()
+        self.abandoned: Counter = Counter()  # what the timeout made us give up
+        self.aborting: set[str] = set()  # requests aborted by the timeout, their recv report pending
+        self.waited_for_blocks: set[str] = set()  # requests that found the pool short at least once
         # P
         self.prefill_q: deque[dict] = deque()
         self.turn2_q: deque[dict] = deque()
@@ -92,7 +163,6 @@ class Node:
         self.holds: dict[str, dict] = {}  # did -> hold record (turn-2 blocks)
         self.hold_stats: Counter = Counter()
         self._last_tick = time.monotonic()
-        self._stall_limit = opts["stall_limit"]
 
     # ------------------------------------------------------------ blocks
     def pattern(self, lid: str, index: int):
@@ -100,6 +170,7 @@ class Node:
 
     def alloc(self, rid: str, n: int) -> list[int] | None:
         if len(self.free) < n:
+            self.waited_for_blocks.add(rid)
             return None
         blocks = [self.free.popleft() for _ in range(n)]
         self.owned[rid] = blocks
@@ -121,6 +192,9 @@ class Node:
     # ------------------------------------------------------------ recorder tally
     def _tally(self, event, now, label, before, after, actions) -> None:
         self._tally_chain(event, now, label, before, after, actions)
+        for a in actions:
+            if type(a).__name__ == "ReportRecv" and not a.ok:
+                self.fail_reason[a.request_id] = recv_failure_reason(type(event).__name__, label, before)
         if type(event).__name__ == "LeaseHeartbeat":
             rec = self.lease_rec.get(event.request_id)
             if rec is not None and rec["freed"] is None:
@@ -175,15 +249,15 @@ class Node:
                 self.conn.poll(0.0002 if serving else 0.001)
 
     def _check_stall(self) -> None:
-        """Record D's stalls (SIGSTOP, a long pause) for the summary.  Nothing
+        """Record the loop's gaps and stalls (SIGSTOP, a long pause, a call
+        that blocked) for the summary, on both sides.  Nothing
         to fence here: the decode_request machine declines a READ whose lease
         the stall may have let expire, and cuts a READ in flight at the time
         its blocks are surely held (the driver fires that deadline before it
         polls the completion)."""
         now = time.monotonic()
         gap, self._last_tick = now - self._last_tick, now
-        if self.role == "D" and gap > self._stall_limit:
-            self.stalls.append(round(gap, 3))
+        self.gaps.note(now, gap)
 
     def collect(self) -> bool:
         d = self.driver
@@ -214,11 +288,67 @@ class Node:
     def on_status(self, _body: dict) -> None:
         self.send("status", self.status())
 
+    # ------------------------------------------------------------ timeout
+    def on_abandon(self, _body: dict) -> None:
+        """The job timed out: give up all work through the machines.  Queued
+        work is dropped; every request with a recv in flight is aborted (its
+        READ cancelled; the report comes back and frees its blocks).  Leases
+        and holds stay: the other side may still be reading them until it has
+        abandoned too (``on_release``)."""
+        a = self.abandoned
+        a["queued_prefills"] += len(self.prefill_q)
+        a["queued_turn2_reads"] += len(self.turn2_q)
+        self.prefill_q.clear()
+        self.turn2_q.clear()
+        for msg in self.waiting:  # heartbeating, no blocks yet
+            self.sched.abort(msg["did"])
+        a["queued_decodes"] += len(self.waiting)
+        self.waiting.clear()
+        inflight = list(self.consuming) + list(self.loading)
+        a["recvs_aborted"] += len(inflight)
+        for rid in inflight:
+            self.aborting.add(rid)
+            self.sched.abort(rid)
+        self.driver.step()
+        self.collect()
+        self.send("abandoned", {"counts": {k: v for k, v in a.items() if v}, "xfers": len(self.driver.xfers),
+                                "loading": len(self.loading) + len(self.consuming)})
+
+    def on_release(self, _body: dict) -> None:
+        """The other side has abandoned (or is dead): nobody reads our blocks
+        any more, so free every lease (P) and hold (D) now instead of waiting
+        out their terms (a hold's TTL is 480 s in production)."""
+        live = [rid for rid, r in self.lease_rec.items() if r["freed"] is None] if self.role == "P" else list(self.holds)
+        for rid in live:
+            self.sched.abort(rid)  # LeaseAbort: FreeBlocks
+        self.abandoned["leases_released" if self.role == "P" else "holds_released"] += len(live)
+        self.driver.step()
+        self.collect()
+        self.send("released", {"counts": {k: v for k, v in self.abandoned.items() if v}, "held_blocks": self.held_blocks()})
+
     def schedule(self) -> bool:
         return self._schedule_p() if self.role == "P" else self._schedule_d()
 
     def _schedule_p(self) -> bool:
         did = False
+        # Turn-2 reads first, and while one waits for blocks no prefill takes
+        # them: its source is D's hold, which ends on a fixed TTL, where a
+        # prefill's lease simply waits (heartbeats) for its reader.  Under
+        # sustained load new prefills took every freed block and nearly every
+        # turn 2 waited out its hold and recomputed.
+        while self.turn2_q:
+            msg = self.turn2_q[0]
+            blocks = self.alloc(msg["p2id"], msg["nblocks"])
+            if blocks is None:
+                did |= self._decline_turn2_without_blocks()
+                return did
+            self.turn2_q.popleft()
+            p2id = msg["p2id"]
+            self.sched.on_new_request(p2id, msg["params"])
+            n_ext, _ = self.sched.get_num_new_matched_tokens(p2id, msg["nblocks"] * BLOCK_TOKENS, 0)
+            self.sched.update_state_after_alloc(p2id, blocks, n_ext)
+            self.consuming[p2id] = msg
+            did = True
         while self.prefill_q:
             msg = self.prefill_q[0]
             blocks = self.alloc(msg["pid"], msg["nblocks"])
@@ -235,19 +365,37 @@ class Node:
                                           "blocks": len(blocks)}
             self.send("prefilled", {"lid": msg["lid"], "params": params, "granted_at": now})
             did = True
-        while self.turn2_q:
-            msg = self.turn2_q[0]
-            blocks = self.alloc(msg["p2id"], msg["nblocks"])
-            if blocks is None:
-                break
-            self.turn2_q.popleft()
-            p2id = msg["p2id"]
-            self.sched.on_new_request(p2id, msg["params"])
-            n_ext, _ = self.sched.get_num_new_matched_tokens(p2id, msg["nblocks"] * BLOCK_TOKENS, 0)
-            self.sched.update_state_after_alloc(p2id, blocks, n_ext)
-            self.consuming[p2id] = msg
-            did = True
         return did
+
+    def _turn2_valid_until(self, params: dict) -> float | None:
+        """Until when (our clock) D's held blocks are surely there, as the
+        READ gate will compute it; None until a handshake measured D's clock
+        offset (the gate then decides once the read is allocated)."""
+        expiry = params.get("remote_expiry")
+        engine = self.driver.plane.get("remote_engine", params.get("remote_engine_id"))
+        if expiry is None or engine is None or not math.isfinite(engine.best_rtt):
+            return None
+        return float(expiry) - engine.clock_offset
+
+    def _decline_turn2_without_blocks(self) -> bool:
+        """Decline, before allocating, every queued turn-2 read whose hold the
+        gate would already refuse: it could not start in time anyway, and
+        waiting on would hold up the prefills behind it for nothing.  Its
+        turn 1 is recomputed (not modelled here: it needs no remote read)."""
+        now, margin = self.clock(), self.cfg.expiry_safety_margin
+        keep: deque[dict] = deque()
+        declined = 0
+        for msg in self.turn2_q:
+            valid_until = self._turn2_valid_until(msg["params"])
+            if valid_until is not None and valid_until <= now + margin:
+                declined += 1
+                self.outcomes["turn2_recomputed"] += 1
+                self.recompute_reasons[NO_BLOCKS] += 1
+                self.send("turn2_done", {"lid": msg["lid"], "outcome": "recomputed", "detail": NO_BLOCKS})
+            else:
+                keep.append(msg)
+        self.turn2_q = keep
+        return declined > 0
 
     # ------------------------------------------------------------ D side
     def _schedule_d(self) -> bool:
@@ -276,6 +424,16 @@ class Node:
         return did
 
     def _recv_finished(self, rid: str, failed: bool) -> None:
+        reason = self.fail_reason.pop(rid, "unknown") if failed else None
+        if rid in self.aborting:
+            # Aborted by the timeout: its machine is gone, its blocks are ours.
+            self.aborting.discard(rid)
+            self.consuming.pop(rid, None)
+            self.loading.pop(rid, None)
+            self.release(rid)
+            return
+        if failed:
+            self.recompute_reasons[reason] += 1
         if self.role == "P":
             msg = self.consuming.pop(rid, None)
             if msg is None:
@@ -283,7 +441,7 @@ class Node:
             blocks = self.owned[rid]
             if failed:
                 self.fill(msg["lid"], blocks, 0)  # recompute turn 1's KV locally
-                outcome, detail = "recomputed", "turn-2 read declined or failed"
+                outcome, detail = "recomputed", f"turn-2 read: {reason}"
             elif self.verify(msg["lid"], blocks, 0):
                 outcome, detail = "ok", ""
                 self.verified_bytes += len(blocks) * self.block_bytes
@@ -302,7 +460,7 @@ class Node:
         if failed:
             self.fill(req["lid"], blocks[k:], k)
             outcome = "recomputed"
-            detail = "recv failed"
+            detail = f"recv failed: {reason}"
         elif k == req["nblocks"]:
             outcome, detail = "ok", "full prefix hit, awaited"
         elif self.verify(req["lid"], blocks[k:], k):
@@ -355,7 +513,8 @@ class Node:
         return {"held_blocks": self.held_blocks(), "lease_blocks": self.lease_blocks(),
                 "waiting": len(self.waiting) + len(self.prefill_q) + len(self.turn2_q),
                 "loading": len(self.loading) + len(self.consuming), "holds": len(self.holds),
-                "last_hb_at": self.last_hb_at, "stalls": list(self.stalls)}
+                "last_hb_at": self.last_hb_at, "stalls": list(self.stalls),
+                "max_loop_gap_s": self.gaps.max_gap_s}
 
     def _finish(self) -> None:
         d = self.driver
@@ -383,7 +542,12 @@ class Node:
             "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()],
             "anomalies": {k: v for k, v in stats.items() if k.split(":")[0] in
                           ("unknown_id", "unknown_kind", "protocol_violation", "fail_closed")},
-            "stalls": self.stalls, "clock_offsets": offsets,
+            "stalls": self.stalls, "loop": self.gaps.to_dict(), "clock_offsets": offsets,
+            # Which NIXL call, if any, held the loop up (the slowest of each kind).
+            "nixl_calls": self.ep.call_times.to_dict(),
+            "recompute_reasons": dict(self.recompute_reasons), "abandoned": dict(self.abandoned),
+            "waited_for_blocks": dict(Counter("turn2" if rid.startswith("p2-") else "prefill" if rid.startswith("p-")
+                                              else "decode" for rid in self.waited_for_blocks)),
         }
         self.send("summary", summary)
         self.worker.shutdown()

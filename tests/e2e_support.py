@@ -15,9 +15,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Short configurations: a few seconds each on a 2-core machine.  Every
 # scenario has multi-turn requests (12 requests cover every request kind).
+# Where a test asserts that an on-time turn 2 is read, the hold is long
+# (5-6 s) so that a loaded machine (load average 10 on 2 cores) still reads
+# it in time; a late turn 2 comes inside the margin whatever the load.
 SCENARIOS: dict[str, dict] = {
     # Through the CLI, as a user runs it; overload long enough for heartbeats.
-    "normal": dict(requests=16, overload=1.5, hold_ttl=3.0),
+    "normal": dict(requests=16, overload=1.5, hold_ttl=5.0),
     # All requests queue on D (heartbeating) for long; the kill comes after
     # three heartbeats, so every lease's deadline is last heartbeat + extension.
     "kill": dict(requests=12, overload=8.0, kill_decode_at=3.5, hold_ttl=3.0),
@@ -25,8 +28,18 @@ SCENARIOS: dict[str, dict] = {
     "drop": dict(requests=16, overload=0.5, drop_notifications=0.3, hold_ttl=2.5, seed=3),
     "push": dict(requests=12, overload=0.5, push=True, hold_ttl=2.5),
     # Turn 2 on time and late (inside the margin), D's clock 50 s ahead.
-    "turn2_expired": dict(requests=12, overload=0.0, hold_ttl=2.5, clock_skew=50.0),
+    "turn2_expired": dict(requests=12, overload=0.0, hold_ttl=6.0, clock_skew=50.0),
+    # Sustained load: requests arrive faster than D's 2 s queue lets P's
+    # leases go, so P's block pool is always full; turn 2 (a 4 s hold, 3 s
+    # to read it before the margin) must still get blocks.
+    "sustained": dict(requests=400, overload=2.0, hold_ttl=4.0),
+    # The job times out mid-stream (requests arrive for 8 s, D queues each
+    # for 1 s): it must abandon what is in flight and end holding nothing.
+    "timeout": dict(requests=400, overload=1.0, hold_ttl=3.0, timeout=4.0),
 }
+# Generous: these are not timing tests.  A run takes a few seconds idle; the
+# limits only keep a broken run from hanging the suite.
+DEFAULTS = dict(timeout=300.0, startup_timeout=600.0)
 
 _cache: dict[str, dict] = {}
 
@@ -51,12 +64,13 @@ def run_scenario(name: str, base: Path) -> dict:
     out = base / name
     opts = SCENARIOS[name]
     if name == "normal":
+        opts = dict(DEFAULTS, **opts)
         env = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR")
-        proc = subprocess.run(_cli_args(opts, out), cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(_cli_args(opts, out), cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
         summary = json.loads((out / "summary.json").read_text())
         summary["_returncode"] = proc.returncode
         summary["_stdout"] = proc.stdout + proc.stderr
     else:
-        summary = run_job(RunOptions(out=str(out), quiet=True, timeout=60.0, **opts))
+        summary = run_job(RunOptions(out=str(out), quiet=True, **dict(DEFAULTS, **opts)))
     _cache[name] = summary
     return summary

@@ -20,8 +20,8 @@ def e2e_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("e2e")
 
 
-def _common(s: dict, *, d_alive: bool = True) -> None:
-    assert s["errors"] == []
+def _common(s: dict, *, d_alive: bool = True, errors: int = 0) -> None:
+    assert len(s["errors"]) == errors, s["errors"]
     assert s["blocks_held"]["P"] == 0
     if d_alive:
         assert s["blocks_held"]["D"] == 0
@@ -33,8 +33,17 @@ def _common(s: dict, *, d_alive: bool = True) -> None:
     # Every request resolved into exactly one outcome.
     assert sum(t1.values()) == s["requests"]["total"]
     # The late turn 2s (inside the safety margin) were declined, never read.
-    late = [r for r in s["requests_detail"] if r["late"] and r["turn2"] not in (None, "skipped")]
+    late = [r for r in s["requests_detail"] if r["late"] and r["turn2"] not in (None, "skipped", "abandoned")]
     assert all(r["turn2"] == "recomputed" for r in late)
+    # Every recomputed read says why (the breakdown adds up).
+    for turn, side in (("turn1", "D"), ("turn2", "P")):
+        reasons = s["recompute_reasons"][turn]
+        if s["sides"][side] is not None:
+            assert sum((reasons or {}).values()) == s["requests"][turn]["recomputed"], (turn, reasons)
+    # Both loops' stalls are in the summary (a timer fires that late at most).
+    for side in ("P", "D"):
+        if s["sides"][side] is not None:
+            assert s["loop"][side]["max_gap_s"] > 0
     for proto in ("unknown_kind", "protocol_violation"):
         for side in ("P", "D"):
             if s["sides"][side]:
@@ -57,6 +66,8 @@ def test_normal_path_through_the_cli(e2e_dir):
     assert s["leases"]["granted"] == 16 and s["leases"]["expired"] == 0 and s["leases"]["consumed"] == 16
     assert s["holds"]["granted"] == s["requests"]["multiturn"]
     assert s["holds"].get("consumed", 0) == t2["ok"]
+    assert s["recompute_reasons"]["turn2"] == {"declined by the expiry gate": s["requests"]["late_turn2"]}
+    assert s["abandoned"] is None
 
 
 def test_decode_killed_p_reclaims_within_one_extension(e2e_dir):
@@ -68,8 +79,12 @@ def test_decode_killed_p_reclaims_within_one_extension(e2e_dir):
     assert f["leases_expired_after_fault"] == SCENARIOS["kill"]["requests"]
     assert s["leases"]["expired"] == f["leases_expired_after_fault"] and s["leases"]["consumed"] == 0
     assert f["leases_still_live"] == 0 and f["late_leases"] == []
-    # Reclaimed one extension after the last heartbeat: not earlier, barely later.
-    assert EXTENSION - 0.05 <= f["reclaim_after_last_heartbeat_s"] <= EXTENSION + 0.5
+    # Reclaimed one extension after the last heartbeat: not earlier, and later
+    # only by the slack: 0.5 s plus the longest gap of P's loop meanwhile (a
+    # timer fires at the first tick after it is due; a loaded machine makes
+    # that late, not the protocol).
+    assert f["slack_s"] == pytest.approx(0.5 + f["p_loop_stall_s"], abs=1e-3)
+    assert EXTENSION - 0.05 <= f["reclaim_after_last_heartbeat_s"] <= EXTENSION + f["slack_s"]
     assert f["within_one_extension"] and s["checks"]["p_reclaimed_within_bound"]
     assert s["checks"]["no_lease_expired_while_heartbeats_flowed"]
     assert s["requests"]["turn1"]["failed"] == SCENARIOS["kill"]["requests"]
@@ -80,12 +95,13 @@ def test_decode_hung_p_reclaims_then_decode_recomputes(e2e_dir):
     _common(s)
     f = s["fault"]
     assert f["kind"] == "hang" and f["p_reclaimed_before_resume"]
-    assert EXTENSION - 0.05 <= f["reclaim_after_last_heartbeat_s"] <= EXTENSION + 0.5
+    assert EXTENSION - 0.05 <= f["reclaim_after_last_heartbeat_s"] <= EXTENSION + f["slack_s"]
     assert f["within_one_extension"] and f["late_leases"] == []
     # After SIGCONT D's READ gate saw the heartbeat chain broken by the stall
     # and recomputed instead of reading reclaimed blocks (no corrupt bytes).
     d = s["sides"]["D"]
     assert d["stalls"] and max(d["stalls"]) >= EXTENSION - 1
+    assert s["loop"]["D"]["max_gap_s"] >= max(d["stalls"]) - 1e-3 and s["loop"]["D"]["stalls"] >= 1
     assert d["counters"].get("reads_posted", 0) == 0
     # Full prefix hits read nothing remote: they finish; every other request recomputes.
     outcomes = {r["lid"]: (r["kind"], r["turn1"]) for r in s["requests_detail"]}
@@ -138,6 +154,23 @@ def test_turn2_gate_declines_expired_hold_under_clock_skew(e2e_dir):
     assert s["ok"]
 
 
+def test_turn2_is_served_under_sustained_load(e2e_dir):
+    """P's pool is exhausted by leases waiting for D: turn-2 reads go first
+    (their source expires on a fixed TTL), so nearly all on-time ones are
+    read (before: 24 of 66); one that gets no blocks before its hold's
+    validity is declined early, and the summary says why each recomputed."""
+    s = run_scenario("sustained", e2e_dir)
+    _common(s)
+    on_time = [r for r in s["requests_detail"] if r["hold"] and not r["late"]]
+    read = sum(r["turn2"] == "ok" for r in on_time)
+    assert read >= 0.9 * len(on_time), (read, len(on_time), s["recompute_reasons"])
+    reasons = s["recompute_reasons"]["turn2"]
+    assert set(reasons) <= {"declined by the expiry gate", "declined: no free blocks before the hold's expiry"}
+    # P really was short of blocks: prefills waited for a full pool.
+    assert s["sides"]["P"]["waited_for_blocks"].get("prefill", 0) > 50
+    assert all(v is not False for k, v in s["checks"].items() if k != "on_time_turn2_read"), s["checks"]
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(lease=5.0), "--lease must be >= 6"),
     (dict(drop_notifications=1.0), "--drop-notifications"),
@@ -156,6 +189,64 @@ def test_cli_rejects_short_lease(capsys):
     assert "--lease must be >= 6" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag, value", [
+    ("--lease", "nan"), ("--hold-ttl", "nan"), ("--overload", "nan"), ("--clock-skew", "inf"),
+    ("--clock-skew", "-inf"), ("--clock-skew", "1e300"), ("--kill-decode-at", "nan"), ("--hang-decode-at", "inf"),
+    ("--timeout", "nan"), ("--timeout", "0"), ("--drop-notifications", "nan"), ("--startup-timeout", "nan"),
+])
+def test_cli_rejects_non_finite_options_before_starting_anything(flag, value, tmp_path, capsys):
+    """NaN passes no comparison and inf never comes: each of these hung the
+    job, grew D's memory or crashed a child.  One line, exit 2, no process."""
+    import multiprocessing
+
+    from connector.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", f"{flag}={value}", "--quiet", "--out", str(out)]) == 2
+    printed = capsys.readouterr()
+    lines = printed.out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvplane run: {flag} must be"), printed.out
+    assert "Traceback" not in printed.out + printed.err
+    assert multiprocessing.active_children() == [] and not out.exists()
+
+
+def test_engine_startup_over_its_limit_is_a_clear_error(tmp_path, capsys):
+    """A start-up that overruns --startup-timeout: one clear line, exit 1,
+    no traceback, and every process it started is gone."""
+    import multiprocessing
+
+    from connector.cli import main
+
+    assert main(["run", "--startup-timeout", "0.2", "--quiet", "--out", str(tmp_path)]) == 1
+    printed = capsys.readouterr()
+    assert "did not start within 0.2 s (--startup-timeout)" in printed.out
+    assert "Traceback" not in printed.out + printed.err
+    assert multiprocessing.active_children() == []
+
+
+def test_timeout_abandons_in_flight_work_and_holds_nothing(e2e_dir):
+    """--timeout mid-stream (requests still arriving, D queueing each for
+    1 s): the job aborts what is in flight through the machines, frees its
+    leases and holds once the other side stopped, reports what it gave up,
+    and ends holding nothing on either side."""
+    s = run_scenario("timeout", e2e_dir)
+    _common(s, errors=1)
+    assert s["errors"][0].startswith("timed out after 4 s")
+    assert not s["ok"] and s["checks"]["no_errors"] is False
+    assert all(v is not False for k, v in s["checks"].items() if k != "no_errors"), s["checks"]
+    ab = s["abandoned"]
+    assert ab["reason"] == "timed out"
+    # Requests were still to be sent and others in flight at the timeout.
+    assert ab["requests_not_sent"] > 0 and ab["in_flight_turn1"] > 0
+    t1 = s["requests"]["turn1"]
+    assert t1["abandoned"] == ab["requests_not_sent"] + ab["in_flight_turn1"]
+    # P released every lease nobody would read; none is left live.
+    le = s["leases"]
+    assert le["live"] == 0 and le["granted"] == le["consumed"] + le["expired"] + le["aborted"]
+    assert ab["P"].get("leases_released", 0) == le["aborted"] > 0
+    assert s["holds"].get("aborted", 0) == ab["D"].get("holds_released", 0)
+
+
 def test_a_crashed_child_does_not_hang_the_parent(tmp_path):
     """SIGKILL the prefill process mid-run: the parent notices at once,
     reports it, and stops the decode process."""
@@ -166,7 +257,9 @@ def test_a_crashed_child_does_not_hang_the_parent(tmp_path):
 
     from connector.mainjob import Orchestrator
 
-    orch = Orchestrator(RunOptions(out=str(tmp_path), quiet=True, requests=8, overload=8.0, timeout=60.0))
+    overload = 30.0
+    orch = Orchestrator(RunOptions(out=str(tmp_path), quiet=True, requests=8, overload=overload, timeout=300.0,
+                                   startup_timeout=600.0))
 
     def kill_p_when_running():
         deadline = time.monotonic() + 30
@@ -188,5 +281,10 @@ def test_a_crashed_child_does_not_hang_the_parent(tmp_path):
     killer.join(timeout=5)
     assert any("P exited unexpectedly" in e and "-9" in e for e in summary["errors"])
     assert not summary["ok"] and summary["checks"]["no_errors"] is False
-    assert elapsed < 5.0  # not the 8 s overload, nor the 60 s timeout
+    # Well before D's queue would have let a request through, let alone the
+    # timeout: the parent did not wait on the dead P.
+    assert elapsed < overload / 2
     assert not orch.children["D"].proc.is_alive()
+    # The survivor gave up its queued requests and holds nothing.
+    assert summary["abandoned"]["reason"] == "a side failed"
+    assert summary["blocks_held"]["D"] == 0 and summary["sides"]["D"]["plane_held"] == []

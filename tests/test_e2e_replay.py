@@ -51,9 +51,11 @@ def test_logs_replay_without_divergence_or_leak(name, e2e_dir):
         report = monitors.check_log(lines)
         # A polled embedder fires a timer on its first loop tick after the
         # deadline (~1 ms, more on a busy machine); the monitor reports any
-        # lateness, so only lateness beyond the loop's jitter counts here.
+        # lateness, so only lateness beyond the loop's jitter counts here:
+        # 0.25 s plus the longest gap the side's loop measured in this run.
+        jitter = TIMER_JITTER_S + s["loop"][role]["max_gap_s"]
         hot = [h for h in report.hot
-               if h.reason != "past_deadline" or h.at - h.deadline > TIMER_JITTER_S]
+               if h.reason != "past_deadline" or h.at - h.deadline > jitter]
         assert hot == [], f"{name} {role}: {hot[:3]}"
         if role == "P":
             # The replayed lease lifecycle agrees with what the run reported.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Iterator, Sequence
 
 # Quiet NIXL's INFO chatter unless the operator asked for it.  UCX_NET_DEVICES
@@ -64,6 +65,32 @@ def _nixl(what: str, default: type[TransportError] = TransferFailed) -> Iterator
         raise
 
 
+# A NIXL call slower than this is counted (see NixlEndpoint.call_times).
+SLOW_CALL_S = 0.05
+
+
+@attrs.define
+class CallTimes:
+    """The slowest NIXL call of each kind, and how many were slow.  The
+    owner's step loop makes these calls, so one that blocks (a peer that
+    hangs, a full queue) stalls the whole plane; this says which one did.
+    Measured with nixl 1.5.1 over UCX/lo: none blocks on a SIGSTOPped peer
+    (send_notif, posting, polling and releasing all return in < 1 ms)."""
+
+    max_s: dict = attrs.Factory(dict)  # call -> longest seconds
+    slow: dict = attrs.Factory(dict)  # call -> calls over SLOW_CALL_S
+
+    def note(self, call: str, seconds: float) -> None:
+        if seconds > self.max_s.get(call, 0.0):
+            self.max_s[call] = seconds
+        if seconds > SLOW_CALL_S:
+            self.slow[call] = self.slow.get(call, 0) + 1
+
+    def to_dict(self) -> dict:
+        return {"max_s": {k: round(v, 4) for k, v in self.max_s.items()}, "slow_over_s": SLOW_CALL_S,
+                "slow": dict(self.slow)}
+
+
 class NixlEndpoint:
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
         if not name:
@@ -84,6 +111,7 @@ class NixlEndpoint:
         self._disconnected: set[str] = set()
         self._notif_buf: list[tuple[str, bytes]] = []
         self._closed = False
+        self.call_times = CallTimes()
 
     # ------------------------------------------------------------ memory
 
@@ -152,7 +180,7 @@ class NixlEndpoint:
         metadata = bytes(metadata)
         if metadata.startswith(METADATA_MAGIC):
             raise ValueError("metadata is still framed; call wire.unframe_metadata first")
-        with _nixl("add_remote_agent", MetadataRejected):
+        with self._timed("add_remote_agent"), _nixl("add_remote_agent", MetadataRejected):
             name = self._agent.add_remote_agent(metadata)
         # NIXL returns the name as bytes here but keys notifications by str.
         if isinstance(name, bytes):
@@ -167,7 +195,7 @@ class NixlEndpoint:
             self._release_dlist(self._remote_dlists.pop(key))
         self._remotes.discard(name)
         self._disconnected.discard(name)
-        with _nixl(f"remove_remote_agent {name!r}", NotFound):
+        with self._timed("remove_remote_agent"), _nixl(f"remove_remote_agent {name!r}", NotFound):
             self._agent.remove_remote_agent(name)
 
     def connect(self, remote_name: str) -> None:
@@ -225,14 +253,14 @@ class NixlEndpoint:
 
         local_dl = self._local_dlist_handle()
         remote_dl = self._remote_dlist_handle(remote_name, remote)
-        with self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
+        with self._timed("make_prepped_xfer"), self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
             raw = self._agent.make_prepped_xfer(
                 op, local_dl, local.indices(local_block_ids),
                 remote_dl, remote.indices(remote_block_ids), notif,
             )
         handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw)
         try:
-            with self._watch(remote_name), _nixl(f"post {op} to {remote_name!r}"):
+            with self._timed("transfer"), self._watch(remote_name), _nixl(f"post {op} to {remote_name!r}"):
                 state = self._agent.transfer(raw)
             if state not in (DONE, PROC):
                 raise TransferFailed(f"post {op} to {remote_name!r} returned {state}")
@@ -246,7 +274,8 @@ class NixlEndpoint:
         self._check_open()
         if handle.released:
             raise NotFound(f"transfer {handle.id} was already released")
-        with self._watch(handle.remote_name), _nixl(f"{handle.op} {handle.id} to {handle.remote_name!r}"):
+        with self._timed("check_xfer_state"), self._watch(handle.remote_name), \
+                _nixl(f"{handle.op} {handle.id} to {handle.remote_name!r}"):
             state = self._agent.check_xfer_state(handle.raw)
         if state == "ERR":
             raise TransferFailed(f"{handle.op} {handle.id} to {handle.remote_name!r} failed")
@@ -258,7 +287,7 @@ class NixlEndpoint:
             if missing_ok:
                 return
             raise NotFound(f"transfer {handle.id} was already released")
-        with _nixl(f"release {handle.op} {handle.id}"):
+        with self._timed("release_xfer"), _nixl(f"release {handle.op} {handle.id}"):
             handle.raw.release()
         handle.released = True
 
@@ -267,7 +296,8 @@ class NixlEndpoint:
     def send_notif(self, remote_name: str, msg: bytes) -> None:
         self._check_open()
         self._check_remote(remote_name, "send_notif")
-        with self._watch(remote_name), _nixl(f"send_notif to {remote_name!r}", PeerDisconnected):
+        with self._timed("send_notif"), self._watch(remote_name), \
+                _nixl(f"send_notif to {remote_name!r}", PeerDisconnected):
             self._agent.send_notif(remote_name, bytes(msg))
 
     def poll_notifs(self) -> list[tuple[str, bytes]]:
@@ -308,7 +338,7 @@ class NixlEndpoint:
 
     def _progress(self) -> None:
         """Progress UCX (get_new_notifs is the only progress call); keep what arrives."""
-        with _nixl("get_new_notifs", TransportError):
+        with self._timed("get_new_notifs"), _nixl("get_new_notifs", TransportError):
             got = self._agent.get_new_notifs()
         for name, msgs in got.items():
             name = name.decode() if isinstance(name, bytes) else name
@@ -319,6 +349,14 @@ class NixlEndpoint:
             raise PeerDisconnected(f"{what}: remote agent {remote_name!r} disconnected earlier")
         if remote_name not in self._remotes:
             raise NotFound(f"{what}: unknown remote agent {remote_name!r} (add_remote first)")
+
+    @contextlib.contextmanager
+    def _timed(self, call: str) -> Iterator[None]:
+        t = time.monotonic()
+        try:
+            yield
+        finally:
+            self.call_times.note(call, time.monotonic() - t)
 
     @contextlib.contextmanager
     def _watch(self, remote_name: str) -> Iterator[None]:
