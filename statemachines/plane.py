@@ -193,15 +193,7 @@ class ControlPlane:
         created = inst is None
         if created:
             if CREATORS.get(cls) != kind:
-                self._anomaly("unknown_id", kind, key, event)
-                # What the event carried goes back (e.g. a handshake that lands
-                # after its engine was evicted removes the agent it added).
-                refund = event.refund()
-                acts = IGNORED if refund is None else [refund]
-                out.extend(acts)
-                if top and self.recorder is not None:
-                    # Logged too, so a log holds every stimulus; no instance: no states.
-                    self.recorder(event, now, f"{kind}:{key}", None, None, acts)
+                self._refuse_uncreated(event, kind, key, "unknown_id", "", now, out, top)
                 return
             inst = insts[key] = machine.new(key)
         before, old_deadline = inst.state, inst.deadline
@@ -214,12 +206,7 @@ class ControlPlane:
                 # needs it ends now, one about to take it never does.
                 if created:
                     del insts[key]
-                    self._anomaly("source_not_held", kind, key, event, source.kind)
-                    refund = event.refund()
-                    acts = IGNORED if refund is None else [refund]
-                    out.extend(acts)
-                    if top and self.recorder is not None:
-                        self.recorder(event, now, f"{kind}:{key}", None, None, acts)
+                    self._refuse_uncreated(event, kind, key, "source_not_held", source.kind, now, out, top)
                     return
                 applied = self._source_ended(source, kind, key, cls)
         try:
@@ -268,6 +255,19 @@ class ControlPlane:
                 internal[a.__class__](self, a, now, queue)
             else:
                 out.append(a)
+
+    def _refuse_uncreated(self, event: Event, kind: str, key: Any, what: str, detail: str, now: float,
+                          out: list, top: bool) -> None:
+        """An event that addresses no instance and may not create one: a
+        counted anomaly.  What the event carried goes back (e.g. a handshake
+        that lands after its engine was evicted removes the agent it added)."""
+        self._anomaly(what, kind, key, event, detail)
+        refund = event.refund()
+        acts = IGNORED if refund is None else [refund]
+        out.extend(acts)
+        if top and self.recorder is not None:
+            # Logged too, so a log holds every stimulus; no instance: no states.
+            self.recorder(event, now, f"{kind}:{key}", None, None, acts)
 
     def _fail_closed(self, machine: Machine, inst, now: float) -> list:
         fc = machine.spec.fail_closed_event
