@@ -254,6 +254,17 @@ def test_push_reg_deadline_is_parsed_and_a_malformed_one_counted(pair):
     assert all(p.driver.plane.get("push_write", rid) is None for rid in bad)
 
 
+def _start_hung_push(fabric, clock, p, d) -> None:
+    """P leases r1 for a push; D (d1) registers; P's WRITE hangs in flight."""
+    fabric.hang_transfers(initiator="P")
+    p.sched.on_new_request("r1", {"do_remote_decode": True, "push": True})
+    _, params = p.sched.request_finished("r1", (1, 2, 3))
+    d.sched.on_new_request("d1", {**params, "push": True})
+    n, _ = d.sched.get_num_new_matched_tokens("d1", 48, 0)
+    d.sched.update_state_after_alloc("d1", (5, 6, 7), n)
+    assert run(clock, (d, p), 3, until=lambda: p.driver.xfers != {})
+
+
 @pytest.mark.parametrize("d_ahead", [100.0, -50.0])
 def test_hung_push_write_is_cancelled_before_the_decoder_gives_up(d_ahead):
     """Push over the loopback with D's clock ``d_ahead`` s off P's: the
@@ -266,13 +277,7 @@ def test_hung_push_write_is_cancelled_before_the_decoder_gives_up(d_ahead):
     d = Side(fabric, "D", lambda: clock.t + d_ahead, cfg)
     introduce(p.driver, d.driver)
     try:
-        fabric.hang_transfers(initiator="P")
-        p.sched.on_new_request("r1", {"do_remote_decode": True, "push": True})
-        _, params = p.sched.request_finished("r1", (1, 2, 3))
-        d.sched.on_new_request("d1", {**params, "push": True})
-        n, _ = d.sched.get_num_new_matched_tokens("d1", 48, 0)
-        d.sched.update_state_after_alloc("d1", (5, 6, 7), n)
-        assert run(clock, (d, p), 3, until=lambda: p.driver.xfers != {})
+        _start_hung_push(fabric, clock, p, d)
         gives_up = d.driver.plane.get("decode_request", "d1").deadline  # D's clock
         w = p.driver.plane.get("push_write", "r1")
         assert w.state == "WRITING" and w.remote_deadline == gives_up
@@ -388,13 +393,7 @@ def test_a_forged_push_completion_is_refused():
     p, d = Side(fabric, "P", clock, cfg), Side(fabric, "D", clock, cfg)
     introduce(p.driver, d.driver)
     try:
-        fabric.hang_transfers(initiator="P")
-        p.sched.on_new_request("r1", {"do_remote_decode": True, "push": True})
-        _, params = p.sched.request_finished("r1", (1, 2, 3))
-        d.sched.on_new_request("d1", {**params, "push": True})
-        n, _ = d.sched.get_num_new_matched_tokens("d1", 48, 0)
-        d.sched.update_state_after_alloc("d1", (5, 6, 7), n)
-        assert run(clock, (d, p), 3, until=lambda: p.driver.xfers != {})
+        _start_hung_push(fabric, clock, p, d)
         other = _agent(fabric, d, "X")
         other.send_notif("D", b"d1:1")
         run(clock, (d,), 0.1)
