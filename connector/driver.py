@@ -30,6 +30,7 @@ from collections import Counter, deque
 from typing import Any, Callable
 
 import attrs
+import zmq
 
 from statemachines import actions as A
 from statemachines import events as E
@@ -94,7 +95,7 @@ class PlaneDriver:
                         engine_id)
             self.keypair: tuple[bytes, bytes] | None = None
         else:
-            pub, secret = curve_keypair or _curve_keypair()
+            pub, secret = curve_keypair or zmq.curve_keypair()
             # z85 text (from a config file) or bytes; the secret is never logged.
             self.keypair = (public_key(pub), secret.encode("ascii") if isinstance(secret, str) else bytes(secret))
         # Peers we trust: engine id -> public key (None: named only, insecure).
@@ -430,8 +431,7 @@ class PlaneDriver:
             try:
                 notif = decode_notif(msg)
             except MalformedNotification as exc:
-                self.counters["notifs_malformed"] += 1
-                log.warning("ignored malformed notification from %s: %s", agent, exc)
+                self._count_and_warn("notifs_malformed", "ignored malformed notification from %.64r: %s", agent, exc)
                 continue
             self.counters["notifs_received"] += 1
             events.extend(self._notif_to_events(sender, notif))
@@ -544,12 +544,6 @@ _HANDLERS: dict[type, Callable] = {
     A.RefuseForeignSender: PlaneDriver._refused,
     A.RefuseWrongCount: PlaneDriver._refused,
 }
-
-
-def _curve_keypair() -> tuple[bytes, bytes]:
-    import zmq
-
-    return zmq.curve_keypair()
 
 
 def introduce(*drivers: "PlaneDriver") -> None:
