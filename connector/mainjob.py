@@ -25,6 +25,8 @@ from typing import Any
 
 import attrs
 
+from statemachines.base import is_finite_number
+
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
 MIN_LEASE = 6.0  # heartbeat interval = lease // 6 must be >= 1 s
 # Request kinds of the synthetic stream, one cycle (shuffled per cycle).
@@ -88,7 +90,7 @@ class RunOptions:
             v = getattr(self, name)
             if v is None and name in ("kill_decode_at", "hang_decode_at"):
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not is_finite_number(v):
                 raise RunError(f"--{name.replace('_', '-')} must be a finite number, got {v!r}")
         for name in ("requests", "seed", "num_blocks", "block_elems", "min_blocks", "max_blocks"):
             v = getattr(self, name)

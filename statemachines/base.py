@@ -7,6 +7,7 @@ everything a state holds.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import attrs
@@ -91,3 +92,9 @@ class CancelTimer(Action):
 
 def resources(*names: str) -> frozenset[str]:
     return frozenset(names)
+
+
+def is_finite_number(x: Any) -> bool:
+    """A real, finite number (not a bool, not None, not NaN or +-inf): what
+    every time, offset and deadline crossing into the core must be."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

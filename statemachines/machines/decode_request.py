@@ -20,7 +20,7 @@ from ..actions import (
     AcquireEngine, CancelXfer, GrantHold, NoteActivity, PostRead, ReleaseEngine, ReleaseXfer,
     ReportRecv, ReportRecvFailed, SendNotif, SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
-from ..base import Instance, TimerFired
+from ..base import Instance, TimerFired, is_finite_number
 from ..events import (
     Abort, BlocksAllocated, EngineLost, EngineReady, NewRequest, PushDone, ReadDone, ReadFailed,
     RequestFinished, RequestRunning, StartLoad,
@@ -126,7 +126,7 @@ def remote_valid_until(r: DecodeRequest, ev: EngineReady, cfg) -> float | None:
     if r.remote_expiry is None:
         return None
     # The expiry is in the remote clock; offset = remote clock - local clock.
-    if not (_finite(r.remote_expiry) and _finite(ev.clock_offset)):
+    if not (is_finite_number(r.remote_expiry) and is_finite_number(ev.clock_offset)):
         return NOT_VALID
     valid_until = r.remote_expiry - ev.clock_offset
     if not math.isfinite(valid_until):  # two huge finite values
@@ -139,16 +139,11 @@ def remote_valid_until(r: DecodeRequest, ev: EngineReady, cfg) -> float | None:
         # that stalled (SIGSTOP, overload) must not read blocks P reclaimed.
         hb, since = ev.heartbeat_at, ev.heartbeats_since
         if hb is not None:
-            if not (_finite(hb) and _finite(since) and _finite(r.arrived)):
+            if not (is_finite_number(hb) and is_finite_number(since) and is_finite_number(r.arrived)):
                 return NOT_VALID
             if hb > r.arrived and valid_until > max(r.arrived + cfg.heartbeat_interval, since):
                 valid_until = max(valid_until, hb + cfg.lease_extension)
     return valid_until
-
-
-def _finite(x) -> bool:
-    """A real, finite number (not a bool, not None)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def push_mode(r: DecodeRequest, ev, cfg, now) -> bool:

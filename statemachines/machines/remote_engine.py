@@ -16,7 +16,7 @@ from typing import ClassVar
 import attrs
 
 from ..actions import FailRequesters, RemoveRemoteAgent, StartHandshake, WakeRequesters
-from ..base import Instance, TimerFired
+from ..base import Instance, TimerFired, is_finite_number
 from ..events import EngineAcquire, EngineActivity, EngineRelease, HandshakeFailed, HandshakeOk, PeerDisconnected
 from ..spec import Spec, State
 from ..table import error, ignore, on, rows
@@ -100,7 +100,7 @@ def _sample(sample) -> tuple[float | None, float]:
     except (TypeError, ValueError):
         return None, math.inf
     for x in (offset, rtt):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        if not is_finite_number(x):
             return None, math.inf
     if rtt < 0:
         return None, math.inf
