@@ -20,7 +20,7 @@ for the action objects the plane returns.
 """
 from __future__ import annotations
 
-from statemachines.config import PlaneConfig
+from kvplane.statemachines.config import PlaneConfig
 
 
 class _Req:

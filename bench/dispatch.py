@@ -6,10 +6,10 @@ import itertools
 import pstats
 import time
 
-from statemachines.config import PlaneConfig
-from statemachines.machines import MACHINES, SPECS
-from statemachines.plane import ControlPlane
-from statemachines.reference import ReferenceMachine
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.machines import MACHINES, SPECS
+from kvplane.statemachines.plane import ControlPlane
+from kvplane.statemachines.reference import ReferenceMachine
 
 from . import workload as W
 from .dictbaseline import DictDecodeSide, DictPrefillSide

@@ -20,10 +20,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from statemachines import events as E  # noqa: E402
-from statemachines.config import PlaneConfig  # noqa: E402
-from statemachines.machines import MACHINES  # noqa: E402
-from statemachines.plane import ControlPlane  # noqa: E402
+from kvplane.statemachines import events as E  # noqa: E402
+from kvplane.statemachines.config import PlaneConfig  # noqa: E402
+from kvplane.statemachines.machines import MACHINES  # noqa: E402
+from kvplane.statemachines.plane import ControlPlane  # noqa: E402
 
 CFG = PlaneConfig()
 REPEATS = 5

@@ -10,8 +10,8 @@ import importlib.util
 import io
 import time
 
-from statemachines.config import PlaneConfig
-from statemachines.plane import ControlPlane
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.plane import ControlPlane
 
 from . import workload as W
 from .report import Table, ratio
@@ -21,7 +21,7 @@ CFG = PlaneConfig()
 
 
 def _available() -> str | None:
-    for mod in ("statemachines.eventlog", "statemachines.replay"):
+    for mod in ("kvplane.statemachines.eventlog", "kvplane.statemachines.replay"):
         if importlib.util.find_spec(mod) is None:
             return f"{mod} does not exist yet"
     return None
@@ -48,8 +48,8 @@ def run(quick: bool) -> list[Table]:
         t = Table("eventlog.skipped", "Event log", ["item", "result"])
         t.add("event log / replay", f"skipped: {missing}")
         return [t]
-    from statemachines.eventlog import EventLogWriter
-    from statemachines.replay import replay
+    from kvplane.statemachines.eventlog import EventLogWriter
+    from kvplane.statemachines.replay import replay
 
     n = 300 if quick else 2000
     rounds = 3 if quick else 5
@@ -100,7 +100,7 @@ def run(quick: bool) -> list[Table]:
         times.append(time.perf_counter() - t0)
     rep.add("replay (parse + re-execute + compare states/actions)", len(lines), median(times),
             len(lines) / median(times), lines=len(lines), seconds=median(times), lines_per_s=len(lines) / median(times))
-    from statemachines.eventlog import read_log
+    from kvplane.statemachines.eventlog import read_log
 
     t0 = time.perf_counter()
     read_log(lines)

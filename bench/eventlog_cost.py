@@ -9,9 +9,9 @@ from __future__ import annotations
 import io
 import time
 
-from statemachines import events as E
-from statemachines.eventlog import EventLogWriter
-from statemachines.plane import ControlPlane
+from kvplane.statemachines import events as E
+from kvplane.statemachines.eventlog import EventLogWriter
+from kvplane.statemachines.plane import ControlPlane
 
 
 def workload(plane: ControlPlane, n: int) -> int:

@@ -13,11 +13,11 @@ from .report import Table, ratio
 
 
 def run(quick: bool) -> list[Table]:
-    if importlib.util.find_spec("statemachines.explorer") is None:
+    if importlib.util.find_spec("kvplane.statemachines.explorer") is None:
         t = Table("explorer.skipped", "Explorer", ["item", "result"])
         t.add("explorer", "skipped: statemachines/explorer.py does not exist yet")
         return [t]
-    from statemachines.explorer import explore
+    from kvplane.statemachines.explorer import explore
 
     cases = [("1 read, 1 fault, 1 abort (complete)", dict(requests=("read",)))]
     depth = 10 if quick else 14

@@ -14,9 +14,9 @@ import gc
 import time
 import tracemalloc
 
-from statemachines import events as E
-from statemachines.config import PlaneConfig
-from statemachines.plane import ControlPlane
+from kvplane.statemachines import events as E
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.plane import ControlPlane
 
 from . import workload as W
 from .dictbaseline import DictDecodeSide

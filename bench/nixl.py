@@ -29,7 +29,7 @@ def _spin(cond, polls, timeout: float = 5.0) -> None:
 def _pair(nbytes_per_block: int, blocks: int):
     import torch
 
-    from transport.nixl_agent import NixlEndpoint
+    from kvplane.transport.nixl_agent import NixlEndpoint
 
     a, b = NixlEndpoint("bench-P"), NixlEndpoint("bench-D")
     src = torch.empty((blocks, nbytes_per_block), dtype=torch.uint8)
@@ -104,8 +104,8 @@ def read_bw(a, b, src, dst, blocks: int, reps: int) -> tuple[list[float], list[f
 def handshake_times(a, iters: int) -> tuple[list[float], list[float], list[float]]:
     import zmq
 
-    from transport.handshake import HandshakeServer, build_payload, handshake
-    from transport.nixl_agent import NixlEndpoint
+    from kvplane.transport.handshake import HandshakeServer, build_payload, handshake
+    from kvplane.transport.nixl_agent import NixlEndpoint
 
     payload = build_payload(engine_id="bench-P", compat_hash="bench", tp_rank=0, metadata=a.local_metadata(),
                             cache=a.describe_cache())
@@ -141,10 +141,10 @@ def hb_to_extension(iters: int) -> tuple[list[float], int]:
     """D's heartbeat timer fires -> HB: notif over NIXL -> P's plane extends the lease."""
     import torch
 
-    from connector.connector import KVPlaneScheduler, KVPlaneWorker
-    from connector.driver import PlaneDriver, introduce
-    from statemachines.config import PlaneConfig
-    from transport.nixl_agent import NixlEndpoint
+    from kvplane.connector.connector import KVPlaneScheduler, KVPlaneWorker
+    from kvplane.connector.driver import PlaneDriver, introduce
+    from kvplane.statemachines.config import PlaneConfig
+    from kvplane.transport.nixl_agent import NixlEndpoint
 
     cfg = PlaneConfig()
     # Each side's clock is real time plus an offset the bench moves: D jumps one
@@ -190,7 +190,7 @@ def run(quick: bool) -> list[Table]:
     try:
         import torch  # noqa: F401
 
-        from transport.nixl_agent import NixlEndpoint  # noqa: F401
+        from kvplane.transport.nixl_agent import NixlEndpoint  # noqa: F401
     except ImportError as exc:
         t = Table("nixl.skipped", "Real NIXL", ["item", "result"])
         t.add("NIXL", f"skipped: {exc}")

@@ -21,9 +21,9 @@ import gc
 import time
 from collections import deque
 
-from statemachines import events as E
-from statemachines.config import PlaneConfig
-from statemachines.plane import ControlPlane
+from kvplane.statemachines import events as E
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.plane import ControlPlane
 
 from . import workload as W
 from .dictbaseline import DictDecodeSide

@@ -18,9 +18,9 @@ from typing import Any
 
 from transitions import Machine as TMachine
 
-from statemachines.machines import SPECS
-from statemachines.reference import ReferenceMachine, RefInstance, RefModel
-from statemachines.spec import Spec
+from kvplane.statemachines.machines import SPECS
+from kvplane.statemachines.reference import ReferenceMachine, RefInstance, RefModel
+from kvplane.statemachines.spec import Spec
 
 
 class RefMachine(ReferenceMachine):

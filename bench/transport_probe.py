@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from transport.nixl_agent import NixlEndpoint  # noqa: E402
+from kvplane.transport.nixl_agent import NixlEndpoint  # noqa: E402
 
 MiB = 1 << 20
 

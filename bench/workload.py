@@ -13,8 +13,8 @@ measured on its own.
 """
 from __future__ import annotations
 
-from statemachines import events as E
-from statemachines.plane import ControlPlane
+from kvplane.statemachines import events as E
+from kvplane.statemachines.plane import ControlPlane
 
 from .dictbaseline import DictDecodeSide, DictPrefillSide
 

@@ -14,10 +14,10 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from statemachines.eventlog import EventLogError
-from statemachines.explorer import STALL_FAULTS, ExploreConfig, explore, write_counterexamples
-from statemachines.monitors import DEFAULT_GRACE, check_log
-from statemachines.replay import replay
+from kvplane.statemachines.eventlog import EventLogError
+from kvplane.statemachines.explorer import STALL_FAULTS, ExploreConfig, explore, write_counterexamples
+from kvplane.statemachines.monitors import DEFAULT_GRACE, check_log
+from kvplane.statemachines.replay import replay
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from statemachines import events as E
+from kvplane.statemachines import events as E
 
 from .driver import PlaneDriver
 from .params import RemoteKV

@@ -9,8 +9,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from statemachines.machines import SPECS
-from statemachines.reference import render_dot, render_mermaid
+from kvplane.statemachines.machines import SPECS
+from kvplane.statemachines.reference import render_dot, render_mermaid
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "diagrams"
 

@@ -32,15 +32,15 @@ from typing import Any, Callable
 import attrs
 import zmq
 
-from statemachines import actions as A
-from statemachines import events as E
-from statemachines.config import PlaneConfig
-from statemachines.plane import HEARTBEAT_REQUESTER, ControlPlane
-from transport.errors import PeerDisconnected as PeerGone
-from transport.errors import TransportError
-from statemachines.machines.lease import admits
-from transport.handshake import HandshakeServer, build_payload, public_key
-from transport.wire import (
+from kvplane.statemachines import actions as A
+from kvplane.statemachines import events as E
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.plane import HEARTBEAT_REQUESTER, ControlPlane
+from kvplane.transport.errors import PeerDisconnected as PeerGone
+from kvplane.transport.errors import TransportError
+from kvplane.statemachines.machines.lease import admits
+from kvplane.transport.handshake import HandshakeServer, build_payload, public_key
+from kvplane.transport.wire import (
     CompletionNotif, HeartbeatNotif, MalformedNotification, PushRegistration, PushRegNotif, encode_completion,
     encode_heartbeats, encode_push_reg, decode_notif,
 )

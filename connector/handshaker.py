@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from transport.handshake import HandshakeResult, handshake
+from kvplane.transport.handshake import HandshakeResult, handshake
 
 
 @attrs.frozen

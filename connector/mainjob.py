@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from statemachines.base import is_finite_number
+from kvplane.statemachines.base import is_finite_number
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
 MIN_LEASE = 6.0  # heartbeat interval = lease // 6 must be >= 1 s

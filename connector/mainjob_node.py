@@ -102,9 +102,9 @@ class Node:
     def __init__(self, role: str, conn, opts: dict):
         import torch
 
-        from statemachines.config import PlaneConfig
-        from statemachines.eventlog import EventLogWriter
-        from transport.nixl_agent import NixlEndpoint
+        from kvplane.statemachines.config import PlaneConfig
+        from kvplane.statemachines.eventlog import EventLogWriter
+        from kvplane.transport.nixl_agent import NixlEndpoint
 
         from .connector import KVPlaneScheduler, KVPlaneWorker
         from .driver import PlaneDriver

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from transport import wire
+from kvplane.transport import wire
 
 # Ranks of one engine (its TP x PP size) a request's blocks may live on.
 MAX_RANKS = 1024

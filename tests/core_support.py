@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from statemachines import actions as A
-from statemachines import events as E
-from statemachines.base import Action, ArmTimer, CancelTimer
-from statemachines.config import PlaneConfig
-from statemachines.plane import ControlPlane
+from kvplane.statemachines import actions as A
+from kvplane.statemachines import events as E
+from kvplane.statemachines.base import Action, ArmTimer, CancelTimer
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.plane import ControlPlane
 
 TIMER_ACTIONS = (ArmTimer, CancelTimer)
 
@@ -68,8 +68,8 @@ def trusting_gate_machine():
     stall tests must catch.  It passes validation, as the real bug would."""
     import attrs
 
-    from statemachines.machines import decode_request
-    from statemachines.spec import Transition, compile_machine
+    from kvplane.statemachines.machines import decode_request
+    from kvplane.statemachines.spec import Transition, compile_machine
 
     def trusting(r, ev, cfg, now):
         """the bug: trust the last heartbeat whatever the gap before it"""

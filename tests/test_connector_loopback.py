@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.connector import KVPlaneScheduler, KVPlaneWorker
-from connector.driver import PlaneDriver, introduce
-from statemachines.config import PlaneConfig
-from transport.loopback import LoopbackEndpoint, LoopbackFabric
+from kvplane.connector.connector import KVPlaneScheduler, KVPlaneWorker
+from kvplane.connector.driver import PlaneDriver, introduce
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
 
 BLOCKS, ELEMS = 16, 256
 
@@ -220,7 +220,7 @@ def test_side_channel_is_authenticated_by_default(case):
 def _push_reg(request_id, engine_id="D", **extra) -> bytes:
     # Raw bytes: the encoder refuses the bad values a forged PUSH_REG may carry.
     import msgpack
-    from transport.wire import PUSH_REG_PREFIX
+    from kvplane.transport.wire import PUSH_REG_PREFIX
 
     reg = {"request_id": request_id, "engine_id": engine_id, "decode_request_id": "d-" + request_id,
            "block_ids": [5, 6], "host": "127.0.0.1", "port": 1}

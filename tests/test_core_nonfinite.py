@@ -15,11 +15,11 @@ import attrs
 import pytest
 
 from core_support import connect, names, new_request, of_type, plane, run_timers
-from statemachines import actions as A
-from statemachines import events as E
-from statemachines.config import ConfigError, PlaneConfig
-from statemachines.machines import decode_request, push_write
-from statemachines.plane import ControlPlane, NonFiniteTime
+from kvplane.statemachines import actions as A
+from kvplane.statemachines import events as E
+from kvplane.statemachines.config import ConfigError, PlaneConfig
+from kvplane.statemachines.machines import decode_request, push_write
+from kvplane.statemachines.plane import ControlPlane, NonFiniteTime
 
 NAN, INF = math.nan, math.inf
 NON_FINITE = [NAN, INF, -INF]

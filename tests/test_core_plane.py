@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core_support import connect, held_by, names, new_request, of_type, plane, run_timers
-from statemachines import actions as A
-from statemachines import events as E
-from statemachines.base import TimerFired
-from statemachines.config import PlaneConfig
-from statemachines.plane import ControlPlane
+from kvplane.statemachines import actions as A
+from kvplane.statemachines import events as E
+from kvplane.statemachines.base import TimerFired
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.plane import ControlPlane
 
 P0 = "P0"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from core_support import connect, heartbeats_to_leases, held_by, names, new_request, of_type, plane, run_timers
-from statemachines import actions as A
-from statemachines import events as E
-from statemachines.config import PlaneConfig
+from kvplane.statemachines import actions as A
+from kvplane.statemachines import events as E
+from kvplane.statemachines.config import PlaneConfig
 
 P_ENGINE, D_ENGINE = "P0", "D0"
 

@@ -16,12 +16,12 @@ import copy
 
 import pytest
 
-from statemachines import actions as A
-from statemachines import events as E
-from statemachines.base import ArmTimer, CancelTimer, TimerFired
-from statemachines.config import PlaneConfig
-from statemachines.machines import MACHINES
-from statemachines.spec import IGNORED, Ignore, ProtocolError, ProtocolViolation, Transition
+from kvplane.statemachines import actions as A
+from kvplane.statemachines import events as E
+from kvplane.statemachines.base import ArmTimer, CancelTimer, TimerFired
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.machines import MACHINES
+from kvplane.statemachines.spec import IGNORED, Ignore, ProtocolError, ProtocolViolation, Transition
 
 CFG = PlaneConfig()
 KEYS = {"decode_request": "r1", "lease": "p1", "remote_engine": "P0", "push_write": "p1"}

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from connector.driver import PlaneDriver
-from statemachines import events as E
-from transport.loopback import LoopbackEndpoint, LoopbackFabric
+from kvplane.connector.driver import PlaneDriver
+from kvplane.statemachines import events as E
+from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from e2e_support import SCENARIOS, run_scenario
 
 TIMER_JITTER_S = 0.25
 
-replay_mod = pytest.importorskip("statemachines.replay")
-monitors = pytest.importorskip("statemachines.monitors")
+replay_mod = pytest.importorskip("kvplane.statemachines.replay")
+monitors = pytest.importorskip("kvplane.statemachines.monitors")
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from statemachines import events as E
-from statemachines.config import PlaneConfig
-from statemachines.eventlog import (
+from kvplane.statemachines import events as E
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.eventlog import (
     EmptyLog, EventLogError, EventLogWriter, MalformedLine, MemoryLog, UnknownEvent, UnsupportedVersion, read_log,
 )
-from statemachines.plane import ControlPlane
+from kvplane.statemachines.plane import ControlPlane
 
 
 def run_small(plane):

@@ -6,15 +6,15 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from statemachines.base import TimerFired
-from statemachines.eventlog import read_log
-from statemachines.events import EngineActivity, EngineReady
-from statemachines.explorer import EXPLORER_PLANE_CONFIG, STALL_FAULTS, ExploreConfig, clone_plane, explore
-from statemachines.machines import MACHINES, SPECS, decode_request, lease, push_write, remote_engine
-from statemachines.plane import ControlPlane
-from statemachines.replay import replay
-from statemachines.spec import Ignore, MachineDefinitionError, Transition, compile_machine, with_timer_ignores
-from statemachines.validate import validate
+from kvplane.statemachines.base import TimerFired
+from kvplane.statemachines.eventlog import read_log
+from kvplane.statemachines.events import EngineActivity, EngineReady
+from kvplane.statemachines.explorer import EXPLORER_PLANE_CONFIG, STALL_FAULTS, ExploreConfig, clone_plane, explore
+from kvplane.statemachines.machines import MACHINES, SPECS, decode_request, lease, push_write, remote_engine
+from kvplane.statemachines.plane import ControlPlane
+from kvplane.statemachines.replay import replay
+from kvplane.statemachines.spec import Ignore, MachineDefinitionError, Transition, compile_machine, with_timer_ignores
+from kvplane.statemachines.validate import validate
 
 from core_support import trusting_gate_machine
 
@@ -196,7 +196,7 @@ def test_counterexample_logs_replay_exactly(tmp_path):
 
 
 def test_clone_plane_is_independent():
-    from statemachines import events as E
+    from kvplane.statemachines import events as E
 
     p = ControlPlane()
     p.handle(E.NewRequest(request_id="r", engine_id="e", remote_request_id="x"), 0.0)
@@ -209,7 +209,7 @@ def test_clone_plane_is_independent():
 
 # ------------------------------------------------------------ the READ gate under decoder stalls
 def test_reads_carry_p_lease_expiry_as_the_connector_exports_it():
-    from statemachines.explorer import Model
+    from kvplane.statemachines.explorer import Model
 
     model = Model(ExploreConfig(requests=("read",), skew=3.0))
     w = model.initial()
@@ -269,7 +269,7 @@ def test_bug_read_deadline_not_capped_by_lease_validity():
 def test_read_executed_during_stall_completion_refused_by_deadline(capped):
     """The fabric executes a stalled D's READ after P reclaimed the blocks;
     on resume the READ deadline must refuse the completion."""
-    from statemachines.explorer import Model, _Found
+    from kvplane.statemachines.explorer import Model, _Found
 
     plane = attrs.evolve(EXPLORER_PLANE_CONFIG, transfer_timeout=8.0)
     machines = None if capped else with_machine("decode_request", _uncapped_read_deadline())
@@ -293,7 +293,7 @@ def test_read_executed_during_stall_completion_refused_by_deadline(capped):
 def _gate_outcomes(model, w):
     """For each D request the READ gate may still judge: its verdict and
     the READ deadline it would set, at now and a few later times (relative)."""
-    from statemachines.explorer import GATE_STATES
+    from kvplane.statemachines.explorer import GATE_STATES
 
     D, now = w.planes["D"], model.now(w, "D")
     since, last = D.heartbeats.chain("P")
@@ -319,7 +319,7 @@ def _gate_outcomes(model, w):
 def test_states_merged_by_the_signature_agree_on_the_read_gate(skew):
     """Soundness of the canonical state for the gate: every two reachable
     worlds with the same signature judge every pending READ alike."""
-    from statemachines.explorer import Model, _Found
+    from kvplane.statemachines.explorer import Model, _Found
 
     model = Model(ExploreConfig(requests=("read", "read"), faults=frozenset({"stall"}), stall=3.5, max_aborts=0,
                                 skew=skew))
@@ -347,7 +347,7 @@ def test_states_merged_by_the_signature_agree_on_the_read_gate(skew):
 
 
 def test_cli_stall_option():
-    from connector.cli_checks import cmd_explore
+    from kvplane.connector.cli_checks import cmd_explore
 
     assert cmd_explore(["--requests", "read", "--depth", "6", "--stall"]) == 0
     assert cmd_explore(["--requests", "read", "--depth", "6", "--stall", "3.5"]) == 0

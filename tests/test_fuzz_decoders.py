@@ -15,14 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.params import BadTransferParams, RemoteKV
-from statemachines import events as E
-from statemachines.eventlog import ALL_EVENTS, EventLogError, MemoryLog, read_log
-from statemachines.monitors import check_log
-from statemachines.plane import ControlPlane
-from statemachines.replay import replay
-from transport import wire
-from transport.wire import WireError
+from kvplane.connector.params import BadTransferParams, RemoteKV
+from kvplane.statemachines import events as E
+from kvplane.statemachines.eventlog import ALL_EVENTS, EventLogError, MemoryLog, read_log
+from kvplane.statemachines.monitors import check_log
+from kvplane.statemachines.plane import ControlPlane
+from kvplane.statemachines.replay import replay
+from kvplane.transport import wire
+from kvplane.transport.wire import WireError
 
 FUZZ = settings(max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -11,7 +11,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport.handshake import (
+from kvplane.transport.handshake import (
     GET_META_MSG,
     MAX_RANK,
     ClockSample,
@@ -22,7 +22,7 @@ from transport.handshake import (
     parse_reply,
     parse_request,
 )
-from transport.layout import CacheLayout
+from kvplane.transport.layout import CacheLayout
 
 URL = "tcp://fuzz:1"
 CACHE = CacheLayout("DRAM", 0, 4096, 16, (1 << 20, 2 << 20)).to_dict()

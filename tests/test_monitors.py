@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import attrs
 
-from statemachines import events as E
-from statemachines.eventlog import MemoryLog
-from statemachines.machines import MACHINES, lease
-from statemachines.monitors import COLD, check_log, obligations
-from statemachines.plane import ControlPlane
+from kvplane.statemachines import events as E
+from kvplane.statemachines.eventlog import MemoryLog
+from kvplane.statemachines.machines import MACHINES, lease
+from kvplane.statemachines.monitors import COLD, check_log, obligations
+from kvplane.statemachines.plane import ControlPlane
 
 
 def test_obligations_come_from_declared_holds():
@@ -16,7 +16,7 @@ def test_obligations_come_from_declared_holds():
     assert "CONNECTED" not in ob["remote_engine"] and "remote_agent" in COLD
     # A new resource declared on a state is monitored without touching monitors.py.
     states = tuple(attrs.evolve(s, holds=s.holds | {"gpu"}) if s.name == "LEASED" else s for s in lease.STATES)
-    from statemachines.spec import Machine
+    from kvplane.statemachines.spec import Machine
     m = MACHINES["lease"]
     mutated = {**MACHINES, "lease": Machine(attrs.evolve(m.spec, states=states), m._table)}
     assert obligations(mutated)["lease"]["LEASED"] == {"blocks", "gpu"}
@@ -67,7 +67,7 @@ def test_a_recorded_log_the_machines_do_not_reproduce_fails_the_check(tmp_path, 
     report; the log must still fail, naming the divergence, as replay does."""
     import json
 
-    from connector.cli_checks import cmd_check_log, cmd_replay
+    from kvplane.connector.cli_checks import cmd_check_log, cmd_replay
 
     p = ControlPlane()
     log = MemoryLog(config=p.config)

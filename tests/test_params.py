@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from connector.params import MAX_RANKS, BadTransferParams, RemoteKV
-from transport import wire
+from kvplane.connector.params import MAX_RANKS, BadTransferParams, RemoteKV
+from kvplane.transport import wire
 
 GOOD = dict(remote_engine_id="prefill-0", remote_host="127.0.0.1", remote_port=5555, remote_request_id="p-r1",
             remote_block_ids=[3, 4], remote_ranks=[0, 1], expected_consumers=2, remote_expiry=1234.5,
@@ -97,9 +97,9 @@ def test_accepted_params_always_encode_their_completion():
 def test_the_scheduler_refuses_bad_params_before_the_plane_sees_them(change):
     """Issue 9, item 3: a NaN expiry reached the READ gate; now the request is
     refused at on_new_request and nothing is created or held."""
-    from connector.connector import KVPlaneScheduler
-    from connector.driver import PlaneDriver
-    from transport.loopback import LoopbackEndpoint, LoopbackFabric
+    from kvplane.connector.connector import KVPlaneScheduler
+    from kvplane.connector.driver import PlaneDriver
+    from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
 
     driver = PlaneDriver(engine_id="D", endpoint=LoopbackEndpoint(LoopbackFabric(), "D"), clock=lambda: 0.0)
     try:

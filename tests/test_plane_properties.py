@@ -6,11 +6,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from statemachines import events as E
-from statemachines.actions import PostWrite, ReleaseXfer, ReportRecv
-from statemachines.config import PlaneConfig
-from statemachines.machines.push_write import SOURCE
-from statemachines.plane import ControlPlane
+from kvplane.statemachines import events as E
+from kvplane.statemachines.actions import PostWrite, ReleaseXfer, ReportRecv
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.machines.push_write import SOURCE
+from kvplane.statemachines.plane import ControlPlane
 
 REQ = st.sampled_from(["r1", "r2", "r3", "ghost"])
 ENG = st.sampled_from(["e1", "e2", "nope"])

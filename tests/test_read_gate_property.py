@@ -12,10 +12,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statemachines import actions as A
-from statemachines import events as E
-from statemachines.config import PlaneConfig
-from statemachines.plane import ControlPlane
+from kvplane.statemachines import actions as A
+from kvplane.statemachines import events as E
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.plane import ControlPlane
 
 CFG = PlaneConfig(kv_lease_duration=12.0)  # interval 2 s, extension 8 s
 STEP = 0.5
@@ -98,7 +98,7 @@ def test_the_property_has_teeth_without_the_heartbeat_chain():
     import pytest
 
     from core_support import trusting_gate_machine
-    from statemachines.machines import MACHINES
+    from kvplane.statemachines.machines import MACHINES
 
     buggy = {**MACHINES, "decode_request": trusting_gate_machine()}
     stall_before_alloc = {"offset": 0.0, "requests": [(0.0, 30.0)], "stalls": [(15.0, 14.0)]}
@@ -124,7 +124,7 @@ def test_the_gate_declines_whenever_an_input_is_not_finite(expiry, offset, arriv
     compare)."""
     import attrs
 
-    from statemachines.machines.decode_request import DecodeRequest, remote_blocks_expired
+    from kvplane.statemachines.machines.decode_request import DecodeRequest, remote_blocks_expired
 
     since = None if hb is None else hb - gap
     r = DecodeRequest(key="r", state="HANDSHAKING", remote_expiry=expiry, remote_renewable=renewable,

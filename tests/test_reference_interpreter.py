@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from statemachines import events as E
-from statemachines.base import TimerFired
-from statemachines.config import PlaneConfig
-from statemachines.machines import MACHINES, SPECS
-from statemachines.reference import ReferenceMachine
-from statemachines.spec import IGNORED, ProtocolViolation
+from kvplane.statemachines import events as E
+from kvplane.statemachines.base import TimerFired
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.machines import MACHINES, SPECS
+from kvplane.statemachines.reference import ReferenceMachine
+from kvplane.statemachines.spec import IGNORED, ProtocolViolation
 
 
 def sample_event(cls, key, rng):

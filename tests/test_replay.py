@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from statemachines import events as E
-from statemachines.eventlog import MemoryLog, UnknownEvent
-from statemachines.plane import ControlPlane
-from statemachines.replay import replay
+from kvplane.statemachines import events as E
+from kvplane.statemachines.eventlog import MemoryLog, UnknownEvent
+from kvplane.statemachines.plane import ControlPlane
+from kvplane.statemachines.replay import replay
 
 
 def recorded_session():
@@ -109,7 +109,7 @@ def test_bad_input_raises():
 
 
 def test_cli_exit_codes(tmp_path, capsys):
-    from connector.cli_checks import cmd_check_log, cmd_explore, cmd_replay
+    from kvplane.connector.cli_checks import cmd_check_log, cmd_explore, cmd_replay
 
     _, lines = recorded_session()
     good = tmp_path / "good.jsonl"
@@ -135,8 +135,8 @@ def test_a_change_inside_an_internal_cascade_diverges():
     so a machine that stops posting the READ is caught on that line."""
     import attrs
 
-    from statemachines.machines import MACHINES, SPECS, decode_request
-    from statemachines.spec import Transition, compile_machine
+    from kvplane.statemachines.machines import MACHINES, SPECS, decode_request
+    from kvplane.statemachines.spec import Transition, compile_machine
 
     _, lines = recorded_session()
     start = next(json.loads(l) for l in lines if '"event":"StartLoad"' in l)
@@ -185,7 +185,7 @@ _BAD_LOGS = {
 @pytest.mark.parametrize("name", list(_BAD_LOGS))
 @pytest.mark.parametrize("command", ["replay", "check-log"])
 def test_cli_refuses_bad_logs_with_exit_2_naming_the_line(name, command, tmp_path, capsys):
-    from connector.cli import main
+    from kvplane.connector.cli import main
 
     text, words = _BAD_LOGS[name]
     path = tmp_path / "bad.jsonl"
@@ -197,7 +197,7 @@ def test_cli_refuses_bad_logs_with_exit_2_naming_the_line(name, command, tmp_pat
 
 def test_cli_prints_log_contents_verbatim_never_as_markup(tmp_path, capsys):
     """rich parsed "[/x]" in a lease id as a closing tag and raised MarkupError."""
-    from connector.cli import main
+    from kvplane.connector.cli import main
 
     path = tmp_path / "leak.jsonl"
     path.write_text('{"v":1,"t":0,"event":"LeaseGranted","data":{"request_id":"[/x][bold]","block_ids":[1]}}\n')
@@ -208,7 +208,7 @@ def test_cli_prints_log_contents_verbatim_never_as_markup(tmp_path, capsys):
 
 @pytest.mark.parametrize("grace", ["nan", "inf", "-1"])
 def test_check_log_refuses_a_grace_that_is_not_a_finite_duration(grace, tmp_path, capsys):
-    from connector.cli import main
+    from kvplane.connector.cli import main
 
     _, lines = recorded_session()
     path = tmp_path / "good.jsonl"

@@ -22,11 +22,11 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from connector.connector import KVPlaneScheduler, KVPlaneWorker  # noqa: E402
-from connector.driver import PlaneDriver, introduce  # noqa: E402
-from statemachines.config import PlaneConfig  # noqa: E402
-from transport.handshake import HandshakeAuthError, HandshakeTimeout, handshake  # noqa: E402
-from transport.nixl_agent import NixlEndpoint  # noqa: E402
+from kvplane.connector.connector import KVPlaneScheduler, KVPlaneWorker  # noqa: E402
+from kvplane.connector.driver import PlaneDriver, introduce  # noqa: E402
+from kvplane.statemachines.config import PlaneConfig  # noqa: E402
+from kvplane.transport.handshake import HandshakeAuthError, HandshakeTimeout, handshake  # noqa: E402
+from kvplane.transport.nixl_agent import NixlEndpoint  # noqa: E402
 
 _n = itertools.count()
 CFG = PlaneConfig(kv_lease_duration=6, transfer_timeout=2.0, recv_timeout=10.0, handshake_timeout=2.0)

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import zmq
 
-from transport.handshake import (
+from kvplane.transport.handshake import (
     HANDSHAKE_VERSION,
     ClockSample,
     CompatHashMismatch,
@@ -27,8 +27,8 @@ from transport.handshake import (
     clock_sample,
     handshake,
 )
-from transport.layout import CacheLayout
-from transport.wire import frame_metadata
+from kvplane.transport.layout import CacheLayout
+from kvplane.transport.wire import frame_metadata
 
 META = b"\x01nixl-metadata\x00" * 10
 CACHE = CacheLayout("DRAM", 0, 4096, 16, (1 << 20,)).to_dict()
@@ -327,7 +327,7 @@ def test_keys_from_certificate_files_and_z85_text(tmp_path):
     """How a deployment configures keys: zmq.auth certificate files or z85 strings."""
     import zmq.auth
 
-    from transport.handshake import load_keypair, public_key
+    from kvplane.transport.handshake import load_keypair, public_key
 
     pub_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "decode-0")
     pub, secret = load_keypair(secret_file)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from transport.errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed
-from transport.loopback import LoopbackEndpoint, LoopbackFabric
-from transport.tracker import TransferTracker
-from transport.wire import decode_notif, encode_completion, encode_heartbeat
+from kvplane.transport.errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed
+from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
+from kvplane.transport.tracker import TransferTracker
+from kvplane.transport.wire import decode_notif, encode_completion, encode_heartbeat
 
 NB, BS = 6, 64
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from transport.errors import PeerDisconnected, TransferFailed
-from transport.handshake import handshake
-from transport.nixl_agent import NixlEndpoint
-from transport.tracker import TransferTracker
-from transport.wire import decode_notif, encode_completion
+from kvplane.transport.errors import PeerDisconnected, TransferFailed
+from kvplane.transport.handshake import handshake
+from kvplane.transport.nixl_agent import NixlEndpoint
+from kvplane.transport.tracker import TransferTracker
+from kvplane.transport.wire import decode_notif, encode_completion
 from transport_peer import pattern
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from transport.errors import MetadataRejected, NotFound, TransferFailed, TransportError
-from transport.layout import CacheLayout
-from transport.nixl_agent import NixlEndpoint, translate_nixl_error
-from transport.tracker import TransferTracker
-from transport.wire import (
+from kvplane.transport.errors import MetadataRejected, NotFound, TransferFailed, TransportError
+from kvplane.transport.layout import CacheLayout
+from kvplane.transport.nixl_agent import NixlEndpoint, translate_nixl_error
+from kvplane.transport.tracker import TransferTracker
+from kvplane.transport.wire import (
     CorruptMetadata,
     TruncatedMetadata,
     decode_notif,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.wire import (
+from kvplane.transport.wire import (
     HEADER_SIZE,
     CompletionNotif,
     CorruptMetadata,
@@ -333,8 +333,8 @@ def test_push_reg_validated_record():
 
 
 def _driver(fabric, name):
-    from connector.driver import PlaneDriver
-    from transport.loopback import LoopbackEndpoint
+    from kvplane.connector.driver import PlaneDriver
+    from kvplane.transport.loopback import LoopbackEndpoint
 
     return PlaneDriver(engine_id=name, endpoint=LoopbackEndpoint(fabric, name), clock=lambda: 100.0)
 
@@ -342,8 +342,8 @@ def _driver(fabric, name):
 def test_huge_and_oversized_notifications_are_counted_and_the_plane_keeps_its_lease():
     """The issue's crash: one ``x:<5000 digits>`` killed P; now it is a counted
     malformed notification and a live lease is untouched."""
-    from statemachines import events as E
-    from transport.loopback import LoopbackEndpoint, LoopbackFabric
+    from kvplane.statemachines import events as E
+    from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
 
     fabric = LoopbackFabric()
     p = _driver(fabric, "P")
@@ -365,9 +365,9 @@ def test_huge_and_oversized_notifications_are_counted_and_the_plane_keeps_its_le
 
 
 def test_a_heartbeat_batch_over_the_bound_goes_out_as_several_messages():
-    from statemachines import actions as A
-    from statemachines import events as E
-    from transport.loopback import LoopbackFabric
+    from kvplane.statemachines import actions as A
+    from kvplane.statemachines import events as E
+    from kvplane.transport.loopback import LoopbackFabric
 
     fabric = LoopbackFabric()
     p, d = _driver(fabric, "P"), _driver(fabric, "D")
@@ -408,9 +408,9 @@ def test_huge_notifications_over_real_nixl_leave_the_plane_running_and_holding_o
 
     import torch
 
-    from connector.driver import PlaneDriver
-    from statemachines import events as E
-    from transport.nixl_agent import NixlEndpoint
+    from kvplane.connector.driver import PlaneDriver
+    from kvplane.statemachines import events as E
+    from kvplane.transport.nixl_agent import NixlEndpoint
 
     p_ep, x = NixlEndpoint("P-huge"), NixlEndpoint("X-huge")
     p = PlaneDriver(engine_id="P", endpoint=p_ep)

@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument("--lifetime", type=float, default=60.0)
     a = ap.parse_args()
 
-    from transport.handshake import HandshakeServer, build_payload
-    from transport.nixl_agent import NixlEndpoint
+    from kvplane.transport.handshake import HandshakeServer, build_payload
+    from kvplane.transport.nixl_agent import NixlEndpoint
 
     cache = pattern(a.num_blocks, a.block_size, a.seed)
     ep = NixlEndpoint(a.name)
