@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kvplane.connector.cli_checks import write_violation
+from kvplane.connector.cli_checks import write_counterexamples, write_violation
 from kvplane.statemachines.base import TimerFired
 from kvplane.statemachines.eventlog import read_log
 from kvplane.statemachines.events import EngineActivity, EngineReady
@@ -196,6 +196,9 @@ def test_counterexample_logs_replay_exactly(tmp_path):
     res = replay(str(tmp_path / "cex.P.jsonl"))
     assert res.divergence is not None and res.divergence.what == "actions"
     assert "ArmTimer" in str(res.divergence.got)
+    # ``kvplane explore --out DIR`` names each violation's logs by number and kind.
+    written = write_counterexamples(r, str(tmp_path / "out"))
+    assert [p.rsplit("/", 1)[1] for p in written] == [f"01-{v.kind}.D.jsonl", f"01-{v.kind}.P.jsonl"]
 
 
 def test_every_action_the_planes_emit_is_executed_or_declared_ignored():
