@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import time
 from typing import Any
 
 import attrs
@@ -15,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvplane.statemachines.eventlog import EventLogError
-from kvplane.statemachines.explorer import STALL_FAULTS, ExploreConfig, explore, write_counterexamples
+from kvplane.statemachines.explorer import STALL_FAULTS, ExploreConfig, ExploreResult, Violation, explore
 from kvplane.statemachines.monitors import DEFAULT_GRACE, check_log
 from kvplane.statemachines.replay import replay
 
@@ -117,6 +119,26 @@ def _explore_args(args: Any) -> argparse.Namespace:
     return args
 
 
+def write_violation(v: Violation, prefix: str) -> list[str]:
+    """Write ``<prefix>.<plane>.jsonl`` per plane (replayable); returns the paths."""
+    paths = []
+    for name, lines in v.logs.items():
+        path = f"{prefix}.{name}.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        paths.append(path)
+    return paths
+
+
+def write_counterexamples(result: ExploreResult, directory: str) -> list[str]:
+    """Each violation's logs as ``<directory>/<NN>-<kind>.<plane>.jsonl``."""
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for n, v in enumerate(result.violations, 1):
+        paths += write_violation(v, os.path.join(directory, f"{n:02d}-{v.kind}"))
+    return paths
+
+
 def cmd_explore(args: Any = None) -> int:
     """``args``: an argparse Namespace (missing attributes take defaults), or a list of argv strings."""
     con = _console()
@@ -130,7 +152,7 @@ def cmd_explore(args: Any = None) -> int:
             if not a.stall > 0:
                 raise ValueError(f"--stall must be > 0, got {a.stall:g}")
             cfg = attrs.evolve(cfg, faults=STALL_FAULTS, stall=a.stall)
-        result = explore(cfg)
+        result = explore(cfg, clock=time.perf_counter)
     except SystemExit:
         return BAD_INPUT
     except (KeyError, ValueError, TypeError) as exc:

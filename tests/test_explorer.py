@@ -6,10 +6,13 @@ from __future__ import annotations
 import attrs
 import pytest
 
+from kvplane.connector.cli_checks import write_counterexamples, write_violation
 from kvplane.statemachines.base import TimerFired
 from kvplane.statemachines.eventlog import read_log
 from kvplane.statemachines.events import EngineActivity, EngineReady
 from kvplane.statemachines.explorer import EXPLORER_PLANE_CONFIG, STALL_FAULTS, ExploreConfig, clone_plane, explore
+from kvplane.statemachines.explorer.messages import Read
+from kvplane.statemachines.explorer.moves import Deliver, Resume, Stall, Tick, schedule
 from kvplane.statemachines.machines import MACHINES, SPECS, decode_request, lease, push_write, remote_engine
 from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.replay import replay
@@ -163,7 +166,7 @@ def test_bug_push_writes_from_a_lease_that_ended(route, tmp_path):
         assert any("P aborts lease p0" in m for m in v.moves)
     else:
         assert any("D stalls" in m for m in v.moves)
-    for p in v.write(str(tmp_path / "cex")):
+    for p in write_violation(v, str(tmp_path / "cex")):
         res = replay(p, machines=machines)
         assert res.divergence is None, res.divergence
 
@@ -182,7 +185,7 @@ def test_counterexample_logs_replay_exactly(tmp_path):
     machines = with_machine("lease", compile_unchecked(attrs.evolve(lease.SPEC, states=states)))
     r = explore(machines=machines, requests=("read",), max_faults=0, max_depth=6)
     v = r.violations[0]
-    paths = v.write(str(tmp_path / "cex"))
+    paths = write_violation(v, str(tmp_path / "cex"))
     assert len(paths) == 2
     for p in paths:
         log = read_log(p)
@@ -193,6 +196,25 @@ def test_counterexample_logs_replay_exactly(tmp_path):
     res = replay(str(tmp_path / "cex.P.jsonl"))
     assert res.divergence is not None and res.divergence.what == "actions"
     assert "ArmTimer" in str(res.divergence.got)
+    # ``kvplane explore --out DIR`` names each violation's logs by number and kind.
+    written = write_counterexamples(r, str(tmp_path / "out"))
+    assert [p.rsplit("/", 1)[1] for p in written] == [f"01-{v.kind}.D.jsonl", f"01-{v.kind}.P.jsonl"]
+
+
+def test_every_action_the_planes_emit_is_executed_or_declared_ignored():
+    from kvplane.statemachines.base import Action
+    from kvplane.statemachines.explorer import Model
+    from kvplane.statemachines.explorer.model import unhandled_actions
+
+    assert unhandled_actions() == []
+
+    @attrs.frozen
+    class Unknown(Action):
+        pass
+
+    model = Model(ExploreConfig(requests=("read",)))
+    with pytest.raises(TypeError, match="no handler for action Unknown"):
+        model._emit(model.initial(), "D", [Unknown()])
 
 
 def test_clone_plane_is_independent():
@@ -213,7 +235,7 @@ def test_reads_carry_p_lease_expiry_as_the_connector_exports_it():
 
     model = Model(ExploreConfig(requests=("read",), skew=3.0))
     w = model.initial()
-    model.apply(w, ("arrive", 0))
+    model.apply(w, schedule("arrive", 0))
     r = w.planes["D"].get("decode_request", "d0")
     lease = w.planes["P"].get("lease", "p0")
     assert r.remote_expiry == lease.expiry == 3.0 + EXPLORER_PLANE_CONFIG.kv_lease_duration  # P's clock
@@ -237,7 +259,7 @@ def test_bug_read_gate_without_heartbeat_chain_under_stall(tmp_path):
     v = assert_found(r, "read_of_unheld_lease")
     assert "posted against P lease p0" in v.message
     assert any("D stalls" in m for m in v.moves) and any("D resumes" in m or "tick to" in m for m in v.moves)
-    for p in v.write(str(tmp_path / "cex")):
+    for p in write_violation(v, str(tmp_path / "cex")):
         res = replay(p, machines=machines)
         assert res.divergence is None, res.divergence
 
@@ -275,19 +297,19 @@ def test_read_executed_during_stall_completion_refused_by_deadline(capped):
     machines = None if capped else with_machine("decode_request", _uncapped_read_deadline())
     model = Model(ExploreConfig(requests=("read",), faults=frozenset({"stall"}), stall=8.0, plane=plane), machines)
     w = model.initial()
-    for m in [("arrive", 0), ("deliver", 0), ("alloc", 0), ("start", 0), ("stall",), ("tick",)]:
+    for m in [schedule("arrive", 0), Deliver(0), schedule("alloc", 0), schedule("start", 0), Stall(), Tick()]:
         model.apply(w, m)
     assert w.t == 6.0 and w.stall is not None and "p0" not in w.planes["P"].instances["lease"]  # P reclaimed
-    model.apply(w, ("deliver", [m[0] for m in w.net].index("read")))  # executes into reclaimed blocks
-    model.apply(w, ("resume",))
+    model.apply(w, Deliver([type(m) for m in w.net].index(Read)))  # executes into reclaimed blocks
+    model.apply(w, Resume())
     if capped:
         assert w.planes["D"].get("decode_request", "d0").state == "RECV_FAILED"
         while w.net:
-            model.apply(w, ("deliver", 0))
+            model.apply(w, Deliver(0))
     else:
         with pytest.raises(_Found, match="accepts the completion of READ d0"):
             while w.net:
-                model.apply(w, ("deliver", 0))
+                model.apply(w, Deliver(0))
 
 
 def _gate_outcomes(model, w):
