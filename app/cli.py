@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def _diagrams(args) -> int:
-    from kvplane.connector import diagrams
+    from kvplane.app import diagrams
 
     out = Path(args.out) if args.out else diagrams.DEFAULT_DIR
     if args.check:
@@ -36,25 +36,25 @@ def _diagrams(args) -> int:
 
 
 def _replay(args) -> int:
-    from kvplane.connector.cli_checks import cmd_replay
+    from kvplane.app.checks import cmd_replay
 
     return cmd_replay(args.log)
 
 
 def _check_log(args) -> int:
-    from kvplane.connector.cli_checks import cmd_check_log
+    from kvplane.app.checks import cmd_check_log
 
     return cmd_check_log(args.log, args.grace)
 
 
 def _explore(args) -> int:
-    from kvplane.connector.cli_checks import cmd_explore
+    from kvplane.app.checks import cmd_explore
 
     return cmd_explore(args)
 
 
 def _run(args) -> int:
-    from kvplane.connector.mainjob import cmd_run
+    from kvplane.app.orchestrator import cmd_run
 
     return cmd_run(args)
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report an obligation only when still hot S seconds past its deadline (default 0.5)")
     c.set_defaults(fn=_check_log)
 
-    from kvplane.connector.cli_checks import add_explore_arguments
+    from kvplane.app.checks import add_explore_arguments
 
     e = sub.add_parser("explore", help="model-check the composed machines with faults")
     add_explore_arguments(e)
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=_bench)
 
-    from kvplane.connector.mainjob_args import add_run_arguments
+    from kvplane.app.options import add_run_arguments
 
     run = sub.add_parser("run", help="the main job: P and D processes exchanging KV over NIXL")
     add_run_arguments(run)

@@ -106,8 +106,8 @@ class Node:
         from kvplane.statemachines.eventlog import EventLogWriter
         from kvplane.transport.nixl_agent import NixlEndpoint
 
-        from .connector import KVPlaneScheduler, KVPlaneWorker
-        from .driver import PlaneDriver
+        from kvplane.connector.connector import KVPlaneScheduler, KVPlaneWorker
+        from kvplane.connector.driver import PlaneDriver
 
         self.torch = torch
         self.role = role

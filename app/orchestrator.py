@@ -237,7 +237,7 @@ class Orchestrator:
             # D's fences (see mainjob_node): a stall or params this old may have outlived P's lease.
             "stall_limit": max(0.5, self.o.extension - self.o.interval - SLACK_S),
         }
-        from .mainjob_node import node_main  # noqa: F401  (fail here, not in a child, if it cannot import)
+        from .node import node_main  # noqa: F401  (fail here, not in a child, if it cannot import)
 
         saved = {k: os.environ.get(k) for k in ("UCX_NET_DEVICES", "NIXL_LOG_LEVEL")}
         os.environ["UCX_NET_DEVICES"] = "lo"

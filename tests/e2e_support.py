@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvplane.connector.mainjob import RunOptions, run_job
+from kvplane.app.orchestrator import RunOptions, run_job
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ _cache: dict[str, dict] = {}
 
 
 def _cli_args(opts: dict, out: Path) -> list[str]:
-    args = [sys.executable, "-m", "kvplane.connector.cli", "run", "--out", str(out), "--quiet"]
+    args = [sys.executable, "-m", "kvplane.app.cli", "run", "--out", str(out), "--quiet"]
     for k, v in opts.items():
         flag = "--" + k.replace("_", "-")
         if v is True:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvplane.connector import diagrams
+from kvplane.app import diagrams
 from kvplane.statemachines.machines import SPECS
 from kvplane.statemachines.reference import render_mermaid
 
@@ -47,11 +47,11 @@ def test_check_detects_a_stale_file(tmp_path):
 
 
 def test_cli_renders_identically(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvplane.connector.cli", "diagrams", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "kvplane.app.cli", "diagrams", "--out", str(tmp_path)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     for fname, content in diagrams.render_all(svg=diagrams.have_dot()).items():
         assert (tmp_path / fname).read_bytes() == content
-    check = subprocess.run([sys.executable, "-m", "kvplane.connector.cli", "diagrams", "--check", "--out", str(tmp_path)],
+    check = subprocess.run([sys.executable, "-m", "kvplane.app.cli", "diagrams", "--check", "--out", str(tmp_path)],
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
