@@ -5,7 +5,9 @@
     kvplane replay LOG     replay an event log; non-zero on divergence or leak
     kvplane check-log LOG  liveness monitors over a log
     kvplane explore        exhaustive interleavings with faults (model checker)
-    kvplane bench          the benchmark suite
+
+The benchmark suite is not part of the installed package: run
+`python -m bench` from a checkout.
 
 Subcommands import their modules lazily so that ``kvplane diagrams`` does
 not pay for NIXL or torch.
@@ -20,19 +22,25 @@ from pathlib import Path
 def _diagrams(args) -> int:
     from kvplane.app import diagrams
 
-    out = Path(args.out) if args.out else diagrams.DEFAULT_DIR
-    if args.check:
-        stale = diagrams.stale_files(out)
-        if stale:
-            print(f"stale diagrams in {out}: {', '.join(stale)} (run `kvplane diagrams`)")
-            return 1
-        print(f"diagrams in {out} are up to date")
+    try:
+        if args.check:
+            folder = Path(args.out) if args.out else diagrams.committed()
+            stale = diagrams.stale_files(folder)
+            if stale:
+                print(f"stale diagrams in {folder}: {', '.join(stale)} (run `kvplane diagrams`)")
+                return 1
+            print(f"diagrams in {folder} are up to date")
+            return 0
+        out = Path(args.out) if args.out else diagrams.default_out()
+        if not diagrams.have_dot():
+            print("note: graphviz `dot` (or the graphviz package) not found; writing Mermaid only "
+                  "(apt-get install graphviz for SVG)")
+        for path in diagrams.write_all(out):
+            print(f"wrote {path}")
         return 0
-    if not diagrams.have_dot():
-        print("note: graphviz `dot` not found; writing Mermaid only (apt-get install graphviz for SVG)")
-    for path in diagrams.write_all(out):
-        print(f"wrote {path}")
-    return 0
+    except diagrams.DiagramsUnavailable as exc:
+        print(f"kvplane diagrams: {exc}")
+        return 2
 
 
 def _replay(args) -> int:
@@ -59,19 +67,16 @@ def _run(args) -> int:
     return cmd_run(args)
 
 
-def _bench(args) -> int:
-    from bench.__main__ import main as bench_main
-
-    return bench_main(args.rest)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("diagrams", help="render state diagrams from the machine tables")
-    d.add_argument("--out", help="output folder (default: the repo's diagrams/)")
-    d.add_argument("--check", action="store_true", help="fail if the committed diagrams are stale")
+    d.add_argument("--out", help="output folder (default: the checkout's diagrams/ when run from a checkout, "
+                                 "otherwise the current directory)")
+    d.add_argument("--check", action="store_true",
+                   help="write nothing; fail if the diagrams differ from the tables (those in --out; by default "
+                        "the checkout's, or the ones installed with the package)")
     d.set_defaults(fn=_diagrams)
 
     r = sub.add_parser("replay", help="replay an event log through fresh machines")
@@ -90,10 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_explore_arguments(e)
     e.set_defaults(fn=_explore)
 
-    b = sub.add_parser("bench", help="run the benchmark suite (python -m bench)")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(fn=_bench)
-
     from kvplane.app.options import add_run_arguments
 
     run = sub.add_parser("run", help="the main job: P and D processes exchanging KV over NIXL")
@@ -104,12 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        # Everything after `bench` is the suite's own (argparse.REMAINDER
-        # would not take an option such as --quick right after it).
-        from bench.__main__ import main as bench_main
-
-        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

@@ -1,26 +1,75 @@
-"""Write every machine's diagram into ``diagrams/`` from the same tables.
+"""Write every machine's diagram from the same tables.
 
 ``.mmd`` (Mermaid) always; ``.svg`` through graphviz when the ``dot``
-binary is installed.  ``check`` compares the committed files with what the
-code renders now.
+binary and the ``graphviz`` package are installed.  ``stale_files``
+compares a folder with what the code renders now.
+
+Where: the user's ``--out``; by default the checkout's ``diagrams/`` when
+this code runs from a checkout, otherwise the current directory (never the
+installed package).  The wheel ships the committed diagrams as package data
+(``kvplane.diagrams``), so ``kvplane diagrams --check`` from a regular install
+compares the installed tables with the diagrams released with them.
+
+Rendering needs ``transitions`` (and ``graphviz`` for SVG): the ``[diagrams]``
+extra.
 """
 from __future__ import annotations
 
+import importlib.resources
+import importlib.util
 import shutil
 from pathlib import Path
+from typing import Protocol
 
 from kvplane.statemachines.machines import SPECS
-from kvplane.statemachines.reference import render_dot, render_mermaid
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "diagrams"
+INSTALL_HINT = "pip install 'kvplane[diagrams]'"
+
+
+class DiagramsUnavailable(RuntimeError):
+    """The rendering libraries (the ``[diagrams]`` extra) are not installed."""
+
+
+class Folder(Protocol):
+    """What a diagrams folder offers: a directory or the installed package data."""
+
+    def __truediv__(self, name: str) -> "Folder": ...
+
+    def is_file(self) -> bool: ...
+
+    def read_bytes(self) -> bytes: ...
+
+
+def checkout_dir() -> Path | None:
+    """The checkout's ``diagrams/`` when this code runs from a checkout
+    (app/ beside pyproject.toml and statemachines/), else None."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "statemachines" / "__init__.py").is_file():
+        return root / "diagrams"
+    return None
+
+
+def default_out() -> Path:
+    """Where ``kvplane diagrams`` writes without ``--out``."""
+    return checkout_dir() or Path.cwd()
+
+
+def committed() -> Folder:
+    """The diagrams that came with this code: the checkout's, or the wheel's package data."""
+    return checkout_dir() or importlib.resources.files("kvplane.diagrams")
 
 
 def have_dot() -> bool:
-    return shutil.which("dot") is not None
+    """Whether SVG can be rendered: the ``dot`` binary and the graphviz package."""
+    return shutil.which("dot") is not None and importlib.util.find_spec("graphviz") is not None
 
 
 def render_all(svg: bool = True) -> dict[str, bytes]:
     """File name -> content for every machine."""
+    try:
+        from kvplane.statemachines.reference import render_dot, render_mermaid
+    except ImportError as exc:
+        raise DiagramsUnavailable(f"rendering diagrams needs the [diagrams] extra ({exc}): {INSTALL_HINT}") from exc
     files: dict[str, bytes] = {}
     for name, spec in SPECS.items():
         files[f"{name}.mmd"] = render_mermaid(spec).encode()
@@ -29,22 +78,26 @@ def render_all(svg: bool = True) -> dict[str, bytes]:
     return files
 
 
-def write_all(out_dir: Path = DEFAULT_DIR, svg: bool | None = None) -> list[Path]:
+def write_all(out_dir: Path | None = None, svg: bool | None = None) -> list[Path]:
+    out_dir = default_out() if out_dir is None else out_dir
     svg = have_dot() if svg is None else svg
+    files = render_all(svg)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for fname, content in render_all(svg).items():
+    for fname, content in files.items():
         path = out_dir / fname
         path.write_bytes(content)
         written.append(path)
     return written
 
 
-def stale_files(out_dir: Path = DEFAULT_DIR, svg: bool | None = None) -> list[str]:
-    """Names of diagram files that are missing or differ from a fresh render."""
+def stale_files(out_dir: Folder | None = None, svg: bool | None = None) -> list[str]:
+    """Names of diagram files that are missing or differ from a fresh render
+    (in ``out_dir``; by default the diagrams that came with this code)."""
+    folder = committed() if out_dir is None else out_dir
     svg = have_dot() if svg is None else svg
     return [
         fname
         for fname, content in render_all(svg).items()
-        if not (out_dir / fname).exists() or (out_dir / fname).read_bytes() != content
+        if not (folder / fname).is_file() or (folder / fname).read_bytes() != content
     ]

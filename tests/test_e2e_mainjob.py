@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.app.orchestrator import RunError, RunOptions
+from kvplane.app.options import RunError, RunOptions
 from e2e_support import SCENARIOS, run_scenario
 
 LEASE = 6.0
