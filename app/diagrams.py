@@ -15,11 +15,10 @@ extra.
 """
 from __future__ import annotations
 
-import importlib.resources
+import importlib
 import importlib.util
 import shutil
 from pathlib import Path
-from typing import Protocol
 
 from kvplane.statemachines.machines import SPECS
 
@@ -28,16 +27,6 @@ INSTALL_HINT = "pip install 'kvplane[diagrams]'"
 
 class DiagramsUnavailable(RuntimeError):
     """The rendering libraries (the ``[diagrams]`` extra) are not installed."""
-
-
-class Folder(Protocol):
-    """What a diagrams folder offers: a directory or the installed package data."""
-
-    def __truediv__(self, name: str) -> "Folder": ...
-
-    def is_file(self) -> bool: ...
-
-    def read_bytes(self) -> bytes: ...
 
 
 def checkout_dir() -> Path | None:
@@ -54,9 +43,18 @@ def default_out() -> Path:
     return checkout_dir() or Path.cwd()
 
 
-def committed() -> Folder:
-    """The diagrams that came with this code: the checkout's, or the wheel's package data."""
-    return checkout_dir() or importlib.resources.files("kvplane.diagrams")
+def committed() -> Path:
+    """The diagrams that came with this code: the checkout's, or the wheel's
+    package data (``kvplane/diagrams/``, a data-only namespace package)."""
+    here = checkout_dir()
+    if here is not None:
+        return here
+    try:
+        shipped = importlib.import_module("kvplane.diagrams")
+    except ImportError as exc:
+        raise DiagramsUnavailable(f"no diagrams were installed with this kvplane ({exc}); "
+                                  "pass --out FOLDER to check a folder") from exc
+    return Path(next(iter(shipped.__path__)))
 
 
 def have_dot() -> bool:
@@ -91,7 +89,7 @@ def write_all(out_dir: Path | None = None, svg: bool | None = None) -> list[Path
     return written
 
 
-def stale_files(out_dir: Folder | None = None, svg: bool | None = None) -> list[str]:
+def stale_files(out_dir: Path | None = None, svg: bool | None = None) -> list[str]:
     """Names of diagram files that are missing or differ from a fresh render
     (in ``out_dir``; by default the diagrams that came with this code)."""
     folder = committed() if out_dir is None else out_dir

@@ -174,6 +174,7 @@ class Node:
         self.holds: dict[str, dict] = {}  # did -> hold record (turn-2 blocks)
         self.hold_stats: Counter = Counter()
         self._last_tick = time.monotonic()
+        self.finished = False
 
     # ------------------------------------------------------------ blocks
     def pattern(self, lid: str, index: int):
@@ -224,7 +225,7 @@ class Node:
     def run(self) -> None:
         handle = handlers(TO_NODE, {Prefill: self.on_prefill, Turn2: self.on_turn2, Decode: self.on_decode,
                                     StatusRequest: self.on_status, Abandon: self.on_abandon,
-                                    Release: self.on_release, Finish: None})
+                                    Release: self.on_release, Finish: self.on_finish})
         self.send(Ready(engine_id=self.engine_id, side_channel_url=self.driver.side_channel_url, os_pid=os.getpid()))
         last_flush = time.monotonic()
         last = time.monotonic()
@@ -233,10 +234,9 @@ class Node:
             busy = False
             while self.conn.poll(0):
                 msg = self.conn.recv()
-                if isinstance(msg, Finish):
-                    self._finish()
-                    return
                 handle[type(msg)](msg)
+                if self.finished:
+                    return
                 busy = True
             self._check_stall()
             busy |= self.schedule()
@@ -297,6 +297,11 @@ class Node:
         # gate (they carry the lease's expiry); no age check is needed here.
         self.sched.on_new_request(msg.request_id, msg.params)  # heartbeats start now
         self.waiting.append(QueuedDecode(msg, ready_at=time.monotonic() + self.opts.overload))
+
+    def on_finish(self, _msg: Finish) -> None:
+        """Report and stop: the loop returns after this message."""
+        self._finish()
+        self.finished = True
 
     def on_status(self, _msg: StatusRequest) -> None:
         self.send(self.status())

@@ -31,6 +31,8 @@ from .workload import Req, make_stream
 
 # The NIXL distributions whose bindings transport/nixl_agent.py imports.
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
+NO_NIXL = ("kvplane run: NIXL is not installed: pip install 'kvplane[nixl-cu12]' (CPU or CUDA 12) "
+           "or 'kvplane[nixl-cu13]' (CUDA 13)")
 
 
 class StartupFailed(RuntimeError):
@@ -513,8 +515,7 @@ def cmd_run(args) -> int:
         console.print(f"[red]kvplane run: {escape(str(exc))}[/red]", soft_wrap=True)
         return 2
     if not nixl_installed():
-        console.print("[red]kvplane run: NIXL is not installed: pip install 'kvplane[nixl-cu12]' "
-                      "(CPU or CUDA 12) or 'kvplane[nixl-cu13]' (CUDA 13)[/red]", soft_wrap=True)
+        console.print(f"[red]{escape(NO_NIXL)}[/red]", soft_wrap=True)
         return 2
     try:
         summary = run_job(opts, console=console)

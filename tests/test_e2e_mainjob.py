@@ -210,6 +210,21 @@ def test_cli_rejects_non_finite_options_before_starting_anything(flag, value, tm
     assert multiprocessing.active_children() == [] and not out.exists()
 
 
+def test_run_without_nixl_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    """NIXL is an extra: without it, `kvplane run` says how to install it and starts nothing."""
+    import multiprocessing
+
+    from kvplane.app import orchestrator
+    from kvplane.app.cli import main
+
+    monkeypatch.setattr(orchestrator, "nixl_installed", lambda: False)
+    out = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(out)]) == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvplane run: NIXL is not installed") and "nixl-cu12" in lines[0]
+    assert multiprocessing.active_children() == [] and not out.exists()
+
+
 def test_engine_startup_over_its_limit_is_a_clear_error(tmp_path, capsys):
     """A start-up that overruns --startup-timeout: one clear line, exit 1,
     no traceback, and every process it started is gone."""
