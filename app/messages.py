@@ -164,9 +164,51 @@ class Released:
     held_blocks: int
 
 
-@attrs.frozen
+@attrs.define
+class LeaseRecord:
+    """P's account of one lease, for the reclaim check (raw monotonic times,
+    which every process on this machine shares)."""
+
+    id: str  # the lease's request id
+    lid: str
+    granted: float
+    expiry: float  # the plane's deadline (P's plane clock), raised by each extension
+    blocks: int
+    hb: float | None = None  # the last heartbeat that reached it
+    freed: float | None = None
+    reason: str | None = None  # why it was freed: expired | consumed | aborted
+
+
+@attrs.frozen(kw_only=True)
 class Summary:
-    side: dict  # the node's report (JSON-ready; see report.py)
+    """A node's report when it finishes (report.py puts it in summary.json)."""
+
+    role: str
+    engine_id: str
+    log: str
+    outcomes: dict
+    verified_bytes: int
+    bytes_moved: int
+    busy_s: float
+    counters: dict
+    engines_evicted: int
+    engines_closed_at_shutdown: int
+    heartbeats_sent: int
+    heartbeats_received: int
+    leases: dict  # granted / extended / expired / consumed / aborted / live
+    lease_records: list[LeaseRecord]
+    holds: dict
+    last_hb_at: float | None
+    held_blocks: int
+    plane_held: list
+    anomalies: dict
+    stalls: list
+    loop: dict  # LoopGaps.to_dict()
+    clock_offsets: dict
+    nixl_calls: dict
+    recompute_reasons: dict
+    abandoned: dict
+    waited_for_blocks: dict
 
 
 TO_PARENT = (Ready, Crashed, Status, Prefilled, Decoded, Turn2Done, Abandoned, Released, Summary)

@@ -26,8 +26,8 @@ from collections import Counter, deque
 
 import attrs
 
-from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Finish, NodeOptions, Prefill,
-                       Prefilled, Release, Released, Ready, Status, StatusRequest, Summary, Turn2, Turn2Done,
+from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Finish, LeaseRecord, NodeOptions,
+                       Prefill, Prefilled, Release, Released, Ready, Status, StatusRequest, Summary, Turn2, Turn2Done,
                        handlers)
 
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
@@ -151,7 +151,7 @@ class Node:
         self.log = EventLogWriter.attach(self.driver.plane, self._log_stream, flush_every=1 << 30)
         self._tally_chain = self.driver.plane.recorder
         self.driver.plane.recorder = self._tally
-        self.lease_rec: dict[str, dict] = {}  # P: lease id -> {lid, granted, hb, freed, reason}
+        self.lease_rec: dict[str, LeaseRecord] = {}  # P: by lease (request) id
         self.last_hb_at: float | None = None  # raw clock of the last heartbeat that reached a lease
         self.extended = 0
         self.outcomes: Counter = Counter()
@@ -209,13 +209,13 @@ class Node:
                 self.fail_reason[a.request_id] = recv_failure_reason(type(event).__name__, label, before)
         if type(event).__name__ == "LeaseHeartbeat":
             rec = self.lease_rec.get(event.request_id)
-            if rec is not None and rec["freed"] is None:
+            if rec is not None and rec.freed is None:
                 t = time.monotonic()
-                rec["hb"] = t
+                rec.hb = t
                 self.last_hb_at = t
                 lease = self.driver.plane.get("lease", event.request_id)
-                if lease is not None and lease.expiry > rec["expiry"]:
-                    rec["expiry"] = lease.expiry
+                if lease is not None and lease.expiry > rec.expiry:
+                    rec.expiry = lease.expiry
                     self.extended += 1
 
     # ------------------------------------------------------------ loop
@@ -336,7 +336,7 @@ class Node:
         """The other side has abandoned (or is dead): nobody reads our blocks
         any more, so free every lease (P) and hold (D) now instead of waiting
         out their terms (a hold's TTL is 480 s in production)."""
-        live = [rid for rid, r in self.lease_rec.items() if r["freed"] is None] if self.role == "P" else list(self.holds)
+        live = [rid for rid, r in self.lease_rec.items() if r.freed is None] if self.role == "P" else list(self.holds)
         for rid in live:
             self.sched.abort(rid)  # LeaseAbort: FreeBlocks
         self.abandoned["leases_released" if self.role == "P" else "holds_released"] += len(live)
@@ -378,9 +378,8 @@ class Node:
             _delay, params = self.sched.request_finished(msg.request_id, blocks)
             now = time.monotonic()
             lease = self.driver.plane.get("lease", msg.request_id)
-            self.lease_rec[msg.request_id] = {"lid": msg.lid, "granted": now, "hb": None, "freed": None,
-                                          "reason": None, "expiry": lease.expiry if lease else 0.0,
-                                          "blocks": len(blocks)}
+            self.lease_rec[msg.request_id] = LeaseRecord(id=msg.request_id, lid=msg.lid, granted=now,
+                                                         expiry=lease.expiry if lease else 0.0, blocks=len(blocks))
             self.send(Prefilled(lid=msg.lid, params=params, granted_at=now))
             did = True
         return did
@@ -510,7 +509,7 @@ class Node:
         now = time.monotonic()
         rec = self.lease_rec.get(rid)
         if rec is not None:
-            rec["freed"], rec["reason"] = now, reason
+            rec.freed, rec.reason = now, reason
         if rid in self.holds:
             self.holds.pop(rid)
             self.hold_stats[reason] += 1
@@ -519,13 +518,13 @@ class Node:
     # ------------------------------------------------------------ reports
     @property
     def lease_blocks_live(self) -> bool:
-        return any(r["freed"] is None for r in self.lease_rec.values())
+        return any(r.freed is None for r in self.lease_rec.values())
 
     def held_blocks(self) -> int:
         return sum(len(b) for b in self.owned.values())
 
     def lease_blocks(self) -> int:
-        return sum(len(self.owned.get(rid, ())) for rid, r in self.lease_rec.items() if r["freed"] is None)
+        return sum(len(self.owned.get(rid, ())) for rid, r in self.lease_rec.items() if r.freed is None)
 
     def status(self) -> Status:
         return Status(held_blocks=self.held_blocks(), lease_blocks=self.lease_blocks(),
@@ -541,7 +540,7 @@ class Node:
         self.collect()
         self.log.flush()
         stats = d.plane.stats
-        leases = Counter(r["reason"] or "live" for r in self.lease_rec.values())
+        leases = Counter(r.reason or "live" for r in self.lease_rec.values())
         summary = {
             "role": self.role, "engine_id": self.engine_id, "log": self.log_path,
             "outcomes": dict(self.outcomes), "verified_bytes": self.verified_bytes,
@@ -553,7 +552,7 @@ class Node:
             "leases": {"granted": len(self.lease_rec), "extended": self.extended,
                        "expired": leases.get("expired", 0), "consumed": leases.get("consumed", 0),
                        "aborted": leases.get("aborted", 0), "live": leases.get("live", 0)},
-            "lease_records": [dict(r, id=rid) for rid, r in self.lease_rec.items()],
+            "lease_records": list(self.lease_rec.values()),
             "holds": dict(self.hold_stats), "last_hb_at": self.last_hb_at,
             "held_blocks": self.held_blocks(),
             "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()],
@@ -566,7 +565,7 @@ class Node:
             "waited_for_blocks": dict(Counter("turn2" if rid.startswith("p2-") else "prefill" if rid.startswith("p-")
                                               else "decode" for rid in self.waited_for_blocks)),
         }
-        self.send(Summary(summary))
+        self.send(Summary(**summary))
         self.worker.shutdown()
         self._log_stream.close()
 

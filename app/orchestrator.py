@@ -59,7 +59,7 @@ class _Child:
     def __init__(self, role: str, proc, conn):
         self.role, self.proc, self.conn = role, proc, conn
         self.ready: Ready | None = None
-        self.summary: dict | None = None  # its report (Summary.side)
+        self.summary: Summary | None = None  # its report when it finished
         self.status: Status | None = None
         self.dead = False  # exited (or killed on purpose)
         self.stopped = False
@@ -206,7 +206,7 @@ class Orchestrator:
         c.status = msg
 
     def on_summary(self, c: _Child, msg: Summary) -> None:
-        c.summary = msg.side
+        c.summary = msg
 
     def on_abandoned(self, c: _Child, msg: Abandoned) -> None:
         c.abandoned = msg

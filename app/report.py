@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from .messages import Summary
 from .options import ENGINE_IDS, SLACK_S
 
 if TYPE_CHECKING:
@@ -28,17 +29,17 @@ def build_summary(orch: Orchestrator) -> dict:
             t2[r.turn2 or "pending"] += 1
     late = [r for r in orch.reqs if r.late and r.turn2 not in (None, "skipped", "abandoned")]
     on_time = [r for r in orch.reqs if r.hold and not r.late and r.turn2 not in (None, "skipped", "abandoned")]
-    moved = sum(s["bytes_moved"] for s in (P, D) if s)
-    busy = sum(s["busy_s"] for s in (P, D) if s)
-    verified = sum(s["verified_bytes"] for s in (P, D) if s)
+    moved = sum(s.bytes_moved for s in (P, D) if s)
+    busy = sum(s.busy_s for s in (P, D) if s)
+    verified = sum(s.verified_bytes for s in (P, D) if s)
     wall = orch.elapsed()
     # Only a run without faults, drops or a timeout must read everything.
     clean = o.drop_notifications == 0 and orch.fault_at is None and orch.abandoned is None
     checks: dict[str, Any] = {}
     checks["no_errors"] = not orch.errors
-    checks["p_blocks_held_zero"] = bool(P) and P["held_blocks"] == 0
+    checks["p_blocks_held_zero"] = bool(P) and P.held_blocks == 0
     killed = orch.fault.get("kind") == "kill"
-    checks["d_blocks_held_zero"] = None if killed else bool(D) and D["held_blocks"] == 0
+    checks["d_blocks_held_zero"] = None if killed else bool(D) and D.held_blocks == 0
     checks["no_corrupt_bytes"] = t1["corrupt"] == 0 and t2["corrupt"] == 0
     checks["all_requests_resolved"] = t1["pending"] == 0 and t2["pending"] == 0
     checks["late_turn2_declined"] = all(r.turn2 == "recomputed" for r in late)
@@ -47,11 +48,11 @@ def build_summary(orch: Orchestrator) -> dict:
         checks["all_turn1_ok"] = t1["ok"] == o.requests
     expired_early = None
     if P:
-        recs = P["lease_records"]
+        recs = P.lease_records
         cut = orch.fault_at if orch.fault_at is not None else math.inf
         if o.drop_notifications == 0:
             # Heartbeats flowed until the fault (if any): no lease may expire before it.
-            expired_early = [r["id"] for r in recs if r["reason"] == "expired" and r["freed"] < cut]
+            expired_early = [r.id for r in recs if r.reason == "expired" and r.freed < cut]
             checks["no_lease_expired_while_heartbeats_flowed"] = not expired_early
     if orch.fault_at is not None and P:
         orch.fault.update(_reclaim(orch, P))
@@ -63,20 +64,20 @@ def build_summary(orch: Orchestrator) -> dict:
         "bytes_moved": moved, "bytes_verified": verified, "transfer_busy_s": round(busy, 4),
         "gbps_in_flight": round(moved / busy / 1e9, 3) if busy > 0 else None,
         "gbps_wall": round(moved / wall / 1e9, 4) if wall > 0 else None,
-        "leases": (P or {}).get("leases"), "holds": (D or {}).get("holds"),
-        "heartbeats_sent": sum(s["heartbeats_sent"] for s in (P, D) if s),
-        "heartbeats_received": sum(s["heartbeats_received"] for s in (P, D) if s),
-        "engines_evicted": sum(s["engines_evicted"] for s in (P, D) if s),
-        "blocks_held": {"P": P["held_blocks"] if P else None, "D": D["held_blocks"] if D else None},
+        "leases": P.leases if P else None, "holds": D.holds if D else None,
+        "heartbeats_sent": sum(s.heartbeats_sent for s in (P, D) if s),
+        "heartbeats_received": sum(s.heartbeats_received for s in (P, D) if s),
+        "engines_evicted": sum(s.engines_evicted for s in (P, D) if s),
+        "blocks_held": {"P": P.held_blocks if P else None, "D": D.held_blocks if D else None},
         "clock_skew": o.clock_skew,
-        "p_estimated_offset_of_d": (P or {}).get("clock_offsets", {}).get(ENGINE_IDS["D"]),
+        "p_estimated_offset_of_d": P.clock_offsets.get(ENGINE_IDS["D"]) if P else None,
         "fault": orch.fault or None, "errors": orch.errors, "checks": checks,
         "startup_s": None if orch.startup_s is None else round(orch.startup_s, 3),
         # What a timeout (or a crashed side) made the job give up; None when it ran to the end.
         "abandoned": orch.abandoned,
         # Why reads were recomputed: turn 1 is D reading P, turn 2 P reading D.
-        "recompute_reasons": {"turn1": (D or {}).get("recompute_reasons"),
-                              "turn2": (P or {}).get("recompute_reasons")},
+        "recompute_reasons": {"turn1": D.recompute_reasons if D else None,
+                              "turn2": P.recompute_reasons if P else None},
         # Each side's step loop: its longest gap between ticks (how late a timer can fire).
         "loop": {role: _loop_brief(side) for role, side in (("P", P), ("D", D))},
         "expired_before_fault": expired_early,
@@ -89,41 +90,42 @@ def build_summary(orch: Orchestrator) -> dict:
     summary["ok"] = all(v is not False for v in checks.values())
     return summary
 
-def _reclaim(orch: Orchestrator, P: dict) -> dict:
+
+def _reclaim(orch: Orchestrator, P: Summary) -> dict:
     """P's reclaim after the fault, against the lease promise: a lease is
     freed by max(grant + lease, last heartbeat + extension)."""
     o = orch.o
-    recs = [r for r in P["lease_records"] if r["granted"] is not None]
-    last_hb = P["last_hb_at"]
-    after = [r for r in recs if r["freed"] is not None and r["freed"] >= orch.fault_at]
-    live = [r for r in recs if r["freed"] is None]
+    recs = [r for r in P.lease_records if r.granted is not None]
+    last_hb = P.last_hb_at
+    after = [r for r in recs if r.freed is not None and r.freed >= orch.fault_at]
+    live = [r for r in recs if r.freed is None]
     out: dict[str, Any] = {"lease_extension_s": o.extension, "leases_reclaimed_after_fault": len(after),
-                           "leases_expired_after_fault": sum(r["reason"] == "expired" for r in after),
+                           "leases_expired_after_fault": sum(r.reason == "expired" for r in after),
                            "leases_still_live": len(live)}
     if last_hb is not None:
         out["p_last_heartbeat_s"] = round(last_hb - orch.t0, 3)
     if not after:
         out["within_bound"] = not live
         return out
-    last_free = max(r["freed"] for r in after)
+    last_free = max(r.freed for r in after)
     out["p_all_reclaimed_s"] = round(last_free - orch.t0, 3)
     # P frees a lease at its first loop tick after the expiry: the slack
     # is SLACK_S plus the longest gap of P's loop in the reclaim window
     # (a loaded machine, not the protocol, makes that late).
-    stall = _loop_stall_between(P.get("loop"), orch.fault_at, last_free)
+    stall = _loop_stall_between(P.loop, orch.fault_at, last_free)
     slack = SLACK_S + stall
     out["p_loop_stall_s"] = round(stall, 3)
     out["slack_s"] = round(slack, 3)
     late = []
     for r in after:
-        due = max(r["granted"] + o.lease, (r["hb"] or -math.inf) + o.extension)
-        if r["freed"] > due + slack:
-            late.append(r["id"])
+        due = max(r.granted + o.lease, (r.hb or -math.inf) + o.extension)
+        if r.freed > due + slack:
+            late.append(r.id)
     out["late_leases"] = late
     if last_hb is not None:
         reclaim = last_free - last_hb
         # Leases granted shortly before the fault may still be inside their initial term.
-        bound = max(o.extension, max(r["granted"] + o.lease for r in after) - last_hb)
+        bound = max(o.extension, max(r.granted + o.lease for r in after) - last_hb)
         out["reclaim_after_last_heartbeat_s"] = round(reclaim, 3)
         out["bound_s"] = round(bound, 3)
         out["within_one_extension"] = reclaim <= o.extension + slack
@@ -147,21 +149,22 @@ def _loop_stall_between(loop: dict | None, start: float, end: float) -> float:
     return worst
 
 
-def _loop_brief(side: dict | None) -> dict | None:
-    if not side or "loop" not in side:
+def _loop_brief(side: Summary | None) -> dict | None:
+    if side is None:
         return None
-    lp = side["loop"]
-    calls = (side.get("nixl_calls") or {}).get("max_s") or {}
+    lp = side.loop
+    calls = side.nixl_calls.get("max_s") or {}
     slowest = max(calls.items(), key=lambda kv: kv[1], default=None)
     return {"max_gap_s": lp["max_gap_s"], f"gaps_over_{lp['report_over_s']:g}s": lp["gaps_over_report"],
             "stalls": len(lp["stalls"]), "stall_limit_s": lp["stall_limit_s"],
             "slowest_nixl_call": None if slowest is None else {"call": slowest[0], "s": slowest[1]}}
 
 
-def _slim(s: dict | None) -> dict | None:
+def _slim(s: Summary | None) -> dict | None:
+    """A side's report for summary.json, without the per-lease records."""
     if s is None:
         return None
-    return {k: v for k, v in s.items() if k != "lease_records"}
+    return attrs.asdict(s, filter=lambda a, _v: a.name != "lease_records")
 
 
 def summary_table(summary: dict):
