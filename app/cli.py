@@ -20,29 +20,30 @@ from pathlib import Path
 
 
 def _diagrams(args) -> int:
+    from kvplane.app import diagram_folders as folders
     from kvplane.app import diagrams
 
     try:
         if args.check:
-            folder = Path(args.out) if args.out else diagrams.committed()
+            folder = Path(args.out) if args.out else folders.committed()
             stale = diagrams.stale_files(folder)
             if stale:
                 # Outside a checkout the shipped copy is the reference: the
                 # installed tables differ from the release's diagrams.
-                fix = "run `kvplane diagrams`" if args.out or diagrams.checkout_dir() else \
+                fix = "run `kvplane diagrams`" if args.out or folders.checkout_dir() else \
                     "the installed tables differ from the diagrams shipped with them"
                 print(f"stale diagrams in {folder}: {', '.join(stale)} ({fix})")
                 return 1
             print(f"diagrams in {folder} are up to date")
             return 0
-        out = Path(args.out) if args.out else diagrams.default_out()
+        out = Path(args.out) if args.out else folders.default_out()
         if not diagrams.have_dot():
             print("note: graphviz `dot` (or the graphviz package) not found; writing Mermaid only "
                   "(apt-get install graphviz for SVG)")
         for path in diagrams.write_all(out):
             print(f"wrote {path}")
         return 0
-    except diagrams.DiagramsUnavailable as exc:
+    except folders.DiagramsUnavailable as exc:
         print(f"kvplane diagrams: {exc}")
         return 2
 

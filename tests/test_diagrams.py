@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvplane.app import diagrams
+from kvplane.app import diagram_folders, diagrams
 from kvplane.statemachines.machines import SPECS
 from kvplane.statemachines.reference import render_mermaid
 
@@ -59,7 +59,7 @@ def test_cli_renders_identically(tmp_path):
 
 def test_outside_a_checkout_diagrams_go_to_the_cwd(tmp_path, monkeypatch):
     """An installed kvplane writes where the user is, never into site-packages."""
-    monkeypatch.setattr(diagrams, "checkout_dir", lambda: None)
+    monkeypatch.setattr(diagram_folders, "checkout_dir", lambda: None)
     monkeypatch.chdir(tmp_path)
     assert diagrams.default_out() == tmp_path
     written = diagrams.write_all(svg=False)
@@ -73,6 +73,6 @@ def test_outside_a_checkout_check_compares_the_shipped_diagrams(monkeypatch):
 
     repo_diagrams = Path(__file__).resolve().parent.parent / "diagrams"
     assert diagrams.committed() == repo_diagrams
-    monkeypatch.setattr(diagrams, "checkout_dir", lambda: None)
+    monkeypatch.setattr(diagram_folders, "checkout_dir", lambda: None)
     assert diagrams.committed().resolve() == repo_diagrams.resolve()
     assert diagrams.stale_files(svg=False) == []
