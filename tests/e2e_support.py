@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvplane.connector.mainjob import RunOptions, run_job
+from kvplane.app.options import RunOptions
+from kvplane.app.orchestrator import run_job
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,7 +46,7 @@ _cache: dict[str, dict] = {}
 
 
 def _cli_args(opts: dict, out: Path) -> list[str]:
-    args = [sys.executable, "-m", "kvplane.connector.cli", "run", "--out", str(out), "--quiet"]
+    args = [sys.executable, "-m", "kvplane.app.cli", "run", "--out", str(out), "--quiet"]
     for k, v in opts.items():
         flag = "--" + k.replace("_", "-")
         if v is True:
@@ -57,7 +58,7 @@ def _cli_args(opts: dict, out: Path) -> list[str]:
 
 def run_scenario(name: str, base: Path) -> dict:
     """The scenario's summary (run once per session).  ``normal`` goes
-    through ``python -m connector.cli run``; the others call run_job, the
+    through ``python -m kvplane.app.cli run``; the others call run_job, the
     function the CLI uses, to save a process start."""
     if name in _cache:
         return _cache[name]

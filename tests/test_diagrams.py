@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvplane.connector import diagrams
+from kvplane.app import diagram_folders, diagrams
 from kvplane.statemachines.machines import SPECS
 from kvplane.statemachines.reference import render_mermaid
 
@@ -47,11 +47,32 @@ def test_check_detects_a_stale_file(tmp_path):
 
 
 def test_cli_renders_identically(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvplane.connector.cli", "diagrams", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "kvplane.app.cli", "diagrams", "--out", str(tmp_path)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     for fname, content in diagrams.render_all(svg=diagrams.have_dot()).items():
         assert (tmp_path / fname).read_bytes() == content
-    check = subprocess.run([sys.executable, "-m", "kvplane.connector.cli", "diagrams", "--check", "--out", str(tmp_path)],
+    check = subprocess.run([sys.executable, "-m", "kvplane.app.cli", "diagrams", "--check", "--out", str(tmp_path)],
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
+
+
+def test_outside_a_checkout_diagrams_go_to_the_cwd(tmp_path, monkeypatch):
+    """An installed kvplane writes where the user is, never into site-packages."""
+    monkeypatch.setattr(diagram_folders, "checkout_dir", lambda: None)
+    monkeypatch.chdir(tmp_path)
+    assert diagrams.default_out() == tmp_path
+    written = diagrams.write_all(svg=False)
+    assert written and all(p.parent == tmp_path for p in written)
+
+
+def test_outside_a_checkout_check_compares_the_shipped_diagrams(monkeypatch):
+    """The wheel ships diagrams/ as the data package kvplane.diagrams; --check
+    without --out compares the installed tables with it."""
+    from pathlib import Path
+
+    repo_diagrams = Path(__file__).resolve().parent.parent / "diagrams"
+    assert diagrams.committed() == repo_diagrams
+    monkeypatch.setattr(diagram_folders, "checkout_dir", lambda: None)
+    assert diagrams.committed().resolve() == repo_diagrams.resolve()
+    assert diagrams.stale_files(svg=False) == []

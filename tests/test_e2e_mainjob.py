@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.connector.mainjob import RunError, RunOptions
+from kvplane.app.options import RunError, RunOptions
 from e2e_support import SCENARIOS, run_scenario
 
 LEASE = 6.0
@@ -183,7 +183,7 @@ def test_invalid_options_are_rejected_clearly(kw, message):
 
 
 def test_cli_rejects_short_lease(capsys):
-    from kvplane.connector.cli import main
+    from kvplane.app.cli import main
 
     assert main(["run", "--lease", "4", "--quiet"]) == 2
     assert "--lease must be >= 6" in capsys.readouterr().out
@@ -199,7 +199,7 @@ def test_cli_rejects_non_finite_options_before_starting_anything(flag, value, tm
     job, grew D's memory or crashed a child.  One line, exit 2, no process."""
     import multiprocessing
 
-    from kvplane.connector.cli import main
+    from kvplane.app.cli import main
 
     out = tmp_path / "run"
     assert main(["run", f"{flag}={value}", "--quiet", "--out", str(out)]) == 2
@@ -210,12 +210,27 @@ def test_cli_rejects_non_finite_options_before_starting_anything(flag, value, tm
     assert multiprocessing.active_children() == [] and not out.exists()
 
 
+def test_run_without_nixl_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    """NIXL is an extra: without it, `kvplane run` says how to install it and starts nothing."""
+    import multiprocessing
+
+    from kvplane.app import orchestrator
+    from kvplane.app.cli import main
+
+    monkeypatch.setattr(orchestrator, "nixl_installed", lambda: False)
+    out = tmp_path / "run"
+    assert main(["run", "--quiet", "--out", str(out)]) == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvplane run: NIXL is not installed") and "nixl-cu12" in lines[0]
+    assert multiprocessing.active_children() == [] and not out.exists()
+
+
 def test_engine_startup_over_its_limit_is_a_clear_error(tmp_path, capsys):
     """A start-up that overruns --startup-timeout: one clear line, exit 1,
     no traceback, and every process it started is gone."""
     import multiprocessing
 
-    from kvplane.connector.cli import main
+    from kvplane.app.cli import main
 
     assert main(["run", "--startup-timeout", "0.2", "--quiet", "--out", str(tmp_path)]) == 1
     printed = capsys.readouterr()
@@ -255,7 +270,7 @@ def test_a_crashed_child_does_not_hang_the_parent(tmp_path):
     import threading
     import time
 
-    from kvplane.connector.mainjob import Orchestrator
+    from kvplane.app.orchestrator import Orchestrator
 
     overload = 30.0
     orch = Orchestrator(RunOptions(out=str(tmp_path), quiet=True, requests=8, overload=overload, timeout=300.0,

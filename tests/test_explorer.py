@@ -369,7 +369,7 @@ def test_states_merged_by_the_signature_agree_on_the_read_gate(skew):
 
 
 def test_cli_stall_option():
-    from kvplane.connector.cli_checks import cmd_explore
+    from kvplane.app.checks import cmd_explore
 
     assert cmd_explore(["--requests", "read", "--depth", "6", "--stall"]) == 0
     assert cmd_explore(["--requests", "read", "--depth", "6", "--stall", "3.5"]) == 0

@@ -109,7 +109,7 @@ def test_bad_input_raises():
 
 
 def test_cli_exit_codes(tmp_path, capsys):
-    from kvplane.connector.cli_checks import cmd_check_log, cmd_explore, cmd_replay
+    from kvplane.app.checks import cmd_check_log, cmd_explore, cmd_replay
 
     _, lines = recorded_session()
     good = tmp_path / "good.jsonl"
@@ -185,7 +185,7 @@ _BAD_LOGS = {
 @pytest.mark.parametrize("name", list(_BAD_LOGS))
 @pytest.mark.parametrize("command", ["replay", "check-log"])
 def test_cli_refuses_bad_logs_with_exit_2_naming_the_line(name, command, tmp_path, capsys):
-    from kvplane.connector.cli import main
+    from kvplane.app.cli import main
 
     text, words = _BAD_LOGS[name]
     path = tmp_path / "bad.jsonl"
@@ -197,7 +197,7 @@ def test_cli_refuses_bad_logs_with_exit_2_naming_the_line(name, command, tmp_pat
 
 def test_cli_prints_log_contents_verbatim_never_as_markup(tmp_path, capsys):
     """rich parsed "[/x]" in a lease id as a closing tag and raised MarkupError."""
-    from kvplane.connector.cli import main
+    from kvplane.app.cli import main
 
     path = tmp_path / "leak.jsonl"
     path.write_text('{"v":1,"t":0,"event":"LeaseGranted","data":{"request_id":"[/x][bold]","block_ids":[1]}}\n')
@@ -208,7 +208,7 @@ def test_cli_prints_log_contents_verbatim_never_as_markup(tmp_path, capsys):
 
 @pytest.mark.parametrize("grace", ["nan", "inf", "-1"])
 def test_check_log_refuses_a_grace_that_is_not_a_finite_duration(grace, tmp_path, capsys):
-    from kvplane.connector.cli import main
+    from kvplane.app.cli import main
 
     _, lines = recorded_session()
     path = tmp_path / "good.jsonl"

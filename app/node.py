@@ -13,7 +13,7 @@ held blocks on turn 2) checks every byte against it.  Freed blocks are
 poisoned, as a reused block would be overwritten, so a read of reclaimed
 blocks cannot pass verification by luck.
 
-Messages are ``(kind, dict)`` tuples over a multiprocessing Pipe.
+Messages are the attrs classes of ``messages.py`` over a multiprocessing Pipe.
 """
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ import zlib
 from collections import Counter, deque
 
 import attrs
+
+from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Finish, LeaseRecord, NodeOptions,
+                       Prefill, Prefilled, Release, Released, Ready, Status, StatusRequest, Summary, Turn2, Turn2Done,
+                       handlers)
 
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
 BLOCK_TOKENS = 16
@@ -98,55 +102,62 @@ def recv_failure_reason(event_name: str, label: str, before: str | None) -> str:
     return f"{event_name} ({kind})"
 
 
+@attrs.define
+class QueuedDecode:
+    """A Decode waiting in D's queue (heartbeating) until ``ready_at``."""
+
+    msg: Decode
+    ready_at: float
+
+
 class Node:
-    def __init__(self, role: str, conn, opts: dict):
+    def __init__(self, role: str, conn, opts: NodeOptions):
         import torch
 
-        from kvplane.statemachines.config import PlaneConfig
         from kvplane.statemachines.eventlog import EventLogWriter
         from kvplane.transport.nixl_agent import NixlEndpoint
 
-        from .connector import KVPlaneScheduler, KVPlaneWorker
-        from .driver import PlaneDriver
+        from kvplane.connector.connector import KVPlaneScheduler, KVPlaneWorker
+        from kvplane.connector.driver import PlaneDriver
 
         self.torch = torch
         self.role = role
         self.conn = conn
         self.opts = opts
-        self.engine_id = opts["engine_ids"][role]
-        skew = opts["clock_skew"] if role == "D" else 0.0
+        self.engine_id = opts.engine_ids[role]
+        skew = opts.clock_skew if role == "D" else 0.0
         # D's plane runs on a skewed clock; the handshake's offset estimate
         # must absorb it.  Fences and reports use the raw monotonic clock,
         # which all processes on this machine share.
         self.clock = (lambda: time.monotonic() + skew) if skew else time.monotonic
-        self.cfg = PlaneConfig(**opts["plane"])
+        self.cfg = opts.plane
         self.ep = NixlEndpoint(self.engine_id)
         self.driver = PlaneDriver(engine_id=self.engine_id, endpoint=self.ep, config=self.cfg, clock=self.clock,
-                                  drop_notifications=opts["drop_notifications"],
-                                  seed=opts["seed"] * 2 + (role == "D"),
-                                  # Authenticated side channel: this run's keys (mainjob.run_keys).
-                                  curve_keypair=tuple(opts["curve"]["keypair"]), trusted_peers=opts["curve"]["peers"])
+                                  drop_notifications=opts.drop_notifications,
+                                  seed=opts.seed * 2 + (role == "D"),
+                                  # Authenticated side channel: this run's keys (orchestrator.run_keys).
+                                  curve_keypair=tuple(opts.curve.keypair), trusted_peers=opts.curve.peers)
         self.sched = KVPlaneScheduler(self.driver)
         self.worker = KVPlaneWorker(self.driver)
-        nb, be = opts["num_blocks"], opts["block_elems"]
+        nb, be = opts.num_blocks, opts.block_elems
         self.kv = torch.full((nb, be), POISON, dtype=torch.float32)
         self.block_bytes = be * 4
         self.worker.register_kv_caches(self.kv)
         self._ramp = torch.arange(be, dtype=torch.int64) * 7
         self.free: deque[int] = deque(range(nb))
         self.owned: dict[str, list[int]] = {}  # request id -> blocks allocated to it
-        self.log_path = os.path.join(opts["out"], f"{'prefill' if role == 'P' else 'decode'}.events.jsonl")
+        self.log_path = os.path.join(opts.out, f"{'prefill' if role == 'P' else 'decode'}.events.jsonl")
         self._log_stream = open(self.log_path, "w", encoding="utf-8")
         self.log = EventLogWriter.attach(self.driver.plane, self._log_stream, flush_every=1 << 30)
         self._tally_chain = self.driver.plane.recorder
         self.driver.plane.recorder = self._tally
-        self.lease_rec: dict[str, dict] = {}  # P: lease id -> {lid, granted, hb, freed, reason}
+        self.lease_rec: dict[str, LeaseRecord] = {}  # P: by lease (request) id
         self.last_hb_at: float | None = None  # raw clock of the last heartbeat that reached a lease
         self.extended = 0
         self.outcomes: Counter = Counter()
         self.verified_bytes = 0
         self.busy_s = 0.0  # time with at least one posted transfer in flight
-        self.gaps = LoopGaps(stall_limit=opts["stall_limit"])
+        self.gaps = LoopGaps(stall_limit=opts.stall_limit)
         self.stalls = self.gaps.stalls
         self.fail_reason: dict[str, str] = {}  # request id -> why its recv was reported failed
         self.recompute_reasons: Counter = Counter()
@@ -154,15 +165,16 @@ class Node:
         self.aborting: set[str] = set()  # requests aborted by the timeout, their recv report pending
         self.waited_for_blocks: set[str] = set()  # requests that found the pool short at least once
         # P
-        self.prefill_q: deque[dict] = deque()
-        self.turn2_q: deque[dict] = deque()
-        self.consuming: dict[str, dict] = {}  # P turn-2 reads in flight: p2id -> msg
+        self.prefill_q: deque[Prefill] = deque()
+        self.turn2_q: deque[Turn2] = deque()
+        self.consuming: dict[str, Turn2] = {}  # P turn-2 reads in flight, by request id
         # D
-        self.waiting: deque[dict] = deque()  # arrived, heartbeating, not yet allocated
-        self.loading: dict[str, dict] = {}  # allocated, awaiting the recv
+        self.waiting: deque[QueuedDecode] = deque()  # arrived, heartbeating, not yet allocated
+        self.loading: dict[str, Decode] = {}  # allocated, awaiting the recv
         self.holds: dict[str, dict] = {}  # did -> hold record (turn-2 blocks)
         self.hold_stats: Counter = Counter()
         self._last_tick = time.monotonic()
+        self.finished = False
 
     # ------------------------------------------------------------ blocks
     def pattern(self, lid: str, index: int):
@@ -197,32 +209,34 @@ class Node:
                 self.fail_reason[a.request_id] = recv_failure_reason(type(event).__name__, label, before)
         if type(event).__name__ == "LeaseHeartbeat":
             rec = self.lease_rec.get(event.request_id)
-            if rec is not None and rec["freed"] is None:
+            if rec is not None and rec.freed is None:
                 t = time.monotonic()
-                rec["hb"] = t
+                rec.hb = t
                 self.last_hb_at = t
                 lease = self.driver.plane.get("lease", event.request_id)
-                if lease is not None and lease.expiry > rec["expiry"]:
-                    rec["expiry"] = lease.expiry
+                if lease is not None and lease.expiry > rec.expiry:
+                    rec.expiry = lease.expiry
                     self.extended += 1
 
     # ------------------------------------------------------------ loop
-    def send(self, kind: str, body: dict) -> None:
-        self.conn.send((kind, body))
+    def send(self, msg) -> None:
+        self.conn.send(msg)
 
     def run(self) -> None:
-        self.send("ready", {"engine_id": self.engine_id, "url": self.driver.side_channel_url, "pid": os.getpid()})
+        handle = handlers(TO_NODE, {Prefill: self.on_prefill, Turn2: self.on_turn2, Decode: self.on_decode,
+                                    StatusRequest: self.on_status, Abandon: self.on_abandon,
+                                    Release: self.on_release, Finish: self.on_finish})
+        self.send(Ready(engine_id=self.engine_id, side_channel_url=self.driver.side_channel_url, os_pid=os.getpid()))
         last_flush = time.monotonic()
         last = time.monotonic()
         while True:
             self._check_stall()
             busy = False
             while self.conn.poll(0):
-                kind, body = self.conn.recv()
-                if kind == "finish":
-                    self._finish()
+                msg = self.conn.recv()
+                handle[type(msg)](msg)
+                if self.finished:
                     return
-                getattr(self, f"on_{kind}")(body)
                 busy = True
             self._check_stall()
             busy |= self.schedule()
@@ -272,24 +286,28 @@ class Node:
         return bool(sending or recving or freed)
 
     # ------------------------------------------------------------ P side
-    def on_prefill(self, msg: dict) -> None:
+    def on_prefill(self, msg: Prefill) -> None:
         self.prefill_q.append(msg)
 
-    def on_turn2(self, msg: dict) -> None:
+    def on_turn2(self, msg: Turn2) -> None:
         self.turn2_q.append(msg)
 
-    def on_decode(self, msg: dict) -> None:
+    def on_decode(self, msg: Decode) -> None:
         # Params that arrive after P's lease expired are declined by the READ
         # gate (they carry the lease's expiry); no age check is needed here.
-        self.sched.on_new_request(msg["did"], msg["params"])  # heartbeats start now
-        msg["ready_at"] = time.monotonic() + self.opts["overload"]
-        self.waiting.append(msg)
+        self.sched.on_new_request(msg.request_id, msg.params)  # heartbeats start now
+        self.waiting.append(QueuedDecode(msg, ready_at=time.monotonic() + self.opts.overload))
 
-    def on_status(self, _body: dict) -> None:
-        self.send("status", self.status())
+    def on_finish(self, _msg: Finish) -> None:
+        """Report and stop: the loop returns after this message."""
+        self._finish()
+        self.finished = True
+
+    def on_status(self, _msg: StatusRequest) -> None:
+        self.send(self.status())
 
     # ------------------------------------------------------------ timeout
-    def on_abandon(self, _body: dict) -> None:
+    def on_abandon(self, _msg: Abandon) -> None:
         """The job timed out: give up all work through the machines.  Queued
         work is dropped; every request with a recv in flight is aborted (its
         READ cancelled; the report comes back and frees its blocks).  Leases
@@ -300,8 +318,8 @@ class Node:
         a["queued_turn2_reads"] += len(self.turn2_q)
         self.prefill_q.clear()
         self.turn2_q.clear()
-        for msg in self.waiting:  # heartbeating, no blocks yet
-            self.sched.abort(msg["did"])
+        for queued in self.waiting:  # heartbeating, no blocks yet
+            self.sched.abort(queued.msg.request_id)
         a["queued_decodes"] += len(self.waiting)
         self.waiting.clear()
         inflight = list(self.consuming) + list(self.loading)
@@ -311,20 +329,20 @@ class Node:
             self.sched.abort(rid)
         self.driver.step()
         self.collect()
-        self.send("abandoned", {"counts": {k: v for k, v in a.items() if v}, "xfers": len(self.driver.xfers),
-                                "loading": len(self.loading) + len(self.consuming)})
+        self.send(Abandoned(counts={k: v for k, v in a.items() if v}, xfers=len(self.driver.xfers),
+                            loading=len(self.loading) + len(self.consuming)))
 
-    def on_release(self, _body: dict) -> None:
+    def on_release(self, _msg: Release) -> None:
         """The other side has abandoned (or is dead): nobody reads our blocks
         any more, so free every lease (P) and hold (D) now instead of waiting
         out their terms (a hold's TTL is 480 s in production)."""
-        live = [rid for rid, r in self.lease_rec.items() if r["freed"] is None] if self.role == "P" else list(self.holds)
+        live = [rid for rid, r in self.lease_rec.items() if r.freed is None] if self.role == "P" else list(self.holds)
         for rid in live:
             self.sched.abort(rid)  # LeaseAbort: FreeBlocks
         self.abandoned["leases_released" if self.role == "P" else "holds_released"] += len(live)
         self.driver.step()
         self.collect()
-        self.send("released", {"counts": {k: v for k, v in self.abandoned.items() if v}, "held_blocks": self.held_blocks()})
+        self.send(Released(counts={k: v for k, v in self.abandoned.items() if v}, held_blocks=self.held_blocks()))
 
     def schedule(self) -> bool:
         return self._schedule_p() if self.role == "P" else self._schedule_d()
@@ -338,32 +356,31 @@ class Node:
         # turn 2 waited out its hold and recomputed.
         while self.turn2_q:
             msg = self.turn2_q[0]
-            blocks = self.alloc(msg["p2id"], msg["nblocks"])
+            blocks = self.alloc(msg.request_id, msg.nblocks)
             if blocks is None:
                 did |= self._decline_turn2_without_blocks()
                 return did
             self.turn2_q.popleft()
-            p2id = msg["p2id"]
-            self.sched.on_new_request(p2id, msg["params"])
-            n_ext, _ = self.sched.get_num_new_matched_tokens(p2id, msg["nblocks"] * BLOCK_TOKENS, 0)
+            p2id = msg.request_id
+            self.sched.on_new_request(p2id, msg.params)
+            n_ext, _ = self.sched.get_num_new_matched_tokens(p2id, msg.nblocks * BLOCK_TOKENS, 0)
             self.sched.update_state_after_alloc(p2id, blocks, n_ext)
             self.consuming[p2id] = msg
             did = True
         while self.prefill_q:
             msg = self.prefill_q[0]
-            blocks = self.alloc(msg["pid"], msg["nblocks"])
+            blocks = self.alloc(msg.request_id, msg.nblocks)
             if blocks is None:
                 break  # wait for leases to be freed
             self.prefill_q.popleft()
-            self.fill(msg["lid"], blocks, 0)  # the "prefill"
-            self.sched.on_new_request(msg["pid"], {"do_remote_decode": True, "push": msg["push"]})
-            _delay, params = self.sched.request_finished(msg["pid"], blocks)
+            self.fill(msg.lid, blocks, 0)  # the "prefill"
+            self.sched.on_new_request(msg.request_id, {"do_remote_decode": True, "push": msg.push})
+            _delay, params = self.sched.request_finished(msg.request_id, blocks)
             now = time.monotonic()
-            lease = self.driver.plane.get("lease", msg["pid"])
-            self.lease_rec[msg["pid"]] = {"lid": msg["lid"], "granted": now, "hb": None, "freed": None,
-                                          "reason": None, "expiry": lease.expiry if lease else 0.0,
-                                          "blocks": len(blocks)}
-            self.send("prefilled", {"lid": msg["lid"], "params": params, "granted_at": now})
+            lease = self.driver.plane.get("lease", msg.request_id)
+            self.lease_rec[msg.request_id] = LeaseRecord(id=msg.request_id, lid=msg.lid, granted=now,
+                                                         expiry=lease.expiry if lease else 0.0, blocks=len(blocks))
+            self.send(Prefilled(lid=msg.lid, params=params, granted_at=now))
             did = True
         return did
 
@@ -383,15 +400,15 @@ class Node:
         waiting on would hold up the prefills behind it for nothing.  Its
         turn 1 is recomputed (not modelled here: it needs no remote read)."""
         now, margin = self.clock(), self.cfg.expiry_safety_margin
-        keep: deque[dict] = deque()
+        keep: deque[Turn2] = deque()
         declined = 0
         for msg in self.turn2_q:
-            valid_until = self._turn2_valid_until(msg["params"])
+            valid_until = self._turn2_valid_until(msg.params)
             if valid_until is not None and valid_until <= now + margin:
                 declined += 1
                 self.outcomes["turn2_recomputed"] += 1
                 self.recompute_reasons[NO_BLOCKS] += 1
-                self.send("turn2_done", {"lid": msg["lid"], "outcome": "recomputed", "detail": NO_BLOCKS})
+                self.send(Turn2Done(lid=msg.lid, outcome="recomputed", detail=NO_BLOCKS))
             else:
                 keep.append(msg)
         self.turn2_q = keep
@@ -401,25 +418,25 @@ class Node:
     def _schedule_d(self) -> bool:
         did = False
         now = time.monotonic()
-        while self.waiting and self.waiting[0]["ready_at"] <= now:
-            req = self.waiting[0]
-            n, k = req["nblocks"], req["prefix"]
-            blocks = self.alloc(req["did"], n)
+        while self.waiting and self.waiting[0].ready_at <= now:
+            req = self.waiting[0].msg
+            n, k = req.nblocks, req.prefix
+            blocks = self.alloc(req.request_id, n)
             if blocks is None:
                 break  # queue on: heartbeats keep P's lease alive meanwhile
             self.waiting.popleft()
             did = True
-            self.fill(req["lid"], blocks[:k], 0)  # the locally cached prefix
-            n_ext, _ = self.sched.get_num_new_matched_tokens(req["did"], n * BLOCK_TOKENS, k * BLOCK_TOKENS)
+            self.fill(req.lid, blocks[:k], 0)  # the locally cached prefix
+            n_ext, _ = self.sched.get_num_new_matched_tokens(req.request_id, n * BLOCK_TOKENS, k * BLOCK_TOKENS)
             if n_ext > 0:
-                self.sched.update_state_after_alloc(req["did"], blocks[k:], n_ext)
-                self.loading[req["did"]] = req
-            elif req["await_full"]:
-                self.sched.update_state_after_alloc(req["did"], [], 0, awaiting=True)
-                self.loading[req["did"]] = req
+                self.sched.update_state_after_alloc(req.request_id, blocks[k:], n_ext)
+                self.loading[req.request_id] = req
+            elif req.await_full:
+                self.sched.update_state_after_alloc(req.request_id, [], 0, awaiting=True)
+                self.loading[req.request_id] = req
             else:
                 # Notify-only: nothing to load; the request runs now.
-                self.sched.update_state_after_alloc(req["did"], [], 0, awaiting=False)
+                self.sched.update_state_after_alloc(req.request_id, [], 0, awaiting=False)
                 self._run_and_finish(req, "ok", "full prefix hit, notify-only")
         return did
 
@@ -440,9 +457,9 @@ class Node:
                 return
             blocks = self.owned[rid]
             if failed:
-                self.fill(msg["lid"], blocks, 0)  # recompute turn 1's KV locally
+                self.fill(msg.lid, blocks, 0)  # recompute turn 1's KV locally
                 outcome, detail = "recomputed", f"turn-2 read: {reason}"
-            elif self.verify(msg["lid"], blocks, 0):
+            elif self.verify(msg.lid, blocks, 0):
                 outcome, detail = "ok", ""
                 self.verified_bytes += len(blocks) * self.block_bytes
             else:
@@ -451,48 +468,48 @@ class Node:
             self.sched.request_running(rid)
             self.sched.request_finished(rid, blocks)
             self.release(rid)
-            self.send("turn2_done", {"lid": msg["lid"], "outcome": outcome, "detail": detail})
+            self.send(Turn2Done(lid=msg.lid, outcome=outcome, detail=detail))
             return
         req = self.loading.pop(rid, None)
         if req is None:
             return
-        k, blocks = req["prefix"], self.owned[rid]
+        k, blocks = req.prefix, self.owned[rid]
         if failed:
-            self.fill(req["lid"], blocks[k:], k)
+            self.fill(req.lid, blocks[k:], k)
             outcome = "recomputed"
             detail = f"recv failed: {reason}"
-        elif k == req["nblocks"]:
+        elif k == req.nblocks:
             outcome, detail = "ok", "full prefix hit, awaited"
-        elif self.verify(req["lid"], blocks[k:], k):
+        elif self.verify(req.lid, blocks[k:], k):
             outcome, detail = "ok", ""
             self.verified_bytes += (len(blocks) - k) * self.block_bytes
         else:
             outcome, detail = "corrupt", "bytes differ from the pattern"
         self._run_and_finish(req, outcome, detail)
 
-    def _run_and_finish(self, req: dict, outcome: str, detail: str) -> None:
-        did = req["did"]
+    def _run_and_finish(self, req: Decode, outcome: str, detail: str) -> None:
+        did = req.request_id
         self.sched.request_running(did)
         blocks = self.owned[did]
-        delay, params = self.sched.request_finished(did, blocks, hold_for_next_turn=req["hold"])
+        delay, params = self.sched.request_finished(did, blocks, hold_for_next_turn=req.hold)
         hold = None
         if delay and params is not None:
-            self.holds[did] = {"lid": req["lid"]}
+            self.holds[did] = {"lid": req.lid}
             self.hold_stats["granted"] += 1
             hold = params
         else:
             self.release(did)
         self._decoded(req, outcome, detail, hold)
 
-    def _decoded(self, req: dict, outcome: str, detail: str, hold: dict | None = None) -> None:
+    def _decoded(self, req: Decode, outcome: str, detail: str, hold: dict | None = None) -> None:
         self.outcomes[outcome] += 1
-        self.send("decoded", {"lid": req["lid"], "outcome": outcome, "detail": detail, "hold": hold})
+        self.send(Decoded(lid=req.lid, outcome=outcome, detail=detail, hold=hold))
 
     def _freed(self, rid: str, reason: str) -> None:
         now = time.monotonic()
         rec = self.lease_rec.get(rid)
         if rec is not None:
-            rec["freed"], rec["reason"] = now, reason
+            rec.freed, rec.reason = now, reason
         if rid in self.holds:
             self.holds.pop(rid)
             self.hold_stats[reason] += 1
@@ -501,20 +518,19 @@ class Node:
     # ------------------------------------------------------------ reports
     @property
     def lease_blocks_live(self) -> bool:
-        return any(r["freed"] is None for r in self.lease_rec.values())
+        return any(r.freed is None for r in self.lease_rec.values())
 
     def held_blocks(self) -> int:
         return sum(len(b) for b in self.owned.values())
 
     def lease_blocks(self) -> int:
-        return sum(len(self.owned.get(rid, ())) for rid, r in self.lease_rec.items() if r["freed"] is None)
+        return sum(len(self.owned.get(rid, ())) for rid, r in self.lease_rec.items() if r.freed is None)
 
-    def status(self) -> dict:
-        return {"held_blocks": self.held_blocks(), "lease_blocks": self.lease_blocks(),
-                "waiting": len(self.waiting) + len(self.prefill_q) + len(self.turn2_q),
-                "loading": len(self.loading) + len(self.consuming), "holds": len(self.holds),
-                "last_hb_at": self.last_hb_at, "stalls": list(self.stalls),
-                "max_loop_gap_s": self.gaps.max_gap_s}
+    def status(self) -> Status:
+        return Status(held_blocks=self.held_blocks(), lease_blocks=self.lease_blocks(),
+                      waiting=len(self.waiting) + len(self.prefill_q) + len(self.turn2_q),
+                      loading=len(self.loading) + len(self.consuming), holds=len(self.holds),
+                      last_hb_at=self.last_hb_at, stalls=list(self.stalls), max_loop_gap_s=self.gaps.max_gap_s)
 
     def _finish(self) -> None:
         d = self.driver
@@ -524,7 +540,7 @@ class Node:
         self.collect()
         self.log.flush()
         stats = d.plane.stats
-        leases = Counter(r["reason"] or "live" for r in self.lease_rec.values())
+        leases = Counter(r.reason or "live" for r in self.lease_rec.values())
         summary = {
             "role": self.role, "engine_id": self.engine_id, "log": self.log_path,
             "outcomes": dict(self.outcomes), "verified_bytes": self.verified_bytes,
@@ -536,7 +552,7 @@ class Node:
             "leases": {"granted": len(self.lease_rec), "extended": self.extended,
                        "expired": leases.get("expired", 0), "consumed": leases.get("consumed", 0),
                        "aborted": leases.get("aborted", 0), "live": leases.get("live", 0)},
-            "lease_records": [dict(r, id=rid) for rid, r in self.lease_rec.items()],
+            "lease_records": list(self.lease_rec.values()),
             "holds": dict(self.hold_stats), "last_hb_at": self.last_hb_at,
             "held_blocks": self.held_blocks(),
             "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()],
@@ -549,12 +565,12 @@ class Node:
             "waited_for_blocks": dict(Counter("turn2" if rid.startswith("p2-") else "prefill" if rid.startswith("p-")
                                               else "decode" for rid in self.waited_for_blocks)),
         }
-        self.send("summary", summary)
+        self.send(Summary(**summary))
         self.worker.shutdown()
         self._log_stream.close()
 
 
-def node_main(role: str, conn, opts: dict) -> None:
+def node_main(role: str, conn, opts: NodeOptions) -> None:
     """Process entry point (multiprocessing 'spawn')."""
     node = None
     try:
@@ -564,7 +580,7 @@ def node_main(role: str, conn, opts: dict) -> None:
         pass  # Ctrl-C reaches the whole process group; the orchestrator cleans up
     except BaseException:
         try:
-            conn.send(("error", {"role": role, "traceback": traceback.format_exc()}))
+            conn.send(Crashed(role=role, traceback=traceback.format_exc()))
         except Exception:
             pass
         raise SystemExit(1)

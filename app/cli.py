@@ -5,7 +5,9 @@
     kvplane replay LOG     replay an event log; non-zero on divergence or leak
     kvplane check-log LOG  liveness monitors over a log
     kvplane explore        exhaustive interleavings with faults (model checker)
-    kvplane bench          the benchmark suite
+
+The benchmark suite is not part of the installed package: run
+`python -m bench` from a checkout.
 
 Subcommands import their modules lazily so that ``kvplane diagrams`` does
 not pay for NIXL or torch.
@@ -18,51 +20,56 @@ from pathlib import Path
 
 
 def _diagrams(args) -> int:
-    from kvplane.connector import diagrams
+    from kvplane.app import diagram_folders as folders
+    from kvplane.app import diagrams
 
-    out = Path(args.out) if args.out else diagrams.DEFAULT_DIR
-    if args.check:
-        stale = diagrams.stale_files(out)
-        if stale:
-            print(f"stale diagrams in {out}: {', '.join(stale)} (run `kvplane diagrams`)")
-            return 1
-        print(f"diagrams in {out} are up to date")
+    try:
+        if args.check:
+            folder = Path(args.out) if args.out else folders.committed()
+            stale = diagrams.stale_files(folder)
+            if stale:
+                # Outside a checkout the shipped copy is the reference: the
+                # installed tables differ from the release's diagrams.
+                fix = "run `kvplane diagrams`" if args.out or folders.checkout_dir() else \
+                    "the installed tables differ from the diagrams shipped with them"
+                print(f"stale diagrams in {folder}: {', '.join(stale)} ({fix})")
+                return 1
+            print(f"diagrams in {folder} are up to date")
+            return 0
+        out = Path(args.out) if args.out else folders.default_out()
+        if not diagrams.have_dot():
+            print("note: graphviz `dot` (or the graphviz package) not found; writing Mermaid only "
+                  "(apt-get install graphviz for SVG)")
+        for path in diagrams.write_all(out):
+            print(f"wrote {path}")
         return 0
-    if not diagrams.have_dot():
-        print("note: graphviz `dot` not found; writing Mermaid only (apt-get install graphviz for SVG)")
-    for path in diagrams.write_all(out):
-        print(f"wrote {path}")
-    return 0
+    except folders.DiagramsUnavailable as exc:
+        print(f"kvplane diagrams: {exc}")
+        return 2
 
 
 def _replay(args) -> int:
-    from kvplane.connector.cli_checks import cmd_replay
+    from kvplane.app.checks import cmd_replay
 
     return cmd_replay(args.log)
 
 
 def _check_log(args) -> int:
-    from kvplane.connector.cli_checks import cmd_check_log
+    from kvplane.app.checks import cmd_check_log
 
     return cmd_check_log(args.log, args.grace)
 
 
 def _explore(args) -> int:
-    from kvplane.connector.cli_checks import cmd_explore
+    from kvplane.app.checks import cmd_explore
 
     return cmd_explore(args)
 
 
 def _run(args) -> int:
-    from kvplane.connector.mainjob import cmd_run
+    from kvplane.app.orchestrator import cmd_run
 
     return cmd_run(args)
-
-
-def _bench(args) -> int:
-    from bench.__main__ import main as bench_main
-
-    return bench_main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("diagrams", help="render state diagrams from the machine tables")
-    d.add_argument("--out", help="output folder (default: the repo's diagrams/)")
-    d.add_argument("--check", action="store_true", help="fail if the committed diagrams are stale")
+    d.add_argument("--out", help="output folder (default: the checkout's diagrams/ when run from a checkout, "
+                                 "otherwise the current directory)")
+    d.add_argument("--check", action="store_true",
+                   help="write nothing; fail if the diagrams differ from the tables (those in --out; by default "
+                        "the checkout's, or the ones installed with the package)")
     d.set_defaults(fn=_diagrams)
 
     r = sub.add_parser("replay", help="replay an event log through fresh machines")
@@ -84,17 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report an obligation only when still hot S seconds past its deadline (default 0.5)")
     c.set_defaults(fn=_check_log)
 
-    from kvplane.connector.cli_checks import add_explore_arguments
+    from kvplane.app.checks import add_explore_arguments
 
     e = sub.add_parser("explore", help="model-check the composed machines with faults")
     add_explore_arguments(e)
     e.set_defaults(fn=_explore)
 
-    b = sub.add_parser("bench", help="run the benchmark suite (python -m bench)")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(fn=_bench)
-
-    from kvplane.connector.mainjob_args import add_run_arguments
+    from kvplane.app.options import add_run_arguments
 
     run = sub.add_parser("run", help="the main job: P and D processes exchanging KV over NIXL")
     add_run_arguments(run)
@@ -104,12 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        # Everything after `bench` is the suite's own (argparse.REMAINDER
-        # would not take an option such as --quick right after it).
-        from bench.__main__ import main as bench_main
-
-        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

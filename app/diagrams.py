@@ -1,26 +1,31 @@
-"""Write every machine's diagram into ``diagrams/`` from the same tables.
+"""Write every machine's diagram into a folder from the same tables.
 
 ``.mmd`` (Mermaid) always; ``.svg`` through graphviz when the ``dot``
 binary is installed.  ``check`` compares the committed files with what the
-code renders now.
+code renders now.  Which folders: ``diagram_folders``.  Rendering needs the
+``[diagrams]`` extra (transitions, graphviz).
 """
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
 from kvplane.statemachines.machines import SPECS
-from kvplane.statemachines.reference import render_dot, render_mermaid
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "diagrams"
+from .diagram_folders import DiagramsUnavailable, committed, default_out
 
 
 def have_dot() -> bool:
-    return shutil.which("dot") is not None
+    return shutil.which("dot") is not None and importlib.util.find_spec("graphviz") is not None
 
 
 def render_all(svg: bool = True) -> dict[str, bytes]:
     """File name -> content for every machine."""
+    try:  # the [diagrams] extra
+        from kvplane.statemachines.reference import render_dot, render_mermaid
+    except ImportError as exc:
+        raise DiagramsUnavailable(f"rendering diagrams needs the [diagrams] extra ({exc}): pip install 'kvplane[diagrams]'") from exc
     files: dict[str, bytes] = {}
     for name, spec in SPECS.items():
         files[f"{name}.mmd"] = render_mermaid(spec).encode()
@@ -29,7 +34,8 @@ def render_all(svg: bool = True) -> dict[str, bytes]:
     return files
 
 
-def write_all(out_dir: Path = DEFAULT_DIR, svg: bool | None = None) -> list[Path]:
+def write_all(out_dir: Path | None = None, svg: bool | None = None) -> list[Path]:
+    out_dir = default_out() if out_dir is None else out_dir
     svg = have_dot() if svg is None else svg
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -40,8 +46,9 @@ def write_all(out_dir: Path = DEFAULT_DIR, svg: bool | None = None) -> list[Path
     return written
 
 
-def stale_files(out_dir: Path = DEFAULT_DIR, svg: bool | None = None) -> list[str]:
+def stale_files(out_dir: Path | None = None, svg: bool | None = None) -> list[str]:
     """Names of diagram files that are missing or differ from a fresh render."""
+    out_dir = committed() if out_dir is None else out_dir
     svg = have_dot() if svg is None else svg
     return [
         fname

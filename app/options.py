@@ -1,0 +1,159 @@
+"""The options of ``kvplane run``: one ``RunOptions`` record holds every
+default; ``add_run_arguments`` reads them from it (and needs no torch, so
+``--help`` is fast).  ``RunOptions.plane_config`` builds the PlaneConfig
+both engines run with; the heartbeat interval and lease extension come
+from it, not restated here."""
+from __future__ import annotations
+
+import argparse
+
+import attrs
+
+from kvplane.statemachines.base import is_finite_number
+from kvplane.statemachines.config import ConfigError, PlaneConfig
+
+ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
+# PlaneConfig's smallest kv_lease_duration (its heartbeat interval, lease // 6,
+# must be at least 1 s), checked here to name the command-line flag.
+MIN_LEASE = 6.0
+# Timer slack: loops poll every ~1 ms; allow for scheduling on a busy 2-core box.
+SLACK_S = 0.5
+# D's plane clock is monotonic() + skew: far beyond any real skew is a typo,
+# and a float clock that large loses its resolution (at 1e16 s it stops).
+MAX_CLOCK_SKEW = 1e6
+
+
+class RunError(ValueError):
+    """Invalid run options (a clear message for the command line)."""
+
+
+@attrs.frozen(kw_only=True)
+class RunOptions:
+    requests: int = 48
+    out: str = "runs/latest"
+    lease: float = MIN_LEASE
+    hold_ttl: float = 4.0
+    push: bool = False
+    kill_decode_at: float | None = None
+    hang_decode_at: float | None = None
+    drop_notifications: float = 0.0
+    clock_skew: float = 0.0
+    overload: float = 2.0  # long enough for heartbeats to extend leases in the default demo
+    seed: int = 0
+    timeout: float = 120.0
+    # Spawning a process that imports torch and NIXL takes ~5 s here idle and
+    # over a minute at load average 10 on 2 cores.
+    startup_timeout: float = 300.0
+    quiet: bool = False
+    spacing: float = 0.02  # seconds between request arrivals
+    num_blocks: int = 768
+    block_elems: int = 32 * 1024  # 128 KiB float32 blocks
+    min_blocks: int = 2
+    max_blocks: int = 24
+    expiry_margin: float = 1.0  # turn-2 gate safety margin (demo-sized)
+
+    @classmethod
+    def from_args(cls, args) -> "RunOptions":
+        kw = {}
+        for f in attrs.fields(cls):
+            v = getattr(args, f.name, None)
+            if v is not None:
+                kw[f.name] = v
+        return cls(**kw)
+
+    def validate(self) -> None:
+        # Every number first: NaN passes no comparison (a NaN fault time is
+        # never due, a NaN lease never expires) and inf never arrives, so each
+        # one would hang the job or crash a child instead of failing here.
+        for name in ("lease", "hold_ttl", "drop_notifications", "clock_skew", "overload", "timeout",
+                     "startup_timeout", "kill_decode_at", "hang_decode_at", "spacing", "expiry_margin"):
+            v = getattr(self, name)
+            if v is None and name in ("kill_decode_at", "hang_decode_at"):
+                continue
+            if not is_finite_number(v):
+                raise RunError(f"--{name.replace('_', '-')} must be a finite number, got {v!r}")
+        for name in ("requests", "seed", "num_blocks", "block_elems", "min_blocks", "max_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise RunError(f"--{name.replace('_', '-')} must be an integer, got {v!r}")
+        if abs(self.clock_skew) > MAX_CLOCK_SKEW:
+            raise RunError(f"--clock-skew must be within +-{MAX_CLOCK_SKEW:g} s, got {self.clock_skew:g}")
+        if self.timeout <= 0:
+            raise RunError(f"--timeout must be > 0, got {self.timeout:g}")
+        if self.startup_timeout <= 0:
+            raise RunError(f"--startup-timeout must be > 0, got {self.startup_timeout:g}")
+        if self.lease < MIN_LEASE:
+            raise RunError(f"--lease must be >= {MIN_LEASE:g} s (heartbeat interval = lease // 6 must be >= 1 s), "
+                           f"got {self.lease:g}")
+        if self.requests < 1:
+            raise RunError("--requests must be >= 1")
+        if not 0.0 <= self.drop_notifications < 1.0:
+            raise RunError(f"--drop-notifications must be in [0, 1), got {self.drop_notifications:g}")
+        if self.hold_ttl <= self.expiry_margin:
+            raise RunError(f"--hold-ttl must be > the {self.expiry_margin:g} s turn-2 safety margin")
+        if self.kill_decode_at is not None and self.hang_decode_at is not None:
+            raise RunError("--kill-decode-at and --hang-decode-at are exclusive")
+        for name in ("kill_decode_at", "hang_decode_at"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise RunError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.overload < 0:
+            raise RunError("--overload must be >= 0")
+        if self.max_blocks > self.num_blocks // 2:
+            raise RunError("requests must fit the KV cache twice over")
+
+        try:
+            self.plane_config()
+        except ConfigError as exc:  # a derived timeout out of range: name the option it came from
+            raise RunError(f"these options give an invalid plane configuration: {exc}") from exc
+
+    def plane_config(self) -> PlaneConfig:
+        """The engines' configuration: the lease, the hold and demo-sized timeouts."""
+        base = PlaneConfig(kv_lease_duration=self.lease, decoder_kv_blocks_ttl=self.hold_ttl,
+                           expiry_safety_margin=self.expiry_margin, engine_ttl=max(30.0, 4 * self.lease),
+                           handshake_timeout=2.0, handshake_backoff=0.5, handshake_max_attempts=3)
+        # A READ must be over (done or cancelled) before P can reclaim a lease
+        # whose last heartbeat preceded it: transfer timeout <= extension - interval.
+        transfer = max(1.0, base.lease_extension - base.heartbeat_interval)
+        return attrs.evolve(base, transfer_timeout=transfer, recv_timeout=transfer + 10.0,
+                            push_registration_timeout=self.overload + transfer + 10.0)
+
+    @property
+    def interval(self) -> float:
+        """D's heartbeat interval (the plane config's)."""
+        return PlaneConfig(kv_lease_duration=self.lease).heartbeat_interval
+
+    @property
+    def extension(self) -> float:
+        """How far a heartbeat extends a lease (the plane config's)."""
+        return PlaneConfig(kv_lease_duration=self.lease).lease_extension
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``kvplane run``; every default is RunOptions'."""
+    d = RunOptions()
+    p.add_argument("--requests", type=int, default=d.requests, help=f"synthetic requests to send (default {d.requests})")
+    p.add_argument("--out", default=d.out, help=f"folder for event logs and the summary (default {d.out})")
+    p.add_argument("--lease", type=float, default=d.lease, metavar="S",
+                   help=f"kv_lease_duration in seconds (>= {MIN_LEASE:g}; default {d.lease:g})")
+    p.add_argument("--push", action="store_true", help="push mode: P WRITEs into D's registered blocks")
+    p.add_argument("--kill-decode-at", type=float, default=d.kill_decode_at, metavar="S",
+                   help="SIGKILL the decode process S seconds into the run")
+    p.add_argument("--hang-decode-at", type=float, default=d.hang_decode_at, metavar="S",
+                   help="SIGSTOP the decode process S seconds into the run")
+    p.add_argument("--drop-notifications", type=float, default=d.drop_notifications, metavar="RATE",
+                   help="drop this fraction of notifications (0..1) on receipt")
+    p.add_argument("--clock-skew", type=float, default=d.clock_skew, metavar="S", help="skew D's clock by S seconds")
+    p.add_argument("--overload", type=float, default=d.overload, metavar="S",
+                   help=f"hold each request in D's queue for S seconds before scheduling (default {d.overload:g}; "
+                        "heartbeats keep P's leases alive meanwhile)")
+    p.add_argument("--hold-ttl", type=float, default=d.hold_ttl, metavar="S",
+                   help=f"decoder_kv_blocks_ttl: how long D holds blocks for turn 2 (default {d.hold_ttl:g})")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--timeout", type=float, default=d.timeout,
+                   help="stop sending work after this many seconds, abort what is in flight, release "
+                        f"everything held and report what was abandoned (exit 1; default {d.timeout:g})")
+    p.add_argument("--startup-timeout", type=float, default=d.startup_timeout, metavar="S",
+                   help=f"how long the two engine processes may take to start (default {d.startup_timeout:g}; "
+                        "a loaded machine needs more than an idle one)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,0 +1,540 @@
+"""``kvplane run``: a prefill and a decode process exchanging KV over real NIXL.
+
+The parent is the proxy and the orchestrator: it starts P and D (multiprocessing
+'spawn'), sends P a synthetic request stream, forwards P's kv_transfer_params
+to D (and D's held-block params back to P for a bidirectional turn 2),
+injects the requested faults, waits until both sides hold no blocks, and
+prints and writes a summary (report.py).  It imports neither torch nor NIXL.
+
+Every wait has a timeout and the children are always stopped in ``finally``
+(SIGCONT, then terminate, then kill), so a crashed or hung child cannot hang
+the parent, and Ctrl-C cleans up.
+"""
+from __future__ import annotations
+
+import heapq
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Callable
+
+from .messages import (TO_PARENT, Abandon, Abandoned, Crashed, CurveKeys, Decode, Decoded, Finish, NodeOptions, Prefill,
+                       Prefilled, Ready, Release, Released, Status, StatusRequest, Summary, Turn2, Turn2Done,
+                       handlers)
+from .options import ENGINE_IDS, SLACK_S, RunError, RunOptions
+from .report import build_summary, summary_table
+from .workload import Req, make_stream
+
+# The NIXL distributions whose bindings transport/nixl_agent.py imports.
+NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
+NO_NIXL = ("kvplane run: NIXL is not installed: pip install 'kvplane[nixl-cu12]' (CPU or CUDA 12) "
+           "or 'kvplane[nixl-cu13]' (CUDA 13)")
+
+
+class StartupFailed(RuntimeError):
+    """An engine process did not come up (in time); the job stops them all."""
+
+
+def nixl_installed() -> bool:
+    """Whether a NIXL binding is importable (looked up, not imported: the
+    parent stays free of NIXL and torch)."""
+    return any(importlib.util.find_spec(m) is not None for m in NIXL_MODULES)
+
+
+def run_keys() -> dict[str, CurveKeys]:
+    """A CURVE keypair per node for this run; each node gets its own secret
+    and the other's public key (its server key and its allow-list entry)."""
+    import zmq
+
+    pairs = {role: zmq.curve_keypair() for role in ENGINE_IDS}
+    return {role: CurveKeys(keypair=pairs[role], peers={ENGINE_IDS[o]: pairs[o][0] for o in ENGINE_IDS if o != role})
+            for role in ENGINE_IDS}
+
+
+class _Child:
+    def __init__(self, role: str, proc, conn):
+        self.role, self.proc, self.conn = role, proc, conn
+        self.ready: Ready | None = None
+        self.summary: Summary | None = None  # its report when it finished
+        self.status: Status | None = None
+        self.dead = False  # exited (or killed on purpose)
+        self.stopped = False
+        self.abandoned: Abandoned | None = None  # its answer to Abandon (what it gave up)
+        self.released: Released | None = None  # its answer to Release
+
+
+class Orchestrator:
+    def __init__(self, opts: RunOptions, progress=None):
+        self.o = opts
+        self.progress = progress
+        self.reqs = make_stream(opts)
+        self.by_lid = {r.lid: r for r in self.reqs}
+        self.children: dict[str, _Child] = {}
+        self.t0 = 0.0
+        self.fault: dict[str, Any] = {}
+        self.fault_at: float | None = None
+        self.errors: list[str] = []
+        self.phase = "starting"
+        self.startup_s: float | None = None
+        self.abandoning: str | None = None  # why the run is being given up (timeout, a crash)
+        self.abandoned: dict | None = None
+        self._open = {r.lid for r in self.reqs}  # requests not done yet
+        self._next_unsent = 0  # reqs are in arrival order
+        self._turn2_heap: list[tuple[float, int, str]] = []  # (due, seq, lid)
+        self._seq = 0
+        self._progress_at = 0.0
+        self._handle = handlers(TO_PARENT, {
+            Ready: self.on_ready, Crashed: self.on_crashed, Status: self.on_status, Summary: self.on_summary,
+            Abandoned: self.on_abandoned, Released: self.on_released, Prefilled: self.on_prefilled,
+            Decoded: self.on_decoded, Turn2Done: self.on_turn2_done})
+
+    # ------------------------------------------------------------ processes
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        o = self.o
+        node_opts = dict(
+            engine_ids=ENGINE_IDS, plane=o.plane_config(), out=os.path.abspath(o.out), clock_skew=o.clock_skew,
+            drop_notifications=o.drop_notifications, seed=o.seed, num_blocks=o.num_blocks,
+            block_elems=o.block_elems, overload=o.overload,
+            # A loop gap this long may have outlived P's lease (listed as a stall; see node.py).
+            stall_limit=max(0.5, o.extension - o.interval - SLACK_S),
+        )
+        from .node import node_main  # noqa: F401  (fail here, not in a child, if it cannot import)
+
+        saved = {k: os.environ.get(k) for k in ("UCX_NET_DEVICES", "NIXL_LOG_LEVEL")}
+        os.environ["UCX_NET_DEVICES"] = "lo"
+        os.environ["NIXL_LOG_LEVEL"] = "ERROR"
+        keys = run_keys()
+        try:
+            for role in ("P", "D"):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=node_main, args=(role, child, NodeOptions(**node_opts, curve=keys[role])),
+                                   name=f"kvplane-{role}", daemon=True)
+                proc.start()
+                child.close()
+                self.children[role] = _Child(role, proc, parent)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        started = time.monotonic()
+        deadline = started + self.o.startup_timeout
+        while any(c.ready is None for c in self.children.values()):
+            if time.monotonic() > deadline:
+                late = [r for r, c in self.children.items() if c.ready is None]
+                raise StartupFailed(f"engine process {' and '.join(late)} did not start within "
+                                    f"{self.o.startup_timeout:g} s (--startup-timeout)")
+            self.pump(0.2)
+            if self.errors or any(c.dead for c in self.children.values()):
+                # The last line of a child's traceback names the error; the
+                # whole traceback stays in the summary's errors.
+                why = [e.strip().splitlines()[-1] if "crashed" in e else e for e in self.errors]
+                raise StartupFailed("an engine process failed to start: " + "; ".join(why or ["exited"]))
+        self.startup_s = time.monotonic() - started
+
+    def stop_all(self) -> None:
+        for c in self.children.values():
+            p = c.proc
+            if p.pid is None:
+                continue
+            if c.stopped:
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            if p.is_alive():
+                p.join(timeout=2.0 if c.summary is not None else 0.2)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
+            c.conn.close()
+
+    # ------------------------------------------------------------ messages
+    def pump(self, timeout: float) -> None:
+        """Handle every message ready within ``timeout`` (and notice exits)."""
+        live = [c for c in self.children.values() if not c.dead and not c.stopped]
+        handles = [c.conn for c in live] + [c.proc.sentinel for c in live]
+        if not handles:
+            time.sleep(timeout)
+            return
+        for h in mp_wait(handles, timeout=timeout):
+            for c in live:
+                if h is c.conn:
+                    self._drain(c)
+                elif h is c.proc.sentinel:
+                    self._drain(c)
+                    c.proc.join(timeout=1.0)  # reap it, so exitcode is known
+                    c.dead = True
+                    if not (c.role == "D" and self.fault.get("kind") == "kill") and c.summary is None:
+                        self.errors.append(f"{c.role} exited unexpectedly (exit code {c.proc.exitcode})")
+
+    def _drain(self, c: _Child) -> None:
+        try:
+            while c.conn.poll(0):
+                msg = c.conn.recv()
+                self._handle[type(msg)](c, msg)
+        except (EOFError, OSError):
+            c.dead = True
+
+    def send(self, role: str, msg) -> bool:
+        c = self.children[role]
+        if c.dead:
+            return False
+        try:
+            c.conn.send(msg)
+            return True
+        except (BrokenPipeError, OSError):
+            c.dead = True
+            return False
+
+    def on_ready(self, c: _Child, msg: Ready) -> None:
+        c.ready = msg
+
+    def on_crashed(self, c: _Child, msg: Crashed) -> None:
+        self.errors.append(f"{c.role} crashed:\n{msg.traceback}")
+
+    def on_status(self, c: _Child, msg: Status) -> None:
+        c.status = msg
+
+    def on_summary(self, c: _Child, msg: Summary) -> None:
+        c.summary = msg
+
+    def on_abandoned(self, c: _Child, msg: Abandoned) -> None:
+        c.abandoned = msg
+
+    def on_released(self, c: _Child, msg: Released) -> None:
+        c.released = msg
+
+    def on_prefilled(self, c: _Child, msg: Prefilled) -> None:
+        r = self.by_lid[msg.lid]
+        if self.fault_at is not None or self.abandoning:
+            # The proxy routes nothing to a decoder it knows is down (P's
+            # lease expires), nor after a timeout (P releases it).
+            why = "not routed: decode down" if self.abandoning is None else f"not routed: {self.abandoning}"
+            r.turn1, r.detail = ("failed" if self.abandoning is None else "abandoned"), why
+            if r.hold:
+                r.turn2 = "skipped" if self.abandoning is None else "abandoned"
+            self._advance(r)
+            return
+        params = dict(msg.params)
+        if r.push:
+            params["push"] = True
+        self.send("D", Decode(lid=r.lid, request_id=f"d-{r.lid}", nblocks=r.nblocks, prefix=r.prefix,
+                              await_full=r.kind == "full_awaited", hold=r.hold, params=params,
+                              granted_at=msg.granted_at))
+
+    def on_decoded(self, c: _Child, msg: Decoded) -> None:
+        r = self.by_lid[msg.lid]
+        r.turn1, r.detail = msg.outcome, msg.detail
+        if r.hold:
+            if msg.hold is None:
+                r.turn2 = "skipped"
+            else:
+                r.hold_params, r.hold_at = msg.hold, time.monotonic()
+                if self.abandoning:
+                    r.turn2 = "abandoned"  # no new work after a timeout; D releases the hold
+                elif self.fault_at is not None:
+                    r.turn2 = "skipped"  # no new work after a fault; D's hold times out
+                else:
+                    # A late turn 2 arrives inside the safety margin: the gate must decline it.
+                    delay = self.o.hold_ttl - self.o.expiry_margin / 2 if r.late else 0.0
+                    r.turn2_due = r.hold_at + delay
+                    self._seq += 1
+                    heapq.heappush(self._turn2_heap, (r.turn2_due, self._seq, r.lid))
+        self._advance(r)
+
+    def on_turn2_done(self, c: _Child, msg: Turn2Done) -> None:
+        r = self.by_lid[msg.lid]
+        r.turn2 = msg.outcome
+        self._advance(r)
+
+    def _advance(self, r: Req | None = None) -> None:
+        """After outcomes changed: keep the set of open requests (one request,
+        or all of them after a bulk change) and the progress bar current."""
+        if r is None:
+            self._open = {x.lid for x in self.reqs if not x.done}
+        elif r.done:
+            self._open.discard(r.lid)
+        if self.progress is not None:
+            now = time.monotonic()
+            if now - self._progress_at > 0.1 or not self._open:  # O(requests): not per message
+                self._progress_at = now
+                self.progress(self)
+
+    # ------------------------------------------------------------ the run
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def run(self) -> dict:
+        o = self.o
+        self.start()
+        self.t0 = time.monotonic()
+        hard_deadline = self.t0 + o.timeout
+        fault_kind = "kill" if o.kill_decode_at is not None else "hang" if o.hang_decode_at is not None else None
+        fault_time = o.kill_decode_at if fault_kind == "kill" else o.hang_decode_at
+        self.phase = "streaming"
+        timed_out = False
+        while True:
+            now = time.monotonic()
+            if now > hard_deadline:
+                self.errors.append(f"timed out after {o.timeout:g} s in phase {self.phase!r}")
+                timed_out = True
+                break
+            if fault_kind and self.fault_at is None and now - self.t0 >= fault_time:
+                self._inject(fault_kind)
+            if self.fault_at is None:
+                self._send_due(now)
+            if self.fault_at is not None and self._fault_settled():
+                break
+            if self.fault_at is None and not self._open:
+                if not fault_kind or now - self.t0 >= fault_time:
+                    break
+            if self.errors:
+                break
+            self.pump(0.01)
+        if self.errors:
+            # A timeout, or a side that crashed: whatever still runs gives up
+            # its work and frees what it holds, so no block outlives the job.
+            self._abandon("timed out" if timed_out else "a side failed")
+        else:
+            self._drain_blocks(hard_deadline)
+        self._collect_summaries()
+        return build_summary(self)
+
+    def _send_due(self, now: float) -> None:
+        """Send the prefills whose arrival time has come, and the turn 2s that
+        are due (both in order, without scanning every request)."""
+        while self._next_unsent < len(self.reqs):
+            r = self.reqs[self._next_unsent]
+            if r.sent:
+                self._next_unsent += 1
+                continue
+            if r.arrive > now - self.t0:
+                break
+            r.sent = self.send("P", Prefill(lid=r.lid, request_id=f"p-{r.lid}", nblocks=r.nblocks, push=r.push))
+            if not r.sent:
+                break
+            self._next_unsent += 1
+        while self._turn2_heap and self._turn2_heap[0][0] <= now:
+            _, _, lid = heapq.heappop(self._turn2_heap)
+            r = self.by_lid[lid]
+            if r.turn2_due is None or r.turn2 is not None:
+                continue  # skipped meanwhile
+            r.turn2_due = None
+            self.send("P", Turn2(lid=r.lid, request_id=f"p2-{r.lid}", nblocks=r.nblocks, params=r.hold_params))
+
+    def _abandon(self, why: str) -> None:
+        """Give up the run in bounded time and leave nothing held: route
+        nothing more, have each live side abort its work through the machines
+        (queued requests dropped, recvs in flight aborted, their READs
+        cancelled), then, once the other side has done so (or is dead), free
+        its leases (P) or holds (D), and wait for both to report 0 blocks."""
+        self.abandoning = why
+        self.phase = f"{why}: abandoning"
+        for c in self.children.values():
+            if c.stopped and not c.dead:
+                os.kill(c.proc.pid, signal.SIGCONT)
+                c.stopped = False
+        not_sent = set()
+        for r in self.reqs:
+            if not r.sent:
+                r.turn1, r.sent, r.detail = "abandoned", True, f"not sent: {why}"
+                not_sent.add(r.lid)
+        live = [role for role, c in self.children.items() if not c.dead]
+        self._round(live, Abandon(), lambda c: c.abandoned is not None)
+        # Only once the reader has stopped: P's leases when D has abandoned
+        # (or died), D's holds when P has.
+        safe = [role for role, other in (("P", "D"), ("D", "P"))
+                if role in live and (self.children[other].dead or self.children[other].abandoned is not None)]
+        self._round(safe, Release(), lambda c: c.released is not None)
+        unresolved = {"turn1": 0, "turn2": 0}
+        for r in self.reqs:
+            if r.turn1 is None:
+                r.turn1, r.detail = "abandoned", f"in flight: {why}"
+            if r.hold and r.turn2 is None:
+                r.turn2 = "abandoned"
+            if r.lid not in not_sent:  # sent, then given up (here or when its outcome came)
+                unresolved["turn1"] += r.turn1 == "abandoned"
+                unresolved["turn2"] += r.hold and r.turn2 == "abandoned"
+        self._advance()
+        cfg = self.o.plane_config()
+        self._drain_blocks(time.monotonic() + cfg.transfer_timeout + 2 * SLACK_S + 5.0)
+        self.abandoned = {
+            "reason": why, "requests_not_sent": len(not_sent), "in_flight_turn1": unresolved["turn1"],
+            "in_flight_turn2": unresolved["turn2"],
+            **{role: _last_counts(c) for role, c in self.children.items()},
+        }
+
+    def _round(self, roles: list[str], msg, answered: Callable[[_Child], bool], timeout: float = 15.0) -> None:
+        """Send ``msg`` to ``roles`` and wait, bounded, until each one that is
+        still alive has ``answered``."""
+        waiting = [r for r in roles if self.send(r, msg)]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(answered(self.children[r]) or self.children[r].dead for r in waiting):
+                return
+            self.pump(0.05)
+
+    def _inject(self, kind: str) -> None:
+        d = self.children["D"]
+        self.fault_at = time.monotonic()
+        self.fault = {"kind": kind, "at_s": round(self.fault_at - self.t0, 3)}
+        self.phase = f"decode {'killed' if kind == 'kill' else 'hung'}: P reclaims"
+        if kind == "kill":
+            os.kill(d.proc.pid, signal.SIGKILL)
+            d.proc.join(timeout=5.0)
+            self._drain(d)  # outcomes D sent before it died are still in the pipe
+            d.dead = True
+            for r in self.reqs:
+                if r.sent and r.turn1 is None:
+                    r.turn1, r.detail = "failed", "decode killed"
+        else:
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            d.stopped = True
+        for r in self.reqs:  # the proxy routes nothing more to a decoder it knows is down
+            if not r.sent:
+                r.turn1, r.sent = "skipped", True
+            if r.hold and r.turn2 is None and r.turn2_due is not None:
+                r.turn2, r.turn2_due = "skipped", None
+            elif r.hold and r.turn2 is None and r.turn1 in ("failed", "skipped"):
+                r.turn2 = "skipped"
+        self._advance()
+
+    def _fault_settled(self) -> bool:
+        """Kill: until P holds no lease blocks.  Hang: the same, then SIGCONT
+        D and go on until every request is resolved."""
+        d = self.children["D"]
+        if d.stopped:
+            st = self._ask("P")
+            # P's timers fire at its first loop tick after they are due: a P
+            # whose loop stalls (a loaded machine) reclaims that much later.
+            bound = self.fault_at + self.o.lease + 2 * SLACK_S + 1.0 + (st.max_loop_gap_s if st else 0.0)
+            if (st is not None and st.lease_blocks == 0) or time.monotonic() > bound:
+                self.fault["p_reclaimed_before_resume"] = st is not None and st.lease_blocks == 0
+                self.fault["resumed_at_s"] = round(self.elapsed(), 3)
+                os.kill(d.proc.pid, signal.SIGCONT)
+                d.stopped = False
+                self.phase = "decode resumed: draining"
+            return False
+        return all(self.by_lid[lid].turn1 == "skipped" for lid in self._open)
+
+    def _ask(self, role: str, timeout: float = 2.0) -> Status | None:
+        c = self.children[role]
+        c.status = None
+        if not self.send(role, StatusRequest()):
+            return None
+        deadline = time.monotonic() + timeout
+        while c.status is None and time.monotonic() < deadline and not c.dead:
+            self.pump(0.05)
+        return c.status
+
+    def _drain_blocks(self, hard_deadline: float) -> None:
+        """Wait until both sides hold no blocks (leases expire, holds time out)."""
+        self.phase = "draining"
+        o = self.o
+        limit = min(hard_deadline, time.monotonic() + o.lease + o.hold_ttl + o.plane_config().recv_timeout + 5)
+        while time.monotonic() < limit and not self.errors:
+            sts = {role: self._ask(role) for role, c in self.children.items() if not c.dead}
+            if all(st is not None and st.held_blocks == 0 and st.waiting == 0 and st.loading == 0
+                   for st in sts.values()):
+                return
+            self.pump(0.1)
+
+    def _collect_summaries(self) -> None:
+        self.phase = "collecting"
+        for role, c in self.children.items():
+            if c.stopped:
+                os.kill(c.proc.pid, signal.SIGCONT)
+                c.stopped = False
+            self.send(role, Finish())
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline and any(c.summary is None and not c.dead for c in self.children.values()):
+            self.pump(0.1)
+
+
+def _last_counts(c: _Child) -> dict | None:
+    """What a side reported giving up: its answer to Release, else to Abandon."""
+    answer = c.released or c.abandoned
+    return None if answer is None else answer.counts
+
+
+def run_job(opts: RunOptions, *, console=None) -> dict:
+    """Run the job; returns the summary (also written under ``opts.out``)."""
+    opts.validate()
+    os.makedirs(opts.out, exist_ok=True)
+    progress_cm = None
+    if not opts.quiet:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress_cm = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                               TimeElapsedColumn(), console=console, transient=False)
+        orch = Orchestrator(opts)
+        units = opts.requests + sum(r.hold for r in orch.reqs)
+        task = progress_cm.add_task("starting", total=units)
+
+        def update(o: Orchestrator) -> None:
+            n = sum((r.turn1 is not None) + (r.hold and r.turn2 is not None) for r in o.reqs)
+            progress_cm.update(task, completed=n, description=o.phase)
+
+        orch.progress = update
+    else:
+        orch = Orchestrator(opts)
+    try:
+        if progress_cm is not None:
+            with progress_cm:
+                summary = orch.run()
+        else:
+            summary = orch.run()
+    finally:
+        orch.stop_all()
+    path = os.path.join(opts.out, "summary.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1, default=str)
+    summary["summary_path"] = path
+    return summary
+
+
+def cmd_run(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console()
+    try:
+        opts = RunOptions.from_args(args)
+        opts.validate()
+    except (RunError, ValueError, TypeError) as exc:
+        console.print(f"[red]kvplane run: {escape(str(exc))}[/red]", soft_wrap=True)
+        return 2
+    if not nixl_installed():
+        console.print(f"[red]{escape(NO_NIXL)}[/red]", soft_wrap=True)
+        return 2
+    try:
+        summary = run_job(opts, console=console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; engine processes stopped[/yellow]")
+        return 130
+    except StartupFailed as exc:
+        # run_job stopped every process it started before this reaches us.
+        console.print(f"[red]kvplane run: {escape(str(exc))}; engine processes stopped[/red]", soft_wrap=True)
+        return 1
+    console.print(summary_table(summary))
+    for e in summary["errors"]:
+        console.print(f"[red]{e}[/red]")
+    console.print(f"summary: {summary['summary_path']}")
+    for role, log in summary["logs"].items():
+        cut = " (cut short by the kill)" if role == "D" and (summary["fault"] or {}).get("kind") == "kill" else ""
+        console.print(f"{role} event log{cut}: {log}\n  replay: kvplane replay {log}")
+    if not summary["ok"]:
+        failed = [k for k, v in summary["checks"].items() if v is False]
+        console.print(f"[red]FAILED checks: {', '.join(failed)}[/red]")
+        return 1
+    return 0

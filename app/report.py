@@ -1,0 +1,233 @@
+"""What ``kvplane run`` reports: the summary (summary.json) built from the
+orchestrator's request records and both sides' reports, its checks, P's
+reclaim after a fault measured against the lease promise, and the console
+table."""
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .messages import Summary
+from .options import ENGINE_IDS, SLACK_S
+
+if TYPE_CHECKING:
+    from .orchestrator import Orchestrator
+
+
+def build_summary(orch: Orchestrator) -> dict:
+    """The run's summary (written as summary.json): outcomes, checks, both sides' reports."""
+    o = orch.o
+    P, D = (orch.children[r].summary for r in ("P", "D"))
+    t1 = {k: 0 for k in ("ok", "recomputed", "corrupt", "failed", "skipped", "abandoned", "pending")}
+    t2 = dict(t1)
+    for r in orch.reqs:
+        t1[r.turn1 or "pending"] += 1
+        if r.hold:
+            t2[r.turn2 or "pending"] += 1
+    late = [r for r in orch.reqs if r.late and r.turn2 not in (None, "skipped", "abandoned")]
+    on_time = [r for r in orch.reqs if r.hold and not r.late and r.turn2 not in (None, "skipped", "abandoned")]
+    moved = sum(s.bytes_moved for s in (P, D) if s)
+    busy = sum(s.busy_s for s in (P, D) if s)
+    verified = sum(s.verified_bytes for s in (P, D) if s)
+    wall = orch.elapsed()
+    # Only a run without faults, drops or a timeout must read everything.
+    clean = o.drop_notifications == 0 and orch.fault_at is None and orch.abandoned is None
+    checks: dict[str, Any] = {}
+    checks["no_errors"] = not orch.errors
+    checks["p_blocks_held_zero"] = bool(P) and P.held_blocks == 0
+    killed = orch.fault.get("kind") == "kill"
+    checks["d_blocks_held_zero"] = None if killed else bool(D) and D.held_blocks == 0
+    checks["no_corrupt_bytes"] = t1["corrupt"] == 0 and t2["corrupt"] == 0
+    checks["all_requests_resolved"] = t1["pending"] == 0 and t2["pending"] == 0
+    checks["late_turn2_declined"] = all(r.turn2 == "recomputed" for r in late)
+    checks["on_time_turn2_read"] = all(r.turn2 == "ok" for r in on_time) if clean else None
+    if clean:
+        checks["all_turn1_ok"] = t1["ok"] == o.requests
+    expired_early = None
+    if P:
+        recs = P.lease_records
+        cut = orch.fault_at if orch.fault_at is not None else math.inf
+        if o.drop_notifications == 0:
+            # Heartbeats flowed until the fault (if any): no lease may expire before it.
+            expired_early = [r.id for r in recs if r.reason == "expired" and r.freed < cut]
+            checks["no_lease_expired_while_heartbeats_flowed"] = not expired_early
+    if orch.fault_at is not None and P:
+        orch.fault.update(_reclaim(orch, P))
+        checks["p_reclaimed_within_bound"] = orch.fault.get("within_bound", False)
+    summary = {
+        "options": attrs.asdict(o), "plane_config": attrs.asdict(o.plane_config()), "wall_s": round(wall, 3),
+        "requests": {"turn1": t1, "turn2": t2, "total": o.requests,
+                     "multiturn": sum(r.hold for r in orch.reqs), "late_turn2": len(late)},
+        "bytes_moved": moved, "bytes_verified": verified, "transfer_busy_s": round(busy, 4),
+        "gbps_in_flight": round(moved / busy / 1e9, 3) if busy > 0 else None,
+        "gbps_wall": round(moved / wall / 1e9, 4) if wall > 0 else None,
+        "leases": P.leases if P else None, "holds": D.holds if D else None,
+        "heartbeats_sent": sum(s.heartbeats_sent for s in (P, D) if s),
+        "heartbeats_received": sum(s.heartbeats_received for s in (P, D) if s),
+        "engines_evicted": sum(s.engines_evicted for s in (P, D) if s),
+        "blocks_held": {"P": P.held_blocks if P else None, "D": D.held_blocks if D else None},
+        "clock_skew": o.clock_skew,
+        "p_estimated_offset_of_d": P.clock_offsets.get(ENGINE_IDS["D"]) if P else None,
+        "fault": orch.fault or None, "errors": orch.errors, "checks": checks,
+        "startup_s": None if orch.startup_s is None else round(orch.startup_s, 3),
+        # What a timeout (or a crashed side) made the job give up; None when it ran to the end.
+        "abandoned": orch.abandoned,
+        # Why reads were recomputed: turn 1 is D reading P, turn 2 P reading D.
+        "recompute_reasons": {"turn1": D.recompute_reasons if D else None,
+                              "turn2": P.recompute_reasons if P else None},
+        # Each side's step loop: its longest gap between ticks (how late a timer can fire).
+        "loop": {role: _loop_brief(side) for role, side in (("P", P), ("D", D))},
+        "expired_before_fault": expired_early,
+        "sides": {"P": _slim(P), "D": _slim(D)},
+        # Written by each side as it runs; a killed side's log ends where it died.
+        "logs": {role: os.path.join(os.path.abspath(o.out), f"{name}.events.jsonl")
+                 for role, name in (("P", "prefill"), ("D", "decode"))},
+        "requests_detail": [attrs.asdict(r, filter=lambda a, v: a.name != "hold_params") for r in orch.reqs],
+    }
+    summary["ok"] = all(v is not False for v in checks.values())
+    return summary
+
+
+def _reclaim(orch: Orchestrator, P: Summary) -> dict:
+    """P's reclaim after the fault, against the lease promise: a lease is
+    freed by max(grant + lease, last heartbeat + extension)."""
+    o = orch.o
+    recs = [r for r in P.lease_records if r.granted is not None]
+    last_hb = P.last_hb_at
+    after = [r for r in recs if r.freed is not None and r.freed >= orch.fault_at]
+    live = [r for r in recs if r.freed is None]
+    out: dict[str, Any] = {"lease_extension_s": o.extension, "leases_reclaimed_after_fault": len(after),
+                           "leases_expired_after_fault": sum(r.reason == "expired" for r in after),
+                           "leases_still_live": len(live)}
+    if last_hb is not None:
+        out["p_last_heartbeat_s"] = round(last_hb - orch.t0, 3)
+    if not after:
+        out["within_bound"] = not live
+        return out
+    last_free = max(r.freed for r in after)
+    out["p_all_reclaimed_s"] = round(last_free - orch.t0, 3)
+    # P frees a lease at its first loop tick after the expiry: the slack
+    # is SLACK_S plus the longest gap of P's loop in the reclaim window
+    # (a loaded machine, not the protocol, makes that late).
+    stall = _loop_stall_between(P.loop, orch.fault_at, last_free)
+    slack = SLACK_S + stall
+    out["p_loop_stall_s"] = round(stall, 3)
+    out["slack_s"] = round(slack, 3)
+    late = []
+    for r in after:
+        due = max(r.granted + o.lease, (r.hb or -math.inf) + o.extension)
+        if r.freed > due + slack:
+            late.append(r.id)
+    out["late_leases"] = late
+    if last_hb is not None:
+        reclaim = last_free - last_hb
+        # Leases granted shortly before the fault may still be inside their initial term.
+        bound = max(o.extension, max(r.granted + o.lease for r in after) - last_hb)
+        out["reclaim_after_last_heartbeat_s"] = round(reclaim, 3)
+        out["bound_s"] = round(bound, 3)
+        out["within_one_extension"] = reclaim <= o.extension + slack
+        out["within_bound"] = not late and not live and reclaim <= bound + slack
+    else:
+        out["within_bound"] = not late and not live
+    return out
+
+
+def _loop_stall_between(loop: dict | None, start: float, end: float) -> float:
+    """The longest gap of a side's loop that overlaps [start, end] (its
+    monotonic clock, the one every process here shares)."""
+    if not loop:
+        return 0.0
+    if loop["gaps_over_report"] > len(loop["long_gaps"]):
+        return loop["max_gap_s"]  # the list was capped: assume the worst
+    worst = loop["report_over_s"]  # gaps shorter than this are not listed
+    for gap_end, gap in loop["long_gaps"]:
+        if gap_end >= start and gap_end - gap <= end:
+            worst = max(worst, gap)
+    return worst
+
+
+def _loop_brief(side: Summary | None) -> dict | None:
+    if side is None:
+        return None
+    lp = side.loop
+    calls = side.nixl_calls.get("max_s") or {}
+    slowest = max(calls.items(), key=lambda kv: kv[1], default=None)
+    return {"max_gap_s": lp["max_gap_s"], f"gaps_over_{lp['report_over_s']:g}s": lp["gaps_over_report"],
+            "stalls": len(lp["stalls"]), "stall_limit_s": lp["stall_limit_s"],
+            "slowest_nixl_call": None if slowest is None else {"call": slowest[0], "s": slowest[1]}}
+
+
+def _slim(s: Summary | None) -> dict | None:
+    """A side's report for summary.json, without the per-lease records."""
+    if s is None:
+        return None
+    return attrs.asdict(s, filter=lambda a, _v: a.name != "lease_records")
+
+
+def summary_table(summary: dict):
+    """The summary as a rich Table, for the console."""
+    from rich.table import Table
+
+    t = Table(title="kvplane run", show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    r1, r2 = summary["requests"]["turn1"], summary["requests"]["turn2"]
+    t.add_row("requests (turn 1): ok / recomputed / failed",
+              f"{r1['ok']} / {r1['recomputed']} / {r1['failed'] + r1['corrupt'] + r1['pending']}"
+              + (f"  (+{r1['skipped']} not sent)" if r1["skipped"] else "")
+              + (f"  (+{r1['abandoned']} abandoned)" if r1["abandoned"] else ""))
+    t.add_row("turn 2 (P reads D's held blocks): ok / recomputed / failed",
+              f"{r2['ok']} / {r2['recomputed']} / {r2['failed'] + r2['corrupt'] + r2['pending']}"
+              + (f"  (+{r2['skipped']} skipped)" if r2["skipped"] else "")
+              + (f"  (+{r2['abandoned']} abandoned)" if r2["abandoned"] else ""))
+    t.add_row("late turn 2 declined by the expiry gate", f"{summary['requests']['late_turn2']}")
+    for turn, reasons in (summary.get("recompute_reasons") or {}).items():
+        if reasons:
+            t.add_row(f"{turn.replace('turn', 'turn ')} recomputed because",
+                      "; ".join(f"{why}: {n}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])))
+    mib = summary["bytes_moved"] / 2**20
+    t.add_row("bytes moved (verified)", f"{mib:.1f} MiB ({summary['bytes_verified'] / 2**20:.1f} MiB)")
+    g = summary["gbps_in_flight"]
+    t.add_row("GB/s while transfers in flight / over the run",
+              f"{g if g is not None else '-'} / {summary['gbps_wall']}")
+    le = summary["leases"] or {}
+    t.add_row("P leases granted / extended / expired / consumed",
+              f"{le.get('granted', '-')} / {le.get('extended', '-')} / {le.get('expired', '-')} / {le.get('consumed', '-')}")
+    ho = summary["holds"] or {}
+    t.add_row("D holds granted / consumed / expired",
+              f"{ho.get('granted', 0)} / {ho.get('consumed', 0)} / {ho.get('expired', 0)}")
+    t.add_row("heartbeats sent / received", f"{summary['heartbeats_sent']} / {summary['heartbeats_received']}")
+    t.add_row("engines evicted", str(summary["engines_evicted"]))
+    bh = summary["blocks_held"]
+    t.add_row("blocks still held P / D", f"{bh['P']} / {bh['D'] if bh['D'] is not None else 'n/a (killed)'}")
+    f = summary["fault"]
+    if f:
+        if "reclaim_after_last_heartbeat_s" in f:
+            t.add_row(f"decode {f['kind']} at {f['at_s']} s: P reclaimed after last heartbeat",
+                      f"{f['reclaim_after_last_heartbeat_s']} s (extension {f['lease_extension_s']:g} s, "
+                      f"bound {f['bound_s']} s)")
+        t.add_row("leases reclaimed after the fault (expired)",
+                  f"{f['leases_reclaimed_after_fault']} ({f['leases_expired_after_fault']})")
+    loop = summary.get("loop") or {}
+    t.add_row("longest loop stall P / D (gaps > 0.1 s)",
+              " / ".join("-" if loop.get(r) is None else f"{loop[r]['max_gap_s']:.3f} s ({loop[r]['gaps_over_0.1s']})"
+                         for r in ("P", "D")))
+    t.add_row("slowest NIXL call P / D",
+              " / ".join("-" if not (loop.get(r) or {}).get("slowest_nixl_call") else
+                         f"{loop[r]['slowest_nixl_call']['call']} {loop[r]['slowest_nixl_call']['s'] * 1e3:.1f} ms"
+                         for r in ("P", "D")))
+    ab = summary.get("abandoned")
+    if ab:
+        t.add_row(f"abandoned ({ab['reason']}): not sent / in flight (turn 1, turn 2)",
+                  f"{ab['requests_not_sent']} / {ab['in_flight_turn1']}, {ab['in_flight_turn2']}")
+        for role in ("P", "D"):
+            if ab.get(role):
+                t.add_row(f"  {role} gave up", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ab[role].items()))
+    t.add_row("wall time", f"{summary['wall_s']} s")
+    for name, v in summary["checks"].items():
+        if v is not None:
+            t.add_row(f"check: {name}", "[green]pass[/green]" if v else "[red]FAIL[/red]")
+    return t
