@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kvplane.connector.cli_checks import write_counterexamples, write_violation
+from kvplane.app.checks import write_counterexamples, write_violation
 from kvplane.statemachines.base import TimerFired
 from kvplane.statemachines.eventlog import read_log
 from kvplane.statemachines.events import EngineActivity, EngineReady
