@@ -46,8 +46,9 @@ class Transition:
     guard: Guard | None = None
     guard_doc: str = ""
     effect: Effect | None = None
-    # Action classes built, in order, by ``cls.build(instance, event, config, now)``.
-    actions: tuple[type, ...] = ()
+    # What the transition emits, in order: ``Emit`` records (the action class
+    # and the machine-local ``build(instance, event, config, now)``).
+    actions: tuple = ()
     # Resources the transition takes on beyond what its event and actions
     # declare (e.g. the duty to report a recv that the scheduler awaits).
     acquires: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)

@@ -17,10 +17,11 @@ from typing import ClassVar
 import attrs
 
 from ..actions import (
-    AcquireEngine, CancelXfer, GrantHold, NoteActivity, PostRead, ReleaseEngine, ReleaseXfer,
-    ReportRecv, ReportRecvFailed, SendNotif, SendPushRegistration, StartHeartbeat, StopHeartbeat,
+    AcquireEngine, GrantHold, NoteActivity, PostRead, ReleaseEngine, ReleaseXfer, ReportRecv, SendNotif,
+    SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
 from ..base import Instance, TimerFired, is_finite_number
+from ..emit import emits
 from ..events import (
     Abort, BlocksAllocated, EngineLost, EngineReady, NewRequest, PushDone, ReadDone, ReadFailed,
     RequestFinished, RequestRunning, StartLoad,
@@ -156,6 +157,77 @@ def hold_for_next_turn(r, ev: RequestFinished, cfg, now) -> bool:
     return ev.hold_for_next_turn
 
 
+# ----------------------------------------------------------------- actions
+@emits(StartHeartbeat)
+def start_heartbeat(r: DecodeRequest, ev, cfg, now) -> StartHeartbeat:
+    return StartHeartbeat(r.engine_id, r.remote_request_id, r.ranks)
+
+
+@emits(StopHeartbeat)
+def stop_heartbeat(r: DecodeRequest, ev, cfg, now) -> StopHeartbeat:
+    return StopHeartbeat(r.engine_id, r.remote_request_id)
+
+
+@emits(AcquireEngine)
+def acquire_engine(r: DecodeRequest, ev, cfg, now) -> AcquireEngine:
+    return AcquireEngine(r.engine_id, r.KIND, r.key)
+
+
+@emits(ReleaseEngine)
+def release_engine(r: DecodeRequest, ev, cfg, now) -> ReleaseEngine:
+    return ReleaseEngine(r.engine_id, r.KIND, r.key)
+
+
+@emits(NoteActivity)
+def note_activity(r: DecodeRequest, ev, cfg, now) -> NoteActivity:
+    return NoteActivity(r.engine_id)
+
+
+@emits(PostRead)
+def post_read(r: DecodeRequest, ev, cfg, now) -> PostRead:
+    return PostRead(r.key, r.engine_id, r.remote_request_id, r.block_ids, r.remote_block_ids, r.expected_consumers)
+
+
+@emits(ReleaseXfer)
+def release_xfer(r: DecodeRequest, ev, cfg, now) -> ReleaseXfer:
+    """The READ completed or failed: nothing is in flight."""
+    return ReleaseXfer(r.key, cancel=False)
+
+
+@emits(ReleaseXfer)
+def cancel_xfer(r: DecodeRequest, ev, cfg, now) -> ReleaseXfer:
+    """The READ may still be in flight (deadline, abort, engine lost)."""
+    return ReleaseXfer(r.key, cancel=True)
+
+
+@emits(SendNotif)
+def send_notif(r: DecodeRequest, ev, cfg, now) -> SendNotif:
+    return SendNotif(r.engine_id, r.remote_request_id, r.expected_consumers)
+
+
+@emits(SendPushRegistration)
+def send_push_registration(r: DecodeRequest, ev, cfg, now) -> SendPushRegistration:
+    # The deadline of the AWAITING_PUSH state this registration enters.
+    return SendPushRegistration(r.key, r.engine_id, r.remote_request_id, r.block_ids, r.push_give_up())
+
+
+@emits(ReportRecv)
+def report_done(r: DecodeRequest, ev, cfg, now) -> ReportRecv:
+    return ReportRecv(r.key, ok=True)
+
+
+@emits(ReportRecv)
+def report_failed(r: DecodeRequest, ev, cfg, now) -> ReportRecv:
+    """Failed, naming the blocks whose load failed."""
+    return ReportRecv(r.key, ok=False, failed_block_ids=r.block_ids)
+
+
+@emits(GrantHold)
+def grant_hold(r: DecodeRequest, ev: RequestFinished, cfg, now) -> GrantHold:
+    """Hold the blocks the scheduler names (ours when it names none) for turn 2."""
+    return GrantHold(r.key, ev.block_ids or r.block_ids)
+
+
 # --------------------------------------------------------------- states
 AWAITED = {"heartbeat", "report"}
 STATES = (
@@ -193,10 +265,10 @@ FINISHED_RECV = ["RECV_DONE", "RECV_FAILED", "RUNNING"]
 NO_ENGINE_WAIT = [s for s in ACTIVE if s not in ("HANDSHAKING", "NOTIFYING")]
 NO_XFER = [s for s in ACTIVE if s != "READING"]
 NO_PUSH = [s for s in ACTIVE if s != "AWAITING_PUSH"]
-GIVE_UP = (StopHeartbeat, ReleaseEngine, ReportRecvFailed)
+GIVE_UP = (stop_heartbeat, release_engine, report_failed)
 
 TABLE = rows(
-    on("NEW", NewRequest, "HEARTBEATING", StartHeartbeat, do=_accept),
+    on("NEW", NewRequest, "HEARTBEATING", start_heartbeat, do=_accept),
     error("NEW", EVENTS[1:-1], "no event precedes on_new_request"),
     ignore(ACTIVE, NewRequest, "duplicate on_new_request for a live request"),
 
@@ -207,35 +279,35 @@ TABLE = rows(
     on("HEARTBEATING", BlocksAllocated, "NOTIFY_ONLY", do=_allocated),
     error(AFTER_ALLOC, BlocksAllocated, "blocks allocated twice"),
 
-    on(["WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT"], StartLoad, "HANDSHAKING", AcquireEngine),
-    on("NOTIFY_ONLY", StartLoad, "NOTIFYING", AcquireEngine),
+    on(["WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT"], StartLoad, "HANDSHAKING", acquire_engine),
+    on("NOTIFY_ONLY", StartLoad, "NOTIFYING", acquire_engine),
     error("HEARTBEATING", StartLoad, "load started before blocks were allocated"),
     ignore(["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"] + FINISHED_RECV, StartLoad,
            "load already started (the worker repeats start_load_kv each step)"),
 
     # The engine is connected: gate, then read, notify, or register for push.
     # A full prefix hit reads nothing remote, so the expiry gate does not apply.
-    on("HANDSHAKING", EngineReady, "RECV_DONE", SendNotif, StopHeartbeat, ReleaseEngine, ReportRecv,
+    on("HANDSHAKING", EngineReady, "RECV_DONE", send_notif, stop_heartbeat, release_engine, report_done,
        when=full_prefix_hit),
     on("HANDSHAKING", EngineReady, "RECV_FAILED", *GIVE_UP, when=remote_blocks_expired),
-    on("HANDSHAKING", EngineReady, "AWAITING_PUSH", SendPushRegistration, when=push_mode, do=_connected),
-    on("HANDSHAKING", EngineReady, "READING", PostRead, do=_connected),
-    on("NOTIFYING", EngineReady, "RELEASED", SendNotif, StopHeartbeat, ReleaseEngine),
+    on("HANDSHAKING", EngineReady, "AWAITING_PUSH", send_push_registration, when=push_mode, do=_connected),
+    on("HANDSHAKING", EngineReady, "READING", post_read, do=_connected),
+    on("NOTIFYING", EngineReady, "RELEASED", send_notif, stop_heartbeat, release_engine),
     ignore(NO_ENGINE_WAIT, EngineReady, "stale wake-up: the request no longer waits for the engine"),
 
     on("HANDSHAKING", [EngineLost, TimerFired], "RECV_FAILED", *GIVE_UP),
-    on("NOTIFYING", [EngineLost, TimerFired], "RELEASED", StopHeartbeat, ReleaseEngine),
-    on("READING", [EngineLost, TimerFired], "RECV_FAILED", CancelXfer, *GIVE_UP),
+    on("NOTIFYING", [EngineLost, TimerFired], "RELEASED", stop_heartbeat, release_engine),
+    on("READING", [EngineLost, TimerFired], "RECV_FAILED", cancel_xfer, *GIVE_UP),
     on("AWAITING_PUSH", [EngineLost, TimerFired], "RECV_FAILED", *GIVE_UP),
-    on(["WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT"], TimerFired, "RECV_FAILED", StopHeartbeat, ReportRecvFailed),
+    on(["WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT"], TimerFired, "RECV_FAILED", stop_heartbeat, report_failed),
     ignore([s for s in ACTIVE if s not in ("HANDSHAKING", "NOTIFYING", "READING", "AWAITING_PUSH")], EngineLost,
            "the request holds no reference to the engine here"),
 
     # Transfer results.
-    on("READING", ReadDone, "RECV_DONE", ReleaseXfer, NoteActivity, StopHeartbeat, ReleaseEngine, ReportRecv),
-    on("READING", ReadFailed, "RECV_FAILED", ReleaseXfer, *GIVE_UP),
+    on("READING", ReadDone, "RECV_DONE", release_xfer, note_activity, stop_heartbeat, release_engine, report_done),
+    on("READING", ReadFailed, "RECV_FAILED", release_xfer, *GIVE_UP),
     ignore(NO_XFER, [ReadDone, ReadFailed], "late completion of a transfer already released"),
-    on("AWAITING_PUSH", PushDone, "RECV_DONE", NoteActivity, StopHeartbeat, ReleaseEngine, ReportRecv),
+    on("AWAITING_PUSH", PushDone, "RECV_DONE", note_activity, stop_heartbeat, release_engine, report_done),
     ignore(NO_PUSH, PushDone, "late or duplicate push completion"),
 
     # After the recv: the scheduler runs and finishes the request.
@@ -243,17 +315,17 @@ TABLE = rows(
     ignore("RUNNING", RequestRunning, "already running"),
     error(UNTIL_RECV + ["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"], RequestRunning,
           "scheduled before its recv was reported"),
-    on(FINISHED_RECV, RequestFinished, "RELEASED", GrantHold, when=hold_for_next_turn),
+    on(FINISHED_RECV, RequestFinished, "RELEASED", grant_hold, when=hold_for_next_turn),
     on(FINISHED_RECV, RequestFinished, "RELEASED"),
     error(UNTIL_RECV + ["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"], RequestFinished,
           "finished before its recv was reported (abort instead)"),
 
     # Abort: release everything held; an awaited recv is still reported.
-    on(["HEARTBEATING", "NOTIFY_ONLY"], Abort, "ABORTED", StopHeartbeat),
-    on(["WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT"], Abort, "ABORTED", StopHeartbeat, ReportRecvFailed),
-    on("NOTIFYING", Abort, "ABORTED", StopHeartbeat, ReleaseEngine),
+    on(["HEARTBEATING", "NOTIFY_ONLY"], Abort, "ABORTED", stop_heartbeat),
+    on(["WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT"], Abort, "ABORTED", stop_heartbeat, report_failed),
+    on("NOTIFYING", Abort, "ABORTED", stop_heartbeat, release_engine),
     on(["HANDSHAKING", "AWAITING_PUSH"], Abort, "ABORTED", *GIVE_UP),
-    on("READING", Abort, "ABORTED", CancelXfer, *GIVE_UP),
+    on("READING", Abort, "ABORTED", cancel_xfer, *GIVE_UP),
     on(FINISHED_RECV, Abort, "ABORTED"),
 )
 

@@ -26,6 +26,7 @@ import attrs
 
 from ..actions import FreeBlocks, RefuseForeignSender, RefuseWrongCount
 from ..base import Instance, TimerFired
+from ..emit import emits
 from ..events import ConsumerDone, LeaseAbort, LeaseGranted, LeaseHeartbeat
 from ..spec import Spec, State
 from ..table import error, ignore, on, rows
@@ -107,6 +108,32 @@ def last_consumer(lease: Lease, ev: ConsumerDone, cfg, now) -> bool:
     return len(lease.consumers) + 1 >= lease.expected_consumers
 
 
+# ----------------------------------------------------------------- actions
+@emits(FreeBlocks)
+def free_expired(lease: Lease, ev, cfg, now) -> FreeBlocks:
+    return FreeBlocks(lease.key, lease.block_ids, "expired")
+
+
+@emits(FreeBlocks)
+def free_aborted(lease: Lease, ev, cfg, now) -> FreeBlocks:
+    return FreeBlocks(lease.key, lease.block_ids, "aborted")
+
+
+@emits(FreeBlocks)
+def free_consumed(lease: Lease, ev, cfg, now) -> FreeBlocks:
+    return FreeBlocks(lease.key, lease.block_ids, "consumed")
+
+
+@emits(RefuseForeignSender)
+def refuse_foreign_sender(lease: Lease, ev, cfg, now) -> RefuseForeignSender:
+    return RefuseForeignSender(lease.key, ev.sender, "foreign_sender")
+
+
+@emits(RefuseWrongCount)
+def refuse_wrong_count(lease: Lease, ev: ConsumerDone, cfg, now) -> RefuseWrongCount:
+    return RefuseWrongCount(lease.key, ev.sender, "wrong_consumer_count")
+
+
 _expiry = lambda lease, cfg, now: lease.expiry  # noqa: E731  (a deadline is data on the instance)
 
 STATES = (
@@ -127,23 +154,23 @@ TABLE = rows(
     error("PREFILLING", ConsumerDone, "consumer finished before the blocks were leased"),
     on("PREFILLING", LeaseAbort, "RELEASED"),
 
-    on(HELD, TimerFired, "EXPIRED", FreeBlocks),
-    on(HELD, LeaseAbort, "RELEASED", FreeBlocks),
+    on(HELD, TimerFired, "EXPIRED", free_expired),
+    on(HELD, LeaseAbort, "RELEASED", free_aborted),
     # Guards are tried in order.  Refusals first: a stranger's message or a
     # count that disagrees with the plan changes nothing (counted by the
     # embedder), and a duplicate never counts as the last consumer.
     *(
         rows(
-            on(s, ConsumerDone, s, RefuseForeignSender, when=foreign_sender),
-            on(s, ConsumerDone, s, RefuseWrongCount, when=wrong_consumer_count),
-            on(s, LeaseHeartbeat, s, RefuseForeignSender, when=foreign_sender),
+            on(s, ConsumerDone, s, refuse_foreign_sender, when=foreign_sender),
+            on(s, ConsumerDone, s, refuse_wrong_count, when=wrong_consumer_count),
+            on(s, LeaseHeartbeat, s, refuse_foreign_sender, when=foreign_sender),
             on(s, LeaseHeartbeat, s, when=renewable, do=_extend),
             on(s, LeaseHeartbeat, s, do=_bind),  # fixed TTL: a decoder's hold is not extended
         )
         for s in HELD
     ),
     on("PARTIALLY_READ", ConsumerDone, "PARTIALLY_READ", when=duplicate_consumer),
-    on(HELD, ConsumerDone, "RELEASED", FreeBlocks, when=last_consumer, do=_consumed),
+    on(HELD, ConsumerDone, "RELEASED", free_consumed, when=last_consumer, do=_consumed),
     on(HELD, ConsumerDone, "PARTIALLY_READ", do=_consumed),
 )
 

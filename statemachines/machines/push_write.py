@@ -29,8 +29,9 @@ from typing import ClassVar
 
 import attrs
 
-from ..actions import AcquireEngine, CancelXfer, ConsumeLease, NoteActivity, PostWrite, ReleaseEngine, ReleaseXfer
+from ..actions import AcquireEngine, ConsumeLease, NoteActivity, PostWrite, ReleaseEngine, ReleaseXfer
 from ..base import Instance, TimerFired
+from ..emit import emits
 from ..events import (
     EngineLost, EngineReady, PushAbort, PushReady, PushRegistered, SourceEnded, WriteDone, WriteFailed,
 )
@@ -105,6 +106,46 @@ def decoder_gives_up_first(p: PushWrite, ev: EngineReady, cfg, now) -> bool:
     return write_until is not None and not (write_until > now and math.isfinite(now))
 
 
+# ----------------------------------------------------------------- actions
+@emits(AcquireEngine)
+def acquire_engine(p: PushWrite, ev, cfg, now) -> AcquireEngine:
+    return AcquireEngine(p.engine_id, p.KIND, p.key)
+
+
+@emits(ReleaseEngine)
+def release_engine(p: PushWrite, ev, cfg, now) -> ReleaseEngine:
+    return ReleaseEngine(p.engine_id, p.KIND, p.key)
+
+
+@emits(NoteActivity)
+def note_activity(p: PushWrite, ev, cfg, now) -> NoteActivity:
+    return NoteActivity(p.engine_id)
+
+
+@emits(PostWrite)
+def post_write(p: PushWrite, ev, cfg, now) -> PostWrite:
+    # The transport attaches the completion notif "<remote_request_id>:1".
+    return PostWrite(p.key, p.engine_id, p.remote_request_id, p.block_ids, p.remote_block_ids)
+
+
+@emits(ReleaseXfer)
+def release_xfer(p: PushWrite, ev, cfg, now) -> ReleaseXfer:
+    """The WRITE completed or failed: nothing is in flight."""
+    return ReleaseXfer(p.key, cancel=False)
+
+
+@emits(ReleaseXfer)
+def cancel_xfer(p: PushWrite, ev, cfg, now) -> ReleaseXfer:
+    """The WRITE may still be in flight (deadline, abort, engine or lease lost)."""
+    return ReleaseXfer(p.key, cancel=True)
+
+
+@emits(ConsumeLease)
+def consume_lease(p: PushWrite, ev, cfg, now) -> ConsumeLease:
+    """The decoder (our engine) consumed the lease, as a READ would."""
+    return ConsumeLease(p.key, p.engine_id)
+
+
 _wait = lambda p, cfg, now: p.wait_deadline  # noqa: E731
 
 STATES = (
@@ -131,33 +172,33 @@ TABLE = rows(
     on("NEW", PushReady, "AWAITING_REG", do=_ready),
     error("NEW", [EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort, SourceEnded],
           "no push was registered or readied"),
-    on("REGISTERED", PushReady, "CONNECTING", AcquireEngine, do=_ready),
-    on("AWAITING_REG", PushRegistered, "CONNECTING", AcquireEngine, do=_registered),
+    on("REGISTERED", PushReady, "CONNECTING", acquire_engine, do=_ready),
+    on("AWAITING_REG", PushRegistered, "CONNECTING", acquire_engine, do=_registered),
     ignore(["REGISTERED", "CONNECTING", "WRITING"], PushRegistered, "duplicate PUSH_REG"),
     error(["AWAITING_REG", "CONNECTING", "WRITING"], PushReady, "prefill finished twice"),
 
     # The WRITE could not be over before D gives up and may reuse its blocks.
-    on("CONNECTING", EngineReady, "FAILED", ReleaseEngine, when=decoder_gives_up_first),
-    on("CONNECTING", EngineReady, "WRITING", PostWrite, NoteActivity, do=_writing),
+    on("CONNECTING", EngineReady, "FAILED", release_engine, when=decoder_gives_up_first),
+    on("CONNECTING", EngineReady, "WRITING", post_write, note_activity, do=_writing),
     ignore(["REGISTERED", "AWAITING_REG", "WRITING"], EngineReady, "stale wake-up"),
-    on("CONNECTING", [EngineLost, TimerFired], "FAILED", ReleaseEngine),
-    on("WRITING", [EngineLost, TimerFired], "FAILED", CancelXfer, ReleaseEngine),
+    on("CONNECTING", [EngineLost, TimerFired], "FAILED", release_engine),
+    on("WRITING", [EngineLost, TimerFired], "FAILED", cancel_xfer, release_engine),
     ignore(["REGISTERED", "AWAITING_REG"], EngineLost, "no engine reference held yet"),
     on(["REGISTERED", "AWAITING_REG"], TimerFired, "FAILED"),
 
-    on("WRITING", WriteDone, "DONE", ReleaseXfer, NoteActivity, ConsumeLease, ReleaseEngine),
-    on("WRITING", WriteFailed, "FAILED", ReleaseXfer, ReleaseEngine),
+    on("WRITING", WriteDone, "DONE", release_xfer, note_activity, consume_lease, release_engine),
+    on("WRITING", WriteFailed, "FAILED", release_xfer, release_engine),
     ignore(["REGISTERED", "AWAITING_REG", "CONNECTING"], [WriteDone, WriteFailed], "no WRITE in flight"),
 
     on(["REGISTERED", "AWAITING_REG"], PushAbort, "FAILED"),
-    on("CONNECTING", PushAbort, "FAILED", ReleaseEngine),
-    on("WRITING", PushAbort, "FAILED", CancelXfer, ReleaseEngine),
+    on("CONNECTING", PushAbort, "FAILED", release_engine),
+    on("WRITING", PushAbort, "FAILED", cancel_xfer, release_engine),
 
     # The lease no longer holds the blocks (expired, released, aborted):
     # nothing may be written from them; a WRITE in flight is cancelled.
     on(["REGISTERED", "AWAITING_REG"], SourceEnded, "FAILED"),
-    on("CONNECTING", SourceEnded, "FAILED", ReleaseEngine),
-    on("WRITING", SourceEnded, "FAILED", CancelXfer, ReleaseEngine),
+    on("CONNECTING", SourceEnded, "FAILED", release_engine),
+    on("WRITING", SourceEnded, "FAILED", cancel_xfer, release_engine),
 )
 
 SPEC = Spec(
