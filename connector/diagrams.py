@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvplane.statemachines.machines import SPECS
 from kvplane.statemachines.reference import render_dot, render_mermaid
+from kvplane.statemachines.render_composition import composition_files
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "diagrams"
 
@@ -26,6 +27,7 @@ def render_all(svg: bool = True) -> dict[str, bytes]:
         files[f"{name}.mmd"] = render_mermaid(spec).encode()
         if svg:
             files[f"{name}.svg"] = render_dot(spec).pipe(format="svg")
+    files.update(composition_files(SPECS, svg))
     return files
 
 

@@ -124,6 +124,9 @@ class Spec:
     fail_closed_event: type | None = None
     # Another machine's resource this one uses (see Source); None: none.
     source: Source | None = None
+    # Events that create an instance when none with their id exists (the
+    # plane routes from these; ``validate_composition`` checks them).
+    created_by: tuple[type, ...] = ()
     doc: str = ""
 
 

@@ -335,6 +335,7 @@ SPEC = Spec(
     initial="NEW",
     states=STATES,
     events=EVENTS,
+    created_by=(NewRequest,),
     table=TABLE,
     fail_closed_event=Abort,
     doc=__doc__,

@@ -180,6 +180,7 @@ SPEC = Spec(
     initial="PREFILLING",
     states=STATES,
     events=EVENTS,
+    created_by=(LeaseGranted,),
     table=TABLE,
     fail_closed_event=LeaseAbort,
     doc=__doc__,

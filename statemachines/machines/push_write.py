@@ -207,6 +207,7 @@ SPEC = Spec(
     initial="NEW",
     states=STATES,
     events=EVENTS,
+    created_by=(PushRegistered, PushReady),
     table=TABLE,
     fail_closed_event=PushAbort,
     source=SOURCE,

@@ -214,6 +214,7 @@ SPEC = Spec(
     initial="UNKNOWN",
     states=STATES,
     events=EVENTS,
+    created_by=(EngineAcquire,),
     table=TABLE,
     fail_closed_event=PeerDisconnected,
     doc=__doc__,
