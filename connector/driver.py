@@ -455,8 +455,11 @@ class PlaneDriver:
             rids = [self._lease_named(name) for name in notif.request_ids]
             return [E.LeaseHeartbeat(request_id=rid, sender=sender) for rid in rids if rid is not None]
         if isinstance(notif, CompletionNotif):
+            # A completion naming one of our decode requests is a push WRITE
+            # into it (its table ignores one it does not await); any other
+            # names a lease a consumer READ from.
             reader = self.plane.get("decode_request", notif.request_id)
-            if reader is not None and reader.state == "AWAITING_PUSH":
+            if reader is not None:
                 if reader.engine_id != sender:
                     # Only the engine that pushes to us may say its WRITE is done.
                     self._count_and_warn("refused_push_done_foreign_sender",

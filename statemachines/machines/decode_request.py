@@ -260,8 +260,11 @@ EVENTS = (NewRequest, BlocksAllocated, StartLoad, EngineReady, EngineLost, ReadD
 ACTIVE = ["HEARTBEATING", "WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT", "NOTIFY_ONLY", "NOTIFYING",
           "HANDSHAKING", "READING", "AWAITING_PUSH", "RECV_DONE", "RECV_FAILED", "RUNNING"]
 AFTER_ALLOC = ACTIVE[1:]
-UNTIL_RECV = ["HEARTBEATING", "WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT", "NOTIFY_ONLY"]
 FINISHED_RECV = ["RECV_DONE", "RECV_FAILED", "RUNNING"]
+NOTIFY = ["NOTIFY_ONLY", "NOTIFYING"]
+# Before the recv is reported, for a request whose recv is (or may be) awaited.
+AWAITING_RECV = ["HEARTBEATING", "WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT", "HANDSHAKING", "READING",
+                 "AWAITING_PUSH"]
 NO_ENGINE_WAIT = [s for s in ACTIVE if s not in ("HANDSHAKING", "NOTIFYING")]
 NO_XFER = [s for s in ACTIVE if s != "READING"]
 NO_PUSH = [s for s in ACTIVE if s != "AWAITING_PUSH"]
@@ -311,14 +314,18 @@ TABLE = rows(
     ignore(NO_PUSH, PushDone, "late or duplicate push completion"),
 
     # After the recv: the scheduler runs and finishes the request.
+    # A notify-only request is not awaited: the scheduler runs and finishes it
+    # at once, while the notify to the remote completes (or times out) alone.
     on(["RECV_DONE", "RECV_FAILED"], RequestRunning, "RUNNING"),
     ignore("RUNNING", RequestRunning, "already running"),
-    error(UNTIL_RECV + ["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"], RequestRunning,
-          "scheduled before its recv was reported"),
+    ignore(NOTIFY, RequestRunning, "notify-only: nobody awaits the recv, so the request runs at once"),
+    error(AWAITING_RECV, RequestRunning, "scheduled before its recv was reported"),
     on(FINISHED_RECV, RequestFinished, "RELEASED", grant_hold, when=hold_for_next_turn),
     on(FINISHED_RECV, RequestFinished, "RELEASED"),
-    error(UNTIL_RECV + ["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"], RequestFinished,
-          "finished before its recv was reported (abort instead)"),
+    ignore(NOTIFY, RequestFinished,
+           "notify-only: the notify ends the request on its own (finishing it here would leave P's lease to "
+           "expire); nothing of the remote's is held for a next turn"),
+    error(AWAITING_RECV, RequestFinished, "finished before its recv was reported (abort instead)"),
 
     # Abort: release everything held; an awaited recv is still reported.
     on(["HEARTBEATING", "NOTIFY_ONLY"], Abort, "ABORTED", stop_heartbeat),
