@@ -342,8 +342,9 @@ TABLE = rows(
     ignore(S.RUNNING, RequestRunning, "already running"),
     ignore(NOTIFY, RequestRunning, "notify-only: nobody awaits the recv, so the request runs at once"),
     error(AWAITING_RECV, RequestRunning, "scheduled before its recv was reported"),
-    on(FINISHED_RECV, RequestFinished, S.RELEASED, grant_hold, when=hold_for_next_turn),
-    on(FINISHED_RECV, RequestFinished, S.RELEASED),
+    *(rows(on(s, RequestFinished, S.RELEASED, grant_hold, when=hold_for_next_turn),
+           on(s, RequestFinished, S.RELEASED))
+      for s in FINISHED_RECV),
     ignore(NOTIFY, RequestFinished,
            "notify-only: the notify ends the request on its own (finishing it here would leave P's lease to "
            "expire); nothing of the remote's is held for a next turn"),

@@ -175,17 +175,17 @@ TABLE = rows(
     # embedder), and a duplicate never counts as the last consumer.
     *(
         rows(
-            on(s, ConsumerDone, s, refuse_foreign_sender, when=foreign_sender),
-            on(s, ConsumerDone, s, refuse_wrong_count, when=wrong_consumer_count),
             on(s, LeaseHeartbeat, s, refuse_foreign_sender, when=foreign_sender),
             on(s, LeaseHeartbeat, s, when=renewable, do=_extend),
             on(s, LeaseHeartbeat, s, do=_bind),  # fixed TTL: a decoder's hold is not extended
+            on(s, ConsumerDone, s, refuse_foreign_sender, when=foreign_sender),
+            on(s, ConsumerDone, s, refuse_wrong_count, when=wrong_consumer_count),
+            on(s, ConsumerDone, s, when=duplicate_consumer) if s == S.PARTIALLY_READ else [],
+            on(s, ConsumerDone, S.RELEASED, free_consumed, when=last_consumer, do=_consumed),
+            on(s, ConsumerDone, S.PARTIALLY_READ, do=_consumed),
         )
         for s in HELD
     ),
-    on(S.PARTIALLY_READ, ConsumerDone, S.PARTIALLY_READ, when=duplicate_consumer),
-    on(HELD, ConsumerDone, S.RELEASED, free_consumed, when=last_consumer, do=_consumed),
-    on(HELD, ConsumerDone, S.PARTIALLY_READ, do=_consumed),
 )
 
 SPEC = Spec(
