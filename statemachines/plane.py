@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import operator
 from collections import Counter, deque
 from typing import Any, Callable, Iterable
 
@@ -425,20 +426,39 @@ def _field_getter(source) -> Callable:
     raise TypeError(f"unknown wire field source {source!r}")
 
 
+def _tuple_getter(names: tuple[str, ...]) -> Callable:
+    """getter(obj) -> the tuple of those attributes (one C call for several)."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    if names:
+        get = operator.attrgetter(names[0])
+        return lambda obj: (get(obj),)
+    return lambda obj: ()
+
+
 def _wire_executor(w: Wire) -> Callable:
     """The internal-action handler that carries out one wire."""
     cls = w.event
-    getters = tuple((field, _field_getter(source)) for field, source in w.fields)
+    # Fields copied from the action are read directly (the common case, and
+    # this runs for most internal actions); the rest through their getters.
+    copied = tuple((field, source.name) for field, source in w.fields if isinstance(source, ActionField))
+    copied_fields = tuple(field for field, _ in copied)
+    read_copied = _tuple_getter(tuple(name for _, name in copied))
+    getters = tuple((field, _field_getter(source)) for field, source in w.fields
+                    if not isinstance(source, ActionField))
     if isinstance(w.target, Requesters):
         requesters = w.target.field
 
         def fan_out(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
             for req in getattr(a, requesters):
-                queue.append(cls(**{field: get(plane, a, None, req) for field, get in getters}))
+                kw = dict(zip(copied_fields, read_copied(a)))
+                for field, get in getters:
+                    kw[field] = get(plane, a, None, req)
+                queue.append(cls(**kw))
 
         return fan_out
     kind = w.target
-    key_of = dict(getters)[cls.key_field]
+    key_of = _field_getter(dict(w.fields)[cls.key_field])
     needs_target = w.only_if_live or any(isinstance(source, TargetField) for _, source in w.fields)
 
     def deliver(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
@@ -447,7 +467,10 @@ def _wire_executor(w: Wire) -> Callable:
             inst = plane.instances[kind].get(key_of(plane, a, None, None))
             if inst is None:
                 return
-        queue.append(cls(**{field: get(plane, a, inst, None) for field, get in getters}))
+        kw = dict(zip(copied_fields, read_copied(a)))
+        for field, get in getters:
+            kw[field] = get(plane, a, inst, None)
+        queue.append(cls(**kw))
 
     return deliver
 
