@@ -16,7 +16,6 @@ import copy
 
 import pytest
 
-from kvplane.statemachines import actions as A
 from kvplane.statemachines import events as E
 from kvplane.statemachines.base import ArmTimer, CancelTimer, TimerFired
 from kvplane.statemachines.config import PlaneConfig
