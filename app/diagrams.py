@@ -24,6 +24,7 @@ def render_all(svg: bool = True) -> dict[str, bytes]:
     """File name -> content for every machine."""
     try:  # the [diagrams] extra
         from kvplane.statemachines.reference import render_dot, render_mermaid
+        from kvplane.statemachines.render_composition import composition_files
     except ImportError as exc:
         raise DiagramsUnavailable(f"rendering diagrams needs the [diagrams] extra ({exc}): pip install 'kvplane[diagrams]'") from exc
     files: dict[str, bytes] = {}
@@ -31,6 +32,7 @@ def render_all(svg: bool = True) -> dict[str, bytes]:
         files[f"{name}.mmd"] = render_mermaid(spec).encode()
         if svg:
             files[f"{name}.svg"] = render_dot(spec).pipe(format="svg")
+    files.update(composition_files(SPECS, svg))
     return files
 
 

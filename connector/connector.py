@@ -34,9 +34,6 @@ class KVPlaneScheduler:
         self._remote: dict[str, RemoteKV] = {}  # requests whose KV comes from a remote engine
         self._serve_remote: set[str] = set()  # requests whose KV a remote engine will read
         self._push: set[str] = set()  # served requests a decoder will have us WRITE (push mode)
-        # Full-prefix hits nobody awaits: the scheduler runs and finishes them
-        # at once while the notify to P completes on its own.
-        self._notify_only: set[str] = set()
         self._to_load: list[str] = []
 
     # ---- decode side (the consumer) -------------------------------------
@@ -75,8 +72,6 @@ class KVPlaneScheduler:
         if request_id not in self._remote:
             return
         awaiting = num_external_tokens > 0 if awaiting is None else awaiting
-        if num_external_tokens == 0 and not awaiting:
-            self._notify_only.add(request_id)
         self.driver.feed(E.BlocksAllocated(
             request_id=request_id, block_ids=block_ids, num_remote_tokens=num_external_tokens,
             awaiting=awaiting,
@@ -88,9 +83,9 @@ class KVPlaneScheduler:
         return meta
 
     def request_running(self, request_id: str) -> None:
-        # A notify-only request runs without waiting: its machine has no
-        # recv to report and would take RequestRunning as a protocol error.
-        if request_id in self._remote and request_id not in self._notify_only:
+        # A notify-only request runs without waiting (its table ignores this);
+        # once its notify is done it has no machine left to tell.
+        if request_id in self._remote and self._decoding(request_id):
             self.driver.feed(E.RequestRunning(request_id=request_id))
 
     # ---- both sides -------------------------------------------------------
@@ -104,15 +99,13 @@ class KVPlaneScheduler:
         """
         block_ids = tuple(block_ids)
         rk = self._remote.pop(request_id, None)
-        if request_id in self._notify_only:
-            # The notify finishes (or times out) on its own; finishing the
-            # machine here would abort it and leave P's lease to expire.
-            self._notify_only.discard(request_id)
-            return False, None
         if rk is not None:
-            self.driver.feed(E.RequestFinished(request_id=request_id, block_ids=block_ids,
-                                               hold_for_next_turn=hold_for_next_turn))
-            if hold_for_next_turn:
+            if self._decoding(request_id):
+                self.driver.feed(E.RequestFinished(request_id=request_id, block_ids=block_ids,
+                                                   hold_for_next_turn=hold_for_next_turn))
+            # The table decides whether the blocks are held (a notify-only
+            # request's are not): delay the free only while a lease holds them.
+            if hold_for_next_turn and self.driver.plane.get("lease", request_id) is not None:
                 return True, self._params(request_id, block_ids, 1, self._lease_expiry(request_id))
             return False, None
         if request_id in self._serve_remote:
@@ -131,12 +124,16 @@ class KVPlaneScheduler:
         return False, None
 
     def abort(self, request_id: str) -> None:
-        self._notify_only.discard(request_id)
         self._push.discard(request_id)
         if self._remote.pop(request_id, None) is not None:
             self.driver.feed(E.Abort(request_id=request_id))
         elif self.driver.plane.get("lease", request_id) is not None:
             self.driver.feed(E.LeaseAbort(request_id=request_id))
+
+    def _decoding(self, request_id: str) -> bool:
+        """Whether the request's decode machine is still live (a notify-only
+        one ends on its own, possibly before the scheduler finishes it)."""
+        return self.driver.plane.get("decode_request", request_id) is not None
 
     def _lease_expiry(self, request_id: str) -> float | None:
         lease = self.driver.plane.get("lease", request_id)

@@ -38,7 +38,9 @@ from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.plane import HEARTBEAT_REQUESTER, ControlPlane
 from kvplane.transport.errors import PeerDisconnected as PeerGone
 from kvplane.transport.errors import TransportError
+from kvplane.statemachines.machines.lease import HELD as LEASE_HELD
 from kvplane.statemachines.machines.lease import admits
+from kvplane.statemachines.machines.remote_engine import UP as ENGINE_UP
 from kvplane.transport.handshake import HandshakeServer, build_payload, public_key
 from kvplane.transport.wire import (
     CompletionNotif, HeartbeatNotif, MalformedNotification, PushRegistration, PushRegNotif, encode_completion,
@@ -231,7 +233,7 @@ class PlaneDriver:
         # The heartbeat batcher keeps its reference until its next tick even
         # with nothing left to send; such an engine is idle too.
         idle = [key for key, e in self.plane.instances["remote_engine"].items()
-                if e.state in ("CONNECTED", "STALE")
+                if e.state in ENGINE_UP
                 and all(kind == HEARTBEAT_REQUESTER and not hb.registered(key) for kind, _ in e.refs)]
         for key in idle:
             self.feed(E.PeerDisconnected(engine_id=key, reason=reason))
@@ -455,8 +457,11 @@ class PlaneDriver:
             rids = [self._lease_named(name) for name in notif.request_ids]
             return [E.LeaseHeartbeat(request_id=rid, sender=sender) for rid in rids if rid is not None]
         if isinstance(notif, CompletionNotif):
+            # A completion naming one of our decode requests is a push WRITE
+            # into it (its table ignores one it does not await); any other
+            # names a lease a consumer READ from.
             reader = self.plane.get("decode_request", notif.request_id)
-            if reader is not None and reader.state == "AWAITING_PUSH":
+            if reader is not None:
                 if reader.engine_id != sender:
                     # Only the engine that pushes to us may say its WRITE is done.
                     self._count_and_warn("refused_push_done_foreign_sender",
@@ -486,7 +491,7 @@ class PlaneDriver:
         lease = self.plane.get("lease", rid) if rid is not None else None
         if event.engine_id != sender:
             why = "names another engine"
-        elif lease is None or lease.state not in ("LEASED", "PARTIALLY_READ"):
+        elif lease is None or lease.state not in LEASE_HELD:
             why = "names no lease we hold"
         elif not admits(lease, sender):
             why = "the lease is bound to other consumers"

@@ -1,10 +1,10 @@
-"""Every instruction a transition can emit.
+"""Every instruction a transition can emit: fields and resources only.
 
-``build(inst, event, config, now)`` constructs the action from the machine
-instance and the triggering event, so transition tables list action classes
-only and the validator can read their resource effects statically.
-Internal actions are carried out by the ControlPlane; the rest go to the
-transport or the scheduler.
+What goes into an action is written beside the table that emits it (the
+machine-local builders in ``machines/<machine>.py``, see ``emit``); the
+validator reads the resources declared here statically.  Internal actions
+are carried out by the ControlPlane (cross-machine ones as declared in
+``composition``); the rest go to the transport or the scheduler.
 """
 from __future__ import annotations
 
@@ -28,10 +28,6 @@ class StartHeartbeat(Action):
     internal: ClassVar[bool] = True
     acquires: ClassVar[frozenset[str]] = frozenset({"heartbeat"})
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.engine_id, inst.remote_request_id, inst.ranks)
-
 
 @attrs.frozen
 class StopHeartbeat(Action):
@@ -39,10 +35,6 @@ class StopHeartbeat(Action):
     remote_request_id: str
     internal: ClassVar[bool] = True
     releases: ClassVar[frozenset[str]] = frozenset({"heartbeat"})
-
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.engine_id, inst.remote_request_id)
 
 
 @attrs.frozen
@@ -63,10 +55,6 @@ class AcquireEngine(Action):
     internal: ClassVar[bool] = True
     acquires: ClassVar[frozenset[str]] = frozenset({"engine_ref"})
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.engine_id, inst.KIND, inst.key)
-
 
 @attrs.frozen
 class ReleaseEngine(Action):
@@ -76,10 +64,6 @@ class ReleaseEngine(Action):
     internal: ClassVar[bool] = True
     releases: ClassVar[frozenset[str]] = frozenset({"engine_ref"})
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.engine_id, inst.KIND, inst.key)
-
 
 @attrs.frozen
 class NoteActivity(Action):
@@ -87,10 +71,6 @@ class NoteActivity(Action):
 
     engine_id: str
     internal: ClassVar[bool] = True
-
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.engine_id)
 
 
 @attrs.frozen
@@ -100,13 +80,6 @@ class WakeRequesters(Action):
     clock_offset: float = 0.0
     internal: ClassVar[bool] = True
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        # On Acquire of a connected engine only the new requester is woken.
-        if hasattr(ev, "requester_key"):
-            return cls(inst.key, ((ev.requester_kind, ev.requester_key),), inst.clock_offset)
-        return cls(inst.key, inst.woken, inst.clock_offset)
-
 
 @attrs.frozen
 class FailRequesters(Action):
@@ -115,10 +88,6 @@ class FailRequesters(Action):
     reason: str = ""
     internal: ClassVar[bool] = True
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, tuple(sorted(inst.refs)), getattr(ev, "reason", "") or inst.state.lower())
-
 
 # ------------------------------------------------------------------- transport
 @attrs.frozen
@@ -126,19 +95,11 @@ class StartHandshake(Action):
     engine_id: str
     attempt: int
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, inst.attempts)
-
 
 @attrs.frozen
 class RemoveRemoteAgent(Action):
     engine_id: str
     releases: ClassVar[frozenset[str]] = frozenset({"remote_agent"})
-
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key)
 
 
 @attrs.frozen
@@ -155,11 +116,6 @@ class PostRead(Action):
     expected_consumers: int = 1
     acquires: ClassVar[frozenset[str]] = frozenset({"xfer"})
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, inst.engine_id, inst.remote_request_id, inst.block_ids,
-                   inst.remote_block_ids, inst.expected_consumers)
-
 
 @attrs.frozen
 class PostWrite(Action):
@@ -170,11 +126,6 @@ class PostWrite(Action):
     remote_block_ids: tuple = attrs.field(converter=_ids)
     acquires: ClassVar[frozenset[str]] = frozenset({"xfer"})
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        # The transport attaches the completion notif "<remote_request_id>:1".
-        return cls(inst.key, inst.engine_id, inst.remote_request_id, inst.block_ids, inst.remote_block_ids)
-
 
 @attrs.frozen
 class ReleaseXfer(Action):
@@ -184,20 +135,6 @@ class ReleaseXfer(Action):
     cancel: bool = False
     releases: ClassVar[frozenset[str]] = frozenset({"xfer"})
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, False)
-
-
-class CancelXfer(ReleaseXfer):
-    """ReleaseXfer for a transfer that has not completed (deadline, abort, peer lost)."""
-
-    __slots__ = ()
-
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return ReleaseXfer(inst.key, True)
-
 
 @attrs.frozen
 class SendNotif(Action):
@@ -206,10 +143,6 @@ class SendNotif(Action):
     engine_id: str
     remote_request_id: str
     expected_consumers: int = 1
-
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.engine_id, inst.remote_request_id, inst.expected_consumers)
 
 
 @attrs.frozen
@@ -223,11 +156,6 @@ class SendPushRegistration(Action):
     block_ids: tuple = attrs.field(converter=_ids)
     deadline: float | None = None
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        # The deadline of the AWAITING_PUSH state this registration enters.
-        return cls(inst.key, inst.engine_id, inst.remote_request_id, inst.block_ids, inst.push_give_up())
-
 
 # ------------------------------------------------------------------- scheduler
 @attrs.frozen
@@ -239,20 +167,6 @@ class ReportRecv(Action):
     failed_block_ids: tuple = attrs.field(converter=_ids, default=())
     releases: ClassVar[frozenset[str]] = frozenset({"report"})
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, True)
-
-
-class ReportRecvFailed(ReportRecv):
-    """ReportRecv(ok=False) naming the blocks whose load failed."""
-
-    __slots__ = ()
-
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return ReportRecv(inst.key, False, inst.block_ids)
-
 
 @attrs.frozen
 class FreeBlocks(Action):
@@ -260,13 +174,6 @@ class FreeBlocks(Action):
     block_ids: tuple = attrs.field(converter=_ids)
     reason: str = ""
     releases: ClassVar[frozenset[str]] = frozenset({"blocks"})
-
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, inst.block_ids, _FREE_REASONS.get(type(ev).__name__, type(ev).__name__))
-
-
-_FREE_REASONS = {"TimerFired": "expired", "ConsumerDone": "consumed", "LeaseAbort": "aborted"}
 
 
 @attrs.frozen
@@ -277,10 +184,6 @@ class GrantHold(Action):
     block_ids: tuple = attrs.field(converter=_ids)
     internal: ClassVar[bool] = True
 
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, ev.block_ids or inst.block_ids)
-
 
 @attrs.frozen
 class ConsumeLease(Action):
@@ -289,10 +192,6 @@ class ConsumeLease(Action):
     request_id: str
     consumer: str
     internal: ClassVar[bool] = True
-
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, inst.engine_id)
 
 
 @attrs.frozen
@@ -303,25 +202,16 @@ class RefuseNotification(Action):
     request_id: str
     sender: str | None
     reason: str
-    REASON: ClassVar[str] = "refused"
-
-    @classmethod
-    def build(cls, inst, ev, cfg, now):
-        return cls(inst.key, ev.sender, cls.REASON)
 
 
 @attrs.frozen
 class RefuseForeignSender(RefuseNotification):
     """From a sender the lease is not bound to."""
 
-    REASON: ClassVar[str] = "foreign_sender"
-
 
 @attrs.frozen
 class RefuseWrongCount(RefuseNotification):
     """A completion whose consumer count disagrees with the lease's plan."""
-
-    REASON: ClassVar[str] = "wrong_consumer_count"
 
 
 ALL_ACTIONS: dict[str, type] = {

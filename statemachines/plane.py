@@ -4,9 +4,11 @@ Sans-I/O, like dask's WorkerState: ``handle(event, now)`` and
 ``fire_due(now)`` return the actions the world must execute; nothing else
 leaves.  The plane routes events by machine kind and id, creates a machine
 on its creating event, discards it when it reaches a terminal state, and
-executes internal actions itself (timers, engine references, heartbeat
-registration), feeding the resulting events to the other machines in FIFO
-order within the same call.  One timer heap serves every machine.
+executes internal actions itself (timers, heartbeat registration, and the
+cross-machine wires declared in ``composition``), feeding the resulting
+events to the other machines in FIFO order within the same call.  Which
+event creates which machine is each spec's ``created_by``.  One timer heap
+serves every machine.
 
 Late, duplicate and unknown-id events are counted ignores; an event the
 table declares a protocol error is counted and fails the machine closed
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import operator
 from collections import Counter, deque
 from typing import Any, Callable, Iterable
 
@@ -32,26 +35,22 @@ import attrs
 from . import actions as A
 from . import events as E
 from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
+from .composition import (
+    WIRES, ActionField, ConfigField, Const, HeartbeatChain, Requesters, RequesterKey, RequesterKind, TargetField,
+    Wire,
+)
 from .config import PlaneConfig
 from .heartbeats import HeartbeatBatcher
 from .machines import MACHINES
 from .spec import IGNORED, Machine, ProtocolViolation, Source, timer_action, transitions_of
 from .validate import validate_sources
+from .validate_composition import creators, validate_composition
 
 HEARTBEAT_TIMER = "heartbeat"
 # Requester kind under which the heartbeat batcher holds an engine reference:
 # heartbeats start at arrival, so the engine must be connected from then on,
 # and it must not be evicted while heartbeats for it still flow.
 HEARTBEAT_REQUESTER = "heartbeat"
-
-# Events that create a machine when no instance with their id exists.
-CREATORS: dict[type, str] = {
-    E.NewRequest: "decode_request",
-    E.LeaseGranted: "lease",
-    E.PushRegistered: "push_write",
-    E.PushReady: "push_write",
-    E.EngineAcquire: "remote_engine",
-}
 
 # Observer of every stimulus handled: (event, now, label, state_before,
 # state_after, actions).  Used by the event log; None costs nothing.
@@ -76,6 +75,8 @@ class ControlPlane:
         # kind -> (the Source it uses, the pairs entering its needs);
         # source kind -> ((user kind, Source), ...)
         self._sources, self._users = _source_wiring(tuple(self.machines.items()))
+        # Event class -> the kind it creates; internal action class -> its executor.
+        self._creators, self._internal = _composition(tuple(self.machines.items()))
         self.instances: dict[str, dict[Any, Any]] = {kind: {} for kind in self.machines}
         self.heartbeats = HeartbeatBatcher(self.config.heartbeat_interval,
                                            self.config.lease_extension - self.config.heartbeat_interval)
@@ -192,7 +193,7 @@ class ControlPlane:
         inst = insts.get(key)
         created = inst is None
         if created:
-            if CREATORS.get(cls) != kind:
+            if self._creators.get(cls) != kind:
                 self._refuse_uncreated(event, kind, key, "unknown_id", "", now, out, top)
                 return
             inst = insts[key] = machine.new(key)
@@ -312,43 +313,14 @@ class ControlPlane:
     def _do_stop_heartbeat(self, a: A.StopHeartbeat, now: float, queue: list) -> None:
         self.heartbeats.stop(a.engine_id, a.remote_request_id)
 
-    def _do_acquire(self, a: A.AcquireEngine, now: float, queue: list) -> None:
-        queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=a.kind, requester_key=a.key))
+    def _heartbeat_chain(self, engine_id: str) -> tuple[float | None, float | None]:
+        """(since, last) of our heartbeats to the engine, for a wire's HeartbeatChain."""
+        return self.heartbeats.chain(engine_id)
 
-    def _do_release(self, a: A.ReleaseEngine, now: float, queue: list) -> None:
-        if a.engine_id in self.instances["remote_engine"]:
-            queue.append(E.EngineRelease(engine_id=a.engine_id, requester_kind=a.kind, requester_key=a.key))
-
-    def _do_activity(self, a: A.NoteActivity, now: float, queue: list) -> None:
-        if a.engine_id in self.instances["remote_engine"]:
-            queue.append(E.EngineActivity(engine_id=a.engine_id))
-
-    def _do_wake(self, a: A.WakeRequesters, now: float, queue: list) -> None:
-        since, last = self.heartbeats.chain(a.engine_id)
-        for kind, key in a.requesters:
-            queue.append(E.EngineReady(kind=kind, request_id=key, engine_id=a.engine_id, clock_offset=a.clock_offset,
-                                       heartbeat_at=last, heartbeats_since=since))
-
-    def _do_fail(self, a: A.FailRequesters, now: float, queue: list) -> None:
-        for kind, key in a.requesters:
-            queue.append(E.EngineLost(kind=kind, request_id=key, engine_id=a.engine_id, reason=a.reason))
-
-    def _do_grant_hold(self, a: A.GrantHold, now: float, queue: list) -> None:
-        queue.append(E.LeaseGranted(request_id=a.request_id, block_ids=a.block_ids, expected_consumers=1,
-                                    duration=self.config.decoder_kv_blocks_ttl, renewable=False))
-
-    def _do_consume(self, a: A.ConsumeLease, now: float, queue: list) -> None:
-        lease = self.instances["lease"].get(a.request_id)
-        if lease is not None:
-            queue.append(E.ConsumerDone(request_id=a.request_id, consumer=a.consumer,
-                                        expected_consumers=lease.expected_consumers))
-
-    _internal: dict = {
+    # Internal actions the plane runs itself; the wired ones are added per plane.
+    _own_internal: dict = {
         ArmTimer: _do_arm, CancelTimer: _do_cancel,
         A.StartHeartbeat: _do_start_heartbeat, A.StopHeartbeat: _do_stop_heartbeat,
-        A.AcquireEngine: _do_acquire, A.ReleaseEngine: _do_release, A.NoteActivity: _do_activity,
-        A.WakeRequesters: _do_wake, A.FailRequesters: _do_fail,
-        A.GrantHold: _do_grant_hold, A.ConsumeLease: _do_consume,
     }
 
     def _arm(self, at: float, kind: str, key: Any) -> None:
@@ -417,6 +389,90 @@ def _source_wiring(machines: tuple) -> tuple[dict, dict]:
         sources[kind] = (src, entries)
         users[src.kind] = users.get(src.kind, ()) + ((kind, src),)
     return sources, users
+
+
+@functools.lru_cache(maxsize=64)
+def _composition(machines: tuple) -> tuple[dict, dict]:
+    """Creating events and the executor of every internal action, checked
+    once per set of machines."""
+    specs = {kind: m.spec for kind, m in machines}
+    validate_composition(specs)
+    internal = dict(ControlPlane._own_internal)
+    internal.update((w.action, _wire_executor(w)) for w in WIRES)
+    return creators(specs), internal
+
+
+def _field_getter(source) -> Callable:
+    """getter(plane, action, target instance, requester) for one field of a wire."""
+    if isinstance(source, ActionField):
+        name = source.name
+        return lambda plane, a, inst, req: getattr(a, name)
+    if isinstance(source, ConfigField):
+        name = source.name
+        return lambda plane, a, inst, req: getattr(plane.config, name)
+    if isinstance(source, Const):
+        value = source.value
+        return lambda plane, a, inst, req: value
+    if isinstance(source, TargetField):
+        name = source.name
+        return lambda plane, a, inst, req: getattr(inst, name)
+    if isinstance(source, RequesterKind):
+        return lambda plane, a, inst, req: req[0]
+    if isinstance(source, RequesterKey):
+        return lambda plane, a, inst, req: req[1]
+    if isinstance(source, HeartbeatChain):
+        index = ("since", "last").index(source.which)
+        return lambda plane, a, inst, req: plane._heartbeat_chain(a.engine_id)[index]
+    raise TypeError(f"unknown wire field source {source!r}")
+
+
+def _tuple_getter(names: tuple[str, ...]) -> Callable:
+    """getter(obj) -> the tuple of those attributes (one C call for several)."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    if names:
+        get = operator.attrgetter(names[0])
+        return lambda obj: (get(obj),)
+    return lambda obj: ()
+
+
+def _wire_executor(w: Wire) -> Callable:
+    """The internal-action handler that carries out one wire."""
+    cls = w.event
+    # Fields copied from the action are read directly (the common case, and
+    # this runs for most internal actions); the rest through their getters.
+    copied = tuple((field, source.name) for field, source in w.fields if isinstance(source, ActionField))
+    copied_fields = tuple(field for field, _ in copied)
+    read_copied = _tuple_getter(tuple(name for _, name in copied))
+    getters = tuple((field, _field_getter(source)) for field, source in w.fields
+                    if not isinstance(source, ActionField))
+    if isinstance(w.target, Requesters):
+        requesters = w.target.field
+
+        def fan_out(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
+            for req in getattr(a, requesters):
+                kw = dict(zip(copied_fields, read_copied(a)))
+                for field, get in getters:
+                    kw[field] = get(plane, a, None, req)
+                queue.append(cls(**kw))
+
+        return fan_out
+    kind = w.target
+    key_of = _field_getter(dict(w.fields)[cls.key_field])
+    needs_target = w.only_if_live or any(isinstance(source, TargetField) for _, source in w.fields)
+
+    def deliver(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
+        inst = None
+        if needs_target:
+            inst = plane.instances[kind].get(key_of(plane, a, None, None))
+            if inst is None:
+                return
+        kw = dict(zip(copied_fields, read_copied(a)))
+        for field, get in getters:
+            kw[field] = get(plane, a, inst, None)
+        queue.append(cls(**kw))
+
+    return deliver
 
 
 def _copy_instance(inst):

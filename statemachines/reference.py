@@ -37,7 +37,7 @@ def state_tags(state) -> list[str]:
 
 def edge_label(t: Transition) -> str:
     event = "timeout" if t.event is TimerFired else t.event.__name__
-    acts = ", ".join(a.__name__ for a in t.actions)
+    acts = ", ".join(a.action.__name__ for a in t.actions)
     return f"{event} / {acts}" if acts else event
 
 

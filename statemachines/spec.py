@@ -46,8 +46,9 @@ class Transition:
     guard: Guard | None = None
     guard_doc: str = ""
     effect: Effect | None = None
-    # Action classes built, in order, by ``cls.build(instance, event, config, now)``.
-    actions: tuple[type, ...] = ()
+    # What the transition emits, in order: ``Emit`` records (the action class
+    # and the machine-local ``build(instance, event, config, now)``).
+    actions: tuple = ()
     # Resources the transition takes on beyond what its event and actions
     # declare (e.g. the duty to report a recv that the scheduler awaits).
     acquires: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
@@ -123,6 +124,9 @@ class Spec:
     fail_closed_event: type | None = None
     # Another machine's resource this one uses (see Source); None: none.
     source: Source | None = None
+    # Events that create an instance when none with their id exists (the
+    # plane routes from these; ``validate_composition`` checks them).
+    created_by: tuple[type, ...] = ()
     doc: str = ""
 
 

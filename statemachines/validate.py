@@ -189,8 +189,8 @@ def _check_source(spec: Spec, states: dict, entries: dict, err) -> None:
     for t in spec.table:
         if isinstance(t, Transition):
             for a in t.actions:
-                if any(issubclass(a, u) for u in src.uses) and t.src not in src.needs:
-                    err(f"{t.src} -> {t.dest} on {_name(t.event)}: builds {a.__name__}, which uses "
+                if any(issubclass(a.action, u) for u in src.uses) and t.src not in src.needs:
+                    err(f"{t.src} -> {t.dest} on {_name(t.event)}: builds {_name(a.action)}, which uses "
                         f"{src.kind}'s resource, from a state outside source.needs (the source may not hold it)")
 
 

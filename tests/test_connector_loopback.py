@@ -421,3 +421,26 @@ def test_insecure_drivers_talk_without_keys():
     finally:
         p.worker.shutdown()
         d.worker.shutdown()
+
+
+@pytest.mark.parametrize("finish_first", [True, False])
+def test_notify_only_full_prefix_hit_runs_at_once_and_releases_p(pair, finish_first):
+    """Nobody awaits a notify-only recv: the scheduler runs and finishes the
+    request at once (before or after the notify went out), its machine takes
+    that without a protocol error or a hold, and the notify still frees P's lease."""
+    fabric, clock, p, d = pair
+    p.sched.on_new_request("r1", {"do_remote_decode": True})
+    _, params = p.sched.request_finished("r1", (1, 2))
+    d.sched.on_new_request("d1", params)
+    d.sched.update_state_after_alloc("d1", (), 0, awaiting=False)
+    if not finish_first:
+        assert run(clock, (d, p), 3, until=lambda: d.driver.plane.get("decode_request", "d1") is None)
+    d.sched.request_running("d1")
+    assert d.sched.request_finished("d1", (), hold_for_next_turn=True) == (False, None)
+    assert run(clock, (d, p), 3, until=lambda: "r1" in p.sending)
+    assert p.driver.freed[-1][2] == "consumed"
+    assert "d1" not in d.recving
+    for side in (p, d):
+        assert not [k for k in side.driver.plane.stats if k.split(":")[0] in
+                    ("unknown_id", "protocol_violation", "fail_closed")], side.driver.plane.stats
+    assert d.held() == [] and p.held() == []

@@ -9,7 +9,6 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kvplane.statemachines import actions as A
 from kvplane.statemachines import events as E
 from kvplane.statemachines.base import TimerFired
 from kvplane.statemachines.machines import SPECS, decode_request, lease, push_write, remote_engine
@@ -109,7 +108,7 @@ def test_resource_not_released_on_a_path():
 def test_release_of_something_not_held_double_report():
     # Reporting again when the request starts running: the recv would be reported twice.
     spec = replace_rows(decode_request.SPEC, is_row(Transition, "RECV_DONE", E.RequestRunning),
-                        on("RECV_DONE", E.RequestRunning, "RUNNING", A.ReportRecv))
+                        on("RECV_DONE", E.RequestRunning, "RUNNING", decode_request.report_done))
     assert errors_of(spec) == [
         "RECV_DONE -> RUNNING on RequestRunning: releases 'report', which is not held (double release or unawaited report)"
     ]
@@ -117,7 +116,7 @@ def test_release_of_something_not_held_double_report():
 
 def test_double_release_within_one_transition():
     spec = replace_rows(lease.SPEC, is_row(Transition, "LEASED", E.LeaseAbort),
-                        on("LEASED", E.LeaseAbort, "RELEASED", A.FreeBlocks, A.FreeBlocks))
+                        on("LEASED", E.LeaseAbort, "RELEASED", lease.free_aborted, lease.free_aborted))
     errs = errors_of(spec)
     assert len(errs) == 1 and errs[0].startswith("LEASED -> RELEASED on LeaseAbort:") and "'blocks'" in errs[0]
     assert "more than once" in errs[0]
@@ -125,7 +124,7 @@ def test_double_release_within_one_transition():
 
 def test_double_acquire_within_one_transition():
     spec = replace_rows(decode_request.SPEC, is_row(Transition, "NEW", E.NewRequest),
-                        on("NEW", E.NewRequest, "HEARTBEATING", A.StartHeartbeat, A.StartHeartbeat,
+                        on("NEW", E.NewRequest, "HEARTBEATING", decode_request.start_heartbeat, decode_request.start_heartbeat,
                            do=decode_request._accept))
     errs = errors_of(spec)
     assert len(errs) == 1 and errs[0].startswith("NEW -> HEARTBEATING on NewRequest:") and "'heartbeat'" in errs[0]
@@ -134,8 +133,8 @@ def test_double_acquire_within_one_transition():
 def test_unawaited_notify_only_recv_cannot_report():
     # A notify-only recv (nobody awaits it) must never be reported.
     spec = replace_rows(decode_request.SPEC, is_row(Transition, "NOTIFYING", E.EngineReady),
-                        on("NOTIFYING", E.EngineReady, "RELEASED", A.SendNotif, A.StopHeartbeat, A.ReleaseEngine,
-                           A.ReportRecv))
+                        on("NOTIFYING", E.EngineReady, "RELEASED", decode_request.send_notif, decode_request.stop_heartbeat,
+                           decode_request.release_engine, decode_request.report_done))
     errs = errors_of(spec)
     assert errs == ["NOTIFYING -> RELEASED on EngineReady: releases 'report', which is not held "
                     "(double release or unawaited report)"]
@@ -215,7 +214,7 @@ def test_source_end_must_end_the_machine_in_every_live_state():
 def test_a_write_from_a_state_that_does_not_need_the_source_is_refused():
     """REGISTERED has no blocks yet (the lease may not exist): no WRITE from there."""
     spec = replace_rows(push_write.SPEC, is_row(Transition, "REGISTERED", E.PushReady),
-                        on("REGISTERED", E.PushReady, "WRITING", A.AcquireEngine, A.PostWrite,
+                        on("REGISTERED", E.PushReady, "WRITING", push_write.acquire_engine, push_write.post_write,
                            do=push_write._ready))
     assert "REGISTERED -> WRITING on PushReady: builds PostWrite, which uses lease's resource, from a state " \
            "outside source.needs (the source may not hold it)" in errors_of(spec)

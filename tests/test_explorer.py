@@ -63,7 +63,7 @@ def _drop_fph_report():
     rows = []
     for e in decode_request.TABLE:
         if isinstance(e, Transition) and e.src == "HANDSHAKING" and e.event is EngineReady and e.dest == "RECV_DONE":
-            e = attrs.evolve(e, actions=tuple(a for a in e.actions if a.__name__ != "ReportRecv"))
+            e = attrs.evolve(e, actions=tuple(a for a in e.actions if a.action.__name__ != "ReportRecv"))
         rows.append(e)
     return attrs.evolve(decode_request.SPEC, table=tuple(rows))
 

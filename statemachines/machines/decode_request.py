@@ -12,15 +12,17 @@ awaited recv is reported exactly once and a notify-only one never is.
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import ClassVar
 
 import attrs
 
 from ..actions import (
-    AcquireEngine, CancelXfer, GrantHold, NoteActivity, PostRead, ReleaseEngine, ReleaseXfer,
-    ReportRecv, ReportRecvFailed, SendNotif, SendPushRegistration, StartHeartbeat, StopHeartbeat,
+    AcquireEngine, GrantHold, NoteActivity, PostRead, ReleaseEngine, ReleaseXfer, ReportRecv, SendNotif,
+    SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
 from ..base import Instance, TimerFired, is_finite_number
+from ..emit import emits
 from ..events import (
     Abort, BlocksAllocated, EngineLost, EngineReady, NewRequest, PushDone, ReadDone, ReadFailed,
     RequestFinished, RequestRunning, StartLoad,
@@ -156,113 +158,214 @@ def hold_for_next_turn(r, ev: RequestFinished, cfg, now) -> bool:
     return ev.hold_for_next_turn
 
 
+# ----------------------------------------------------------------- actions
+@emits(StartHeartbeat)
+def start_heartbeat(r: DecodeRequest, ev, cfg, now) -> StartHeartbeat:
+    return StartHeartbeat(r.engine_id, r.remote_request_id, r.ranks)
+
+
+@emits(StopHeartbeat)
+def stop_heartbeat(r: DecodeRequest, ev, cfg, now) -> StopHeartbeat:
+    return StopHeartbeat(r.engine_id, r.remote_request_id)
+
+
+@emits(AcquireEngine)
+def acquire_engine(r: DecodeRequest, ev, cfg, now) -> AcquireEngine:
+    return AcquireEngine(r.engine_id, r.KIND, r.key)
+
+
+@emits(ReleaseEngine)
+def release_engine(r: DecodeRequest, ev, cfg, now) -> ReleaseEngine:
+    return ReleaseEngine(r.engine_id, r.KIND, r.key)
+
+
+@emits(NoteActivity)
+def note_activity(r: DecodeRequest, ev, cfg, now) -> NoteActivity:
+    return NoteActivity(r.engine_id)
+
+
+@emits(PostRead)
+def post_read(r: DecodeRequest, ev, cfg, now) -> PostRead:
+    return PostRead(r.key, r.engine_id, r.remote_request_id, r.block_ids, r.remote_block_ids, r.expected_consumers)
+
+
+@emits(ReleaseXfer)
+def release_xfer(r: DecodeRequest, ev, cfg, now) -> ReleaseXfer:
+    """The READ completed or failed: nothing is in flight."""
+    return ReleaseXfer(r.key, cancel=False)
+
+
+@emits(ReleaseXfer)
+def cancel_xfer(r: DecodeRequest, ev, cfg, now) -> ReleaseXfer:
+    """The READ may still be in flight (deadline, abort, engine lost)."""
+    return ReleaseXfer(r.key, cancel=True)
+
+
+@emits(SendNotif)
+def send_notif(r: DecodeRequest, ev, cfg, now) -> SendNotif:
+    return SendNotif(r.engine_id, r.remote_request_id, r.expected_consumers)
+
+
+@emits(SendPushRegistration)
+def send_push_registration(r: DecodeRequest, ev, cfg, now) -> SendPushRegistration:
+    # The deadline of the AWAITING_PUSH state this registration enters.
+    return SendPushRegistration(r.key, r.engine_id, r.remote_request_id, r.block_ids, r.push_give_up())
+
+
+@emits(ReportRecv)
+def report_done(r: DecodeRequest, ev, cfg, now) -> ReportRecv:
+    return ReportRecv(r.key, ok=True)
+
+
+@emits(ReportRecv)
+def report_failed(r: DecodeRequest, ev, cfg, now) -> ReportRecv:
+    """Failed, naming the blocks whose load failed."""
+    return ReportRecv(r.key, ok=False, failed_block_ids=r.block_ids)
+
+
+@emits(GrantHold)
+def grant_hold(r: DecodeRequest, ev: RequestFinished, cfg, now) -> GrantHold:
+    """Hold the blocks the scheduler names (ours when it names none) for turn 2."""
+    return GrantHold(r.key, ev.block_ids or r.block_ids)
+
+
 # --------------------------------------------------------------- states
+class DecodeState(StrEnum):
+    """The states of a decode request: the names its table uses."""
+
+    NEW = "NEW"
+    HEARTBEATING = "HEARTBEATING"
+    WAITING_FOR_REMOTE_KVS = "WAITING_FOR_REMOTE_KVS"
+    FULL_PREFIX_HIT = "FULL_PREFIX_HIT"
+    NOTIFY_ONLY = "NOTIFY_ONLY"
+    NOTIFYING = "NOTIFYING"
+    HANDSHAKING = "HANDSHAKING"
+    READING = "READING"
+    AWAITING_PUSH = "AWAITING_PUSH"
+    RECV_DONE = "RECV_DONE"
+    RECV_FAILED = "RECV_FAILED"
+    RUNNING = "RUNNING"
+    RELEASED = "RELEASED"
+    ABORTED = "ABORTED"
+
+
+S = DecodeState  # the short name the table rows use
+
 AWAITED = {"heartbeat", "report"}
 STATES = (
-    State("NEW", doc="created by on_new_request"),
-    State("HEARTBEATING", holds={"heartbeat"},
+    State(S.NEW, doc="created by on_new_request"),
+    State(S.HEARTBEATING, holds={"heartbeat"},
           doc="queued on D; heartbeats keep P's lease alive from arrival, not from scheduling"),
-    State("WAITING_FOR_REMOTE_KVS", holds=AWAITED, waits_on_remote=True,
+    State(S.WAITING_FOR_REMOTE_KVS, holds=AWAITED, waits_on_remote=True,
           deadline=lambda r, cfg, now: r.recv_deadline),
-    State("FULL_PREFIX_HIT", holds=AWAITED, waits_on_remote=True, deadline=lambda r, cfg, now: r.recv_deadline,
+    State(S.FULL_PREFIX_HIT, holds=AWAITED, waits_on_remote=True, deadline=lambda r, cfg, now: r.recv_deadline,
           doc="0 remote tokens, scheduler awaits the (notify-only) recv"),
-    State("NOTIFY_ONLY", holds={"heartbeat"}, doc="0 remote tokens, nobody awaits: notify P and vanish"),
-    State("NOTIFYING", holds={"heartbeat", "engine_ref"}, waits_on_remote=True,
+    State(S.NOTIFY_ONLY, holds={"heartbeat"}, doc="0 remote tokens, nobody awaits: notify P and vanish"),
+    State(S.NOTIFYING, holds={"heartbeat", "engine_ref"}, waits_on_remote=True,
           deadline=lambda r, cfg, now: r.recv_deadline),
-    State("HANDSHAKING", holds=AWAITED | {"engine_ref"}, waits_on_remote=True,
+    State(S.HANDSHAKING, holds=AWAITED | {"engine_ref"}, waits_on_remote=True,
           deadline=lambda r, cfg, now: r.recv_deadline),
-    State("READING", holds=AWAITED | {"engine_ref", "xfer"}, waits_on_remote=True,
+    State(S.READING, holds=AWAITED | {"engine_ref", "xfer"}, waits_on_remote=True,
           deadline=lambda r, cfg, now: min(r.recv_deadline, r.transfer_deadline)),
-    State("AWAITING_PUSH", holds=AWAITED | {"engine_ref"}, waits_on_remote=True,
+    State(S.AWAITING_PUSH, holds=AWAITED | {"engine_ref"}, waits_on_remote=True,
           deadline=lambda r, cfg, now: r.push_give_up()),
-    State("RECV_DONE"),
-    State("RECV_FAILED", doc="reported failed; kv_load_failure_policy decides recompute or fail"),
-    State("RUNNING"),
-    State("RELEASED", terminal=True),
-    State("ABORTED", terminal=True),
+    State(S.RECV_DONE),
+    State(S.RECV_FAILED, doc="reported failed; kv_load_failure_policy decides recompute or fail"),
+    State(S.RUNNING),
+    State(S.RELEASED, terminal=True),
+    State(S.ABORTED, terminal=True),
 )
 
 EVENTS = (NewRequest, BlocksAllocated, StartLoad, EngineReady, EngineLost, ReadDone, ReadFailed,
           PushDone, RequestRunning, RequestFinished, Abort, TimerFired)
 
-ACTIVE = ["HEARTBEATING", "WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT", "NOTIFY_ONLY", "NOTIFYING",
-          "HANDSHAKING", "READING", "AWAITING_PUSH", "RECV_DONE", "RECV_FAILED", "RUNNING"]
+ACTIVE = [S.HEARTBEATING, S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT, S.NOTIFY_ONLY, S.NOTIFYING,
+          S.HANDSHAKING, S.READING, S.AWAITING_PUSH, S.RECV_DONE, S.RECV_FAILED, S.RUNNING]
 AFTER_ALLOC = ACTIVE[1:]
-UNTIL_RECV = ["HEARTBEATING", "WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT", "NOTIFY_ONLY"]
-FINISHED_RECV = ["RECV_DONE", "RECV_FAILED", "RUNNING"]
-NO_ENGINE_WAIT = [s for s in ACTIVE if s not in ("HANDSHAKING", "NOTIFYING")]
-NO_XFER = [s for s in ACTIVE if s != "READING"]
-NO_PUSH = [s for s in ACTIVE if s != "AWAITING_PUSH"]
-GIVE_UP = (StopHeartbeat, ReleaseEngine, ReportRecvFailed)
+FINISHED_RECV = [S.RECV_DONE, S.RECV_FAILED, S.RUNNING]
+NOTIFY = [S.NOTIFY_ONLY, S.NOTIFYING]
+# Before the recv is reported, for a request whose recv is (or may be) awaited.
+AWAITING_RECV = [S.HEARTBEATING, S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT, S.HANDSHAKING, S.READING,
+                 S.AWAITING_PUSH]
+NO_ENGINE_WAIT = [s for s in ACTIVE if s not in (S.HANDSHAKING, S.NOTIFYING)]
+NO_XFER = [s for s in ACTIVE if s != S.READING]
+NO_PUSH = [s for s in ACTIVE if s != S.AWAITING_PUSH]
+GIVE_UP = (stop_heartbeat, release_engine, report_failed)
 
 TABLE = rows(
-    on("NEW", NewRequest, "HEARTBEATING", StartHeartbeat, do=_accept),
-    error("NEW", EVENTS[1:-1], "no event precedes on_new_request"),
+    on(S.NEW, NewRequest, S.HEARTBEATING, start_heartbeat, do=_accept),
+    error(S.NEW, EVENTS[1:-1], "no event precedes on_new_request"),
     ignore(ACTIVE, NewRequest, "duplicate on_new_request for a live request"),
 
     # Allocation decides what the scheduler awaits.
-    on("HEARTBEATING", BlocksAllocated, "WAITING_FOR_REMOTE_KVS", when=has_remote_tokens, do=_allocated,
+    on(S.HEARTBEATING, BlocksAllocated, S.WAITING_FOR_REMOTE_KVS, when=has_remote_tokens, do=_allocated,
        acquires={"report"}),
-    on("HEARTBEATING", BlocksAllocated, "FULL_PREFIX_HIT", when=awaited, do=_allocated, acquires={"report"}),
-    on("HEARTBEATING", BlocksAllocated, "NOTIFY_ONLY", do=_allocated),
+    on(S.HEARTBEATING, BlocksAllocated, S.FULL_PREFIX_HIT, when=awaited, do=_allocated, acquires={"report"}),
+    on(S.HEARTBEATING, BlocksAllocated, S.NOTIFY_ONLY, do=_allocated),
     error(AFTER_ALLOC, BlocksAllocated, "blocks allocated twice"),
 
-    on(["WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT"], StartLoad, "HANDSHAKING", AcquireEngine),
-    on("NOTIFY_ONLY", StartLoad, "NOTIFYING", AcquireEngine),
-    error("HEARTBEATING", StartLoad, "load started before blocks were allocated"),
-    ignore(["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"] + FINISHED_RECV, StartLoad,
+    on([S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT], StartLoad, S.HANDSHAKING, acquire_engine),
+    on(S.NOTIFY_ONLY, StartLoad, S.NOTIFYING, acquire_engine),
+    error(S.HEARTBEATING, StartLoad, "load started before blocks were allocated"),
+    ignore([S.NOTIFYING, S.HANDSHAKING, S.READING, S.AWAITING_PUSH] + FINISHED_RECV, StartLoad,
            "load already started (the worker repeats start_load_kv each step)"),
 
     # The engine is connected: gate, then read, notify, or register for push.
     # A full prefix hit reads nothing remote, so the expiry gate does not apply.
-    on("HANDSHAKING", EngineReady, "RECV_DONE", SendNotif, StopHeartbeat, ReleaseEngine, ReportRecv,
+    on(S.HANDSHAKING, EngineReady, S.RECV_DONE, send_notif, stop_heartbeat, release_engine, report_done,
        when=full_prefix_hit),
-    on("HANDSHAKING", EngineReady, "RECV_FAILED", *GIVE_UP, when=remote_blocks_expired),
-    on("HANDSHAKING", EngineReady, "AWAITING_PUSH", SendPushRegistration, when=push_mode, do=_connected),
-    on("HANDSHAKING", EngineReady, "READING", PostRead, do=_connected),
-    on("NOTIFYING", EngineReady, "RELEASED", SendNotif, StopHeartbeat, ReleaseEngine),
+    on(S.HANDSHAKING, EngineReady, S.RECV_FAILED, *GIVE_UP, when=remote_blocks_expired),
+    on(S.HANDSHAKING, EngineReady, S.AWAITING_PUSH, send_push_registration, when=push_mode, do=_connected),
+    on(S.HANDSHAKING, EngineReady, S.READING, post_read, do=_connected),
+    on(S.NOTIFYING, EngineReady, S.RELEASED, send_notif, stop_heartbeat, release_engine),
     ignore(NO_ENGINE_WAIT, EngineReady, "stale wake-up: the request no longer waits for the engine"),
 
-    on("HANDSHAKING", [EngineLost, TimerFired], "RECV_FAILED", *GIVE_UP),
-    on("NOTIFYING", [EngineLost, TimerFired], "RELEASED", StopHeartbeat, ReleaseEngine),
-    on("READING", [EngineLost, TimerFired], "RECV_FAILED", CancelXfer, *GIVE_UP),
-    on("AWAITING_PUSH", [EngineLost, TimerFired], "RECV_FAILED", *GIVE_UP),
-    on(["WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT"], TimerFired, "RECV_FAILED", StopHeartbeat, ReportRecvFailed),
-    ignore([s for s in ACTIVE if s not in ("HANDSHAKING", "NOTIFYING", "READING", "AWAITING_PUSH")], EngineLost,
+    on(S.HANDSHAKING, [EngineLost, TimerFired], S.RECV_FAILED, *GIVE_UP),
+    on(S.NOTIFYING, [EngineLost, TimerFired], S.RELEASED, stop_heartbeat, release_engine),
+    on(S.READING, [EngineLost, TimerFired], S.RECV_FAILED, cancel_xfer, *GIVE_UP),
+    on(S.AWAITING_PUSH, [EngineLost, TimerFired], S.RECV_FAILED, *GIVE_UP),
+    on([S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT], TimerFired, S.RECV_FAILED, stop_heartbeat, report_failed),
+    ignore([s for s in ACTIVE if s not in (S.HANDSHAKING, S.NOTIFYING, S.READING, S.AWAITING_PUSH)], EngineLost,
            "the request holds no reference to the engine here"),
 
     # Transfer results.
-    on("READING", ReadDone, "RECV_DONE", ReleaseXfer, NoteActivity, StopHeartbeat, ReleaseEngine, ReportRecv),
-    on("READING", ReadFailed, "RECV_FAILED", ReleaseXfer, *GIVE_UP),
+    on(S.READING, ReadDone, S.RECV_DONE, release_xfer, note_activity, stop_heartbeat, release_engine, report_done),
+    on(S.READING, ReadFailed, S.RECV_FAILED, release_xfer, *GIVE_UP),
     ignore(NO_XFER, [ReadDone, ReadFailed], "late completion of a transfer already released"),
-    on("AWAITING_PUSH", PushDone, "RECV_DONE", NoteActivity, StopHeartbeat, ReleaseEngine, ReportRecv),
+    on(S.AWAITING_PUSH, PushDone, S.RECV_DONE, note_activity, stop_heartbeat, release_engine, report_done),
     ignore(NO_PUSH, PushDone, "late or duplicate push completion"),
 
     # After the recv: the scheduler runs and finishes the request.
-    on(["RECV_DONE", "RECV_FAILED"], RequestRunning, "RUNNING"),
-    ignore("RUNNING", RequestRunning, "already running"),
-    error(UNTIL_RECV + ["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"], RequestRunning,
-          "scheduled before its recv was reported"),
-    on(FINISHED_RECV, RequestFinished, "RELEASED", GrantHold, when=hold_for_next_turn),
-    on(FINISHED_RECV, RequestFinished, "RELEASED"),
-    error(UNTIL_RECV + ["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"], RequestFinished,
-          "finished before its recv was reported (abort instead)"),
+    # A notify-only request is not awaited: the scheduler runs and finishes it
+    # at once, while the notify to the remote completes (or times out) alone.
+    on([S.RECV_DONE, S.RECV_FAILED], RequestRunning, S.RUNNING),
+    ignore(S.RUNNING, RequestRunning, "already running"),
+    ignore(NOTIFY, RequestRunning, "notify-only: nobody awaits the recv, so the request runs at once"),
+    error(AWAITING_RECV, RequestRunning, "scheduled before its recv was reported"),
+    *(rows(on(s, RequestFinished, S.RELEASED, grant_hold, when=hold_for_next_turn),
+           on(s, RequestFinished, S.RELEASED))
+      for s in FINISHED_RECV),
+    ignore(NOTIFY, RequestFinished,
+           "notify-only: the notify ends the request on its own (finishing it here would leave P's lease to "
+           "expire); nothing of the remote's is held for a next turn"),
+    error(AWAITING_RECV, RequestFinished, "finished before its recv was reported (abort instead)"),
 
     # Abort: release everything held; an awaited recv is still reported.
-    on(["HEARTBEATING", "NOTIFY_ONLY"], Abort, "ABORTED", StopHeartbeat),
-    on(["WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT"], Abort, "ABORTED", StopHeartbeat, ReportRecvFailed),
-    on("NOTIFYING", Abort, "ABORTED", StopHeartbeat, ReleaseEngine),
-    on(["HANDSHAKING", "AWAITING_PUSH"], Abort, "ABORTED", *GIVE_UP),
-    on("READING", Abort, "ABORTED", CancelXfer, *GIVE_UP),
-    on(FINISHED_RECV, Abort, "ABORTED"),
+    on([S.HEARTBEATING, S.NOTIFY_ONLY], Abort, S.ABORTED, stop_heartbeat),
+    on([S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT], Abort, S.ABORTED, stop_heartbeat, report_failed),
+    on(S.NOTIFYING, Abort, S.ABORTED, stop_heartbeat, release_engine),
+    on([S.HANDSHAKING, S.AWAITING_PUSH], Abort, S.ABORTED, *GIVE_UP),
+    on(S.READING, Abort, S.ABORTED, cancel_xfer, *GIVE_UP),
+    on(FINISHED_RECV, Abort, S.ABORTED),
 )
 
 SPEC = Spec(
     name="decode_request",
     instance_type=DecodeRequest,
-    initial="NEW",
+    initial=S.NEW,
     states=STATES,
     events=EVENTS,
+    created_by=(NewRequest,),
     table=TABLE,
     fail_closed_event=Abort,
     doc=__doc__,

@@ -20,12 +20,14 @@ embedder's part (authenticated agents, an unguessable lease name).
 """
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import ClassVar
 
 import attrs
 
 from ..actions import FreeBlocks, RefuseForeignSender, RefuseWrongCount
 from ..base import Instance, TimerFired
+from ..emit import emits
 from ..events import ConsumerDone, LeaseAbort, LeaseGranted, LeaseHeartbeat
 from ..spec import Spec, State
 from ..table import error, ignore, on, rows
@@ -107,52 +109,92 @@ def last_consumer(lease: Lease, ev: ConsumerDone, cfg, now) -> bool:
     return len(lease.consumers) + 1 >= lease.expected_consumers
 
 
+# ----------------------------------------------------------------- actions
+@emits(FreeBlocks)
+def free_expired(lease: Lease, ev, cfg, now) -> FreeBlocks:
+    return FreeBlocks(lease.key, lease.block_ids, "expired")
+
+
+@emits(FreeBlocks)
+def free_aborted(lease: Lease, ev, cfg, now) -> FreeBlocks:
+    return FreeBlocks(lease.key, lease.block_ids, "aborted")
+
+
+@emits(FreeBlocks)
+def free_consumed(lease: Lease, ev, cfg, now) -> FreeBlocks:
+    return FreeBlocks(lease.key, lease.block_ids, "consumed")
+
+
+@emits(RefuseForeignSender)
+def refuse_foreign_sender(lease: Lease, ev, cfg, now) -> RefuseForeignSender:
+    return RefuseForeignSender(lease.key, ev.sender, "foreign_sender")
+
+
+@emits(RefuseWrongCount)
+def refuse_wrong_count(lease: Lease, ev: ConsumerDone, cfg, now) -> RefuseWrongCount:
+    return RefuseWrongCount(lease.key, ev.sender, "wrong_consumer_count")
+
+
 _expiry = lambda lease, cfg, now: lease.expiry  # noqa: E731  (a deadline is data on the instance)
 
+
+class LeaseState(StrEnum):
+    """The states of a lease: the names its table uses."""
+
+    PREFILLING = "PREFILLING"
+    LEASED = "LEASED"
+    PARTIALLY_READ = "PARTIALLY_READ"
+    EXPIRED = "EXPIRED"
+    RELEASED = "RELEASED"
+
+
+S = LeaseState  # the short name the table rows use
+
 STATES = (
-    State("PREFILLING", doc="blocks still owned by the running prefill"),
-    State("LEASED", holds={"blocks"}, waits_on_remote=True, deadline=_expiry),
-    State("PARTIALLY_READ", holds={"blocks"}, waits_on_remote=True, deadline=_expiry,
+    State(S.PREFILLING, doc="blocks still owned by the running prefill"),
+    State(S.LEASED, holds={"blocks"}, waits_on_remote=True, deadline=_expiry),
+    State(S.PARTIALLY_READ, holds={"blocks"}, waits_on_remote=True, deadline=_expiry,
           doc="some, not all, expected consumers have read"),
-    State("EXPIRED", terminal=True, doc="blocks reclaimed at the deadline: the consumers went silent"),
-    State("RELEASED", terminal=True),
+    State(S.EXPIRED, terminal=True, doc="blocks reclaimed at the deadline: the consumers went silent"),
+    State(S.RELEASED, terminal=True),
 )
 EVENTS = (LeaseGranted, LeaseHeartbeat, ConsumerDone, LeaseAbort, TimerFired)
-HELD = ["LEASED", "PARTIALLY_READ"]
+HELD = [S.LEASED, S.PARTIALLY_READ]
 
 TABLE = rows(
-    on("PREFILLING", LeaseGranted, "LEASED", do=_grant),
+    on(S.PREFILLING, LeaseGranted, S.LEASED, do=_grant),
     *(on(s, LeaseGranted, s, do=_regrant) for s in HELD),
-    ignore("PREFILLING", LeaseHeartbeat, "not leased yet; the grant starts a full lease"),
-    error("PREFILLING", ConsumerDone, "consumer finished before the blocks were leased"),
-    on("PREFILLING", LeaseAbort, "RELEASED"),
+    ignore(S.PREFILLING, LeaseHeartbeat, "not leased yet; the grant starts a full lease"),
+    error(S.PREFILLING, ConsumerDone, "consumer finished before the blocks were leased"),
+    on(S.PREFILLING, LeaseAbort, S.RELEASED),
 
-    on(HELD, TimerFired, "EXPIRED", FreeBlocks),
-    on(HELD, LeaseAbort, "RELEASED", FreeBlocks),
+    on(HELD, TimerFired, S.EXPIRED, free_expired),
+    on(HELD, LeaseAbort, S.RELEASED, free_aborted),
     # Guards are tried in order.  Refusals first: a stranger's message or a
     # count that disagrees with the plan changes nothing (counted by the
     # embedder), and a duplicate never counts as the last consumer.
     *(
         rows(
-            on(s, ConsumerDone, s, RefuseForeignSender, when=foreign_sender),
-            on(s, ConsumerDone, s, RefuseWrongCount, when=wrong_consumer_count),
-            on(s, LeaseHeartbeat, s, RefuseForeignSender, when=foreign_sender),
+            on(s, LeaseHeartbeat, s, refuse_foreign_sender, when=foreign_sender),
             on(s, LeaseHeartbeat, s, when=renewable, do=_extend),
             on(s, LeaseHeartbeat, s, do=_bind),  # fixed TTL: a decoder's hold is not extended
+            on(s, ConsumerDone, s, refuse_foreign_sender, when=foreign_sender),
+            on(s, ConsumerDone, s, refuse_wrong_count, when=wrong_consumer_count),
+            on(s, ConsumerDone, s, when=duplicate_consumer) if s == S.PARTIALLY_READ else [],
+            on(s, ConsumerDone, S.RELEASED, free_consumed, when=last_consumer, do=_consumed),
+            on(s, ConsumerDone, S.PARTIALLY_READ, do=_consumed),
         )
         for s in HELD
     ),
-    on("PARTIALLY_READ", ConsumerDone, "PARTIALLY_READ", when=duplicate_consumer),
-    on(HELD, ConsumerDone, "RELEASED", FreeBlocks, when=last_consumer, do=_consumed),
-    on(HELD, ConsumerDone, "PARTIALLY_READ", do=_consumed),
 )
 
 SPEC = Spec(
     name="lease",
     instance_type=Lease,
-    initial="PREFILLING",
+    initial=S.PREFILLING,
     states=STATES,
     events=EVENTS,
+    created_by=(LeaseGranted,),
     table=TABLE,
     fail_closed_event=LeaseAbort,
     doc=__doc__,

@@ -25,12 +25,14 @@ told: it reports the recv failed when its wait for the push is over.
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import ClassVar
 
 import attrs
 
-from ..actions import AcquireEngine, CancelXfer, ConsumeLease, NoteActivity, PostWrite, ReleaseEngine, ReleaseXfer
+from ..actions import AcquireEngine, ConsumeLease, NoteActivity, PostWrite, ReleaseEngine, ReleaseXfer
 from ..base import Instance, TimerFired
+from ..emit import emits
 from ..events import (
     EngineLost, EngineReady, PushAbort, PushReady, PushRegistered, SourceEnded, WriteDone, WriteFailed,
 )
@@ -105,67 +107,123 @@ def decoder_gives_up_first(p: PushWrite, ev: EngineReady, cfg, now) -> bool:
     return write_until is not None and not (write_until > now and math.isfinite(now))
 
 
+# ----------------------------------------------------------------- actions
+@emits(AcquireEngine)
+def acquire_engine(p: PushWrite, ev, cfg, now) -> AcquireEngine:
+    return AcquireEngine(p.engine_id, p.KIND, p.key)
+
+
+@emits(ReleaseEngine)
+def release_engine(p: PushWrite, ev, cfg, now) -> ReleaseEngine:
+    return ReleaseEngine(p.engine_id, p.KIND, p.key)
+
+
+@emits(NoteActivity)
+def note_activity(p: PushWrite, ev, cfg, now) -> NoteActivity:
+    return NoteActivity(p.engine_id)
+
+
+@emits(PostWrite)
+def post_write(p: PushWrite, ev, cfg, now) -> PostWrite:
+    # The transport attaches the completion notif "<remote_request_id>:1".
+    return PostWrite(p.key, p.engine_id, p.remote_request_id, p.block_ids, p.remote_block_ids)
+
+
+@emits(ReleaseXfer)
+def release_xfer(p: PushWrite, ev, cfg, now) -> ReleaseXfer:
+    """The WRITE completed or failed: nothing is in flight."""
+    return ReleaseXfer(p.key, cancel=False)
+
+
+@emits(ReleaseXfer)
+def cancel_xfer(p: PushWrite, ev, cfg, now) -> ReleaseXfer:
+    """The WRITE may still be in flight (deadline, abort, engine or lease lost)."""
+    return ReleaseXfer(p.key, cancel=True)
+
+
+@emits(ConsumeLease)
+def consume_lease(p: PushWrite, ev, cfg, now) -> ConsumeLease:
+    """The decoder (our engine) consumed the lease, as a READ would."""
+    return ConsumeLease(p.key, p.engine_id)
+
+
 _wait = lambda p, cfg, now: p.wait_deadline  # noqa: E731
 
+
+class PushState(StrEnum):
+    """The states of a push WRITE: the names its table uses."""
+
+    NEW = "NEW"
+    REGISTERED = "REGISTERED"
+    AWAITING_REG = "AWAITING_REG"
+    CONNECTING = "CONNECTING"
+    WRITING = "WRITING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+S = PushState  # the short name the table rows use
+
 STATES = (
-    State("NEW"),
-    State("REGISTERED", waits_on_remote=True, deadline=_wait, doc="D registered; our prefill still runs"),
-    State("AWAITING_REG", waits_on_remote=True, deadline=_wait, doc="prefill done; deferred until D registers"),
-    State("CONNECTING", holds={"engine_ref"}, waits_on_remote=True, deadline=_wait),
-    State("WRITING", holds={"engine_ref", "xfer"}, waits_on_remote=True,
+    State(S.NEW),
+    State(S.REGISTERED, waits_on_remote=True, deadline=_wait, doc="D registered; our prefill still runs"),
+    State(S.AWAITING_REG, waits_on_remote=True, deadline=_wait, doc="prefill done; deferred until D registers"),
+    State(S.CONNECTING, holds={"engine_ref"}, waits_on_remote=True, deadline=_wait),
+    State(S.WRITING, holds={"engine_ref", "xfer"}, waits_on_remote=True,
           deadline=lambda p, cfg, now: p.transfer_deadline),
-    State("DONE", terminal=True),
-    State("FAILED", terminal=True,
+    State(S.DONE, terminal=True),
+    State(S.FAILED, terminal=True,
           doc="no WRITE completed (failed, cancelled or declined); the lease expires or is aborted on its own"),
 )
 EVENTS = (PushRegistered, PushReady, EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort, SourceEnded,
           TimerFired)
-LIVE = ["REGISTERED", "AWAITING_REG", "CONNECTING", "WRITING"]
+LIVE = [S.REGISTERED, S.AWAITING_REG, S.CONNECTING, S.WRITING]
 # The WRITE is from P's lease of the same request: the push may have the
 # blocks (and WRITE from them) only while the lease holds them.
-SOURCE = Source(kind="lease", held=LEASE_HELD, needs=("AWAITING_REG", "CONNECTING", "WRITING"), ended=SourceEnded,
+SOURCE = Source(kind="lease", held=LEASE_HELD, needs=(S.AWAITING_REG, S.CONNECTING, S.WRITING), ended=SourceEnded,
                 uses=(PostWrite,))
 
 TABLE = rows(
-    on("NEW", PushRegistered, "REGISTERED", do=_registered),
-    on("NEW", PushReady, "AWAITING_REG", do=_ready),
-    error("NEW", [EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort, SourceEnded],
+    on(S.NEW, PushRegistered, S.REGISTERED, do=_registered),
+    on(S.NEW, PushReady, S.AWAITING_REG, do=_ready),
+    error(S.NEW, [EngineReady, EngineLost, WriteDone, WriteFailed, PushAbort, SourceEnded],
           "no push was registered or readied"),
-    on("REGISTERED", PushReady, "CONNECTING", AcquireEngine, do=_ready),
-    on("AWAITING_REG", PushRegistered, "CONNECTING", AcquireEngine, do=_registered),
-    ignore(["REGISTERED", "CONNECTING", "WRITING"], PushRegistered, "duplicate PUSH_REG"),
-    error(["AWAITING_REG", "CONNECTING", "WRITING"], PushReady, "prefill finished twice"),
+    on(S.REGISTERED, PushReady, S.CONNECTING, acquire_engine, do=_ready),
+    on(S.AWAITING_REG, PushRegistered, S.CONNECTING, acquire_engine, do=_registered),
+    ignore([S.REGISTERED, S.CONNECTING, S.WRITING], PushRegistered, "duplicate PUSH_REG"),
+    error([S.AWAITING_REG, S.CONNECTING, S.WRITING], PushReady, "prefill finished twice"),
 
     # The WRITE could not be over before D gives up and may reuse its blocks.
-    on("CONNECTING", EngineReady, "FAILED", ReleaseEngine, when=decoder_gives_up_first),
-    on("CONNECTING", EngineReady, "WRITING", PostWrite, NoteActivity, do=_writing),
-    ignore(["REGISTERED", "AWAITING_REG", "WRITING"], EngineReady, "stale wake-up"),
-    on("CONNECTING", [EngineLost, TimerFired], "FAILED", ReleaseEngine),
-    on("WRITING", [EngineLost, TimerFired], "FAILED", CancelXfer, ReleaseEngine),
-    ignore(["REGISTERED", "AWAITING_REG"], EngineLost, "no engine reference held yet"),
-    on(["REGISTERED", "AWAITING_REG"], TimerFired, "FAILED"),
+    on(S.CONNECTING, EngineReady, S.FAILED, release_engine, when=decoder_gives_up_first),
+    on(S.CONNECTING, EngineReady, S.WRITING, post_write, note_activity, do=_writing),
+    ignore([S.REGISTERED, S.AWAITING_REG, S.WRITING], EngineReady, "stale wake-up"),
+    on(S.CONNECTING, [EngineLost, TimerFired], S.FAILED, release_engine),
+    on(S.WRITING, [EngineLost, TimerFired], S.FAILED, cancel_xfer, release_engine),
+    ignore([S.REGISTERED, S.AWAITING_REG], EngineLost, "no engine reference held yet"),
+    on([S.REGISTERED, S.AWAITING_REG], TimerFired, S.FAILED),
 
-    on("WRITING", WriteDone, "DONE", ReleaseXfer, NoteActivity, ConsumeLease, ReleaseEngine),
-    on("WRITING", WriteFailed, "FAILED", ReleaseXfer, ReleaseEngine),
-    ignore(["REGISTERED", "AWAITING_REG", "CONNECTING"], [WriteDone, WriteFailed], "no WRITE in flight"),
+    on(S.WRITING, WriteDone, S.DONE, release_xfer, note_activity, consume_lease, release_engine),
+    on(S.WRITING, WriteFailed, S.FAILED, release_xfer, release_engine),
+    ignore([S.REGISTERED, S.AWAITING_REG, S.CONNECTING], [WriteDone, WriteFailed], "no WRITE in flight"),
 
-    on(["REGISTERED", "AWAITING_REG"], PushAbort, "FAILED"),
-    on("CONNECTING", PushAbort, "FAILED", ReleaseEngine),
-    on("WRITING", PushAbort, "FAILED", CancelXfer, ReleaseEngine),
+    on([S.REGISTERED, S.AWAITING_REG], PushAbort, S.FAILED),
+    on(S.CONNECTING, PushAbort, S.FAILED, release_engine),
+    on(S.WRITING, PushAbort, S.FAILED, cancel_xfer, release_engine),
 
     # The lease no longer holds the blocks (expired, released, aborted):
     # nothing may be written from them; a WRITE in flight is cancelled.
-    on(["REGISTERED", "AWAITING_REG"], SourceEnded, "FAILED"),
-    on("CONNECTING", SourceEnded, "FAILED", ReleaseEngine),
-    on("WRITING", SourceEnded, "FAILED", CancelXfer, ReleaseEngine),
+    on([S.REGISTERED, S.AWAITING_REG], SourceEnded, S.FAILED),
+    on(S.CONNECTING, SourceEnded, S.FAILED, release_engine),
+    on(S.WRITING, SourceEnded, S.FAILED, cancel_xfer, release_engine),
 )
 
 SPEC = Spec(
     name="push_write",
     instance_type=PushWrite,
-    initial="NEW",
+    initial=S.NEW,
     states=STATES,
     events=EVENTS,
+    created_by=(PushRegistered, PushReady),
     table=TABLE,
     fail_closed_event=PushAbort,
     source=SOURCE,

@@ -11,12 +11,14 @@ usable has an unknown (NaN) offset, which every expiry gate declines.
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import ClassVar
 
 import attrs
 
 from ..actions import FailRequesters, RemoveRemoteAgent, StartHandshake, WakeRequesters
 from ..base import Instance, TimerFired, is_finite_number
+from ..emit import emits
 from ..events import EngineAcquire, EngineActivity, EngineRelease, HandshakeFailed, HandshakeOk, PeerDisconnected
 from ..spec import Spec, State
 from ..table import error, ignore, on, rows
@@ -126,56 +128,107 @@ def referenced(e: RemoteEngine, ev, cfg, now) -> bool:
     return bool(e.refs)
 
 
+# ----------------------------------------------------------------- actions
+@emits(StartHandshake)
+def start_handshake(e: RemoteEngine, ev, cfg, now) -> StartHandshake:
+    return StartHandshake(e.key, e.attempts)
+
+
+@emits(RemoveRemoteAgent)
+def remove_remote_agent(e: RemoteEngine, ev, cfg, now) -> RemoveRemoteAgent:
+    return RemoveRemoteAgent(e.key)
+
+
+@emits(WakeRequesters)
+def wake_waiters(e: RemoteEngine, ev, cfg, now) -> WakeRequesters:
+    """Connected: wake every requester that waited for the handshake."""
+    return WakeRequesters(e.key, e.woken, e.clock_offset)
+
+
+@emits(WakeRequesters)
+def wake_acquirer(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> WakeRequesters:
+    """Already connected: wake only the new requester."""
+    return WakeRequesters(e.key, (_requester(ev),), e.clock_offset)
+
+
+@emits(FailRequesters)
+def fail_requesters(e: RemoteEngine, ev: HandshakeFailed | PeerDisconnected, cfg, now) -> FailRequesters:
+    """Fail every referencing requester with the event's reason (else the state left)."""
+    return FailRequesters(e.key, tuple(sorted(e.refs)), ev.reason or e.state.lower())
+
+
+@emits(FailRequesters)
+def fail_requesters_timed_out(e: RemoteEngine, ev: TimerFired, cfg, now) -> FailRequesters:
+    """The handshake timed out: the reason is the state it timed out in."""
+    return FailRequesters(e.key, tuple(sorted(e.refs)), e.state.lower())
+
+
+class EngineState(StrEnum):
+    """The states of a remote engine: the names its table uses."""
+
+    UNKNOWN = "UNKNOWN"
+    HANDSHAKING = "HANDSHAKING"
+    HANDSHAKE_FAILED = "HANDSHAKE_FAILED"
+    CONNECTED = "CONNECTED"
+    STALE = "STALE"
+    EVICTED = "EVICTED"
+
+
+S = EngineState  # the short name the table rows use
+
 STATES = (
-    State("UNKNOWN"),
-    State("HANDSHAKING", waits_on_remote=True, deadline=lambda e, cfg, now: e.retry_at),
-    State("HANDSHAKE_FAILED", deadline=lambda e, cfg, now: e.retry_at, doc="backing off before a retry"),
-    State("CONNECTED", holds={"remote_agent"}, waits_on_remote=True,
+    State(S.UNKNOWN),
+    State(S.HANDSHAKING, waits_on_remote=True, deadline=lambda e, cfg, now: e.retry_at),
+    State(S.HANDSHAKE_FAILED, deadline=lambda e, cfg, now: e.retry_at, doc="backing off before a retry"),
+    State(S.CONNECTED, holds={"remote_agent"}, waits_on_remote=True,
           deadline=lambda e, cfg, now: e.last_activity + cfg.engine_ttl),
-    State("STALE", holds={"remote_agent"}, waits_on_remote=True,
+    State(S.STALE, holds={"remote_agent"}, waits_on_remote=True,
           deadline=lambda e, cfg, now: e.last_activity + 2 * cfg.engine_ttl,
           doc="silent for engine_ttl; evicted one more TTL later unless referenced"),
-    State("EVICTED", terminal=True),
+    State(S.EVICTED, terminal=True),
 )
 EVENTS = (EngineAcquire, EngineRelease, HandshakeOk, HandshakeFailed, EngineActivity, PeerDisconnected, TimerFired)
-LIVE = ["HANDSHAKING", "HANDSHAKE_FAILED", "CONNECTED", "STALE"]
-UP = ["CONNECTED", "STALE"]
+LIVE = [S.HANDSHAKING, S.HANDSHAKE_FAILED, S.CONNECTED, S.STALE]
+UP = [S.CONNECTED, S.STALE]
 
 TABLE = rows(
-    on("UNKNOWN", EngineAcquire, "HANDSHAKING", StartHandshake, do=_first_acquire),
-    error("UNKNOWN", EVENTS[1:-1], "no engine event precedes the first acquire"),
+    on(S.UNKNOWN, EngineAcquire, S.HANDSHAKING, start_handshake, do=_first_acquire),
+    error(S.UNKNOWN, EVENTS[1:-1], "no engine event precedes the first acquire"),
 
     # Acquire and release keep the state; only the reference set changes.
-    *(on(s, EngineAcquire, s, do=_add_waiter) for s in ("HANDSHAKING", "HANDSHAKE_FAILED")),
-    *(on(s, EngineAcquire, s, WakeRequesters, do=_add_ref) for s in UP),
+    *(on(s, EngineAcquire, s, do=_add_waiter) for s in (S.HANDSHAKING, S.HANDSHAKE_FAILED)),
+    *(on(s, EngineAcquire, s, wake_acquirer, do=_add_ref) for s in UP),
     *(on(s, EngineRelease, s, do=_drop_ref) for s in LIVE),
 
-    on(["HANDSHAKING", "HANDSHAKE_FAILED"], HandshakeOk, "CONNECTED", WakeRequesters, do=_connected),
+    on([S.HANDSHAKING, S.HANDSHAKE_FAILED], HandshakeOk, S.CONNECTED, wake_waiters, do=_connected),
     # NIXL names an agent after its peer, so a repeated add is the same agent:
     # keep it and take the new clock samples.
     *(on(s, HandshakeOk, s, do=_resampled) for s in UP),
-    on("HANDSHAKING", [HandshakeFailed, TimerFired], "HANDSHAKE_FAILED", when=retries_left, do=_backoff),
-    on("HANDSHAKING", [HandshakeFailed, TimerFired], "EVICTED", FailRequesters),
-    ignore(["HANDSHAKE_FAILED"] + UP, HandshakeFailed, "late failure of a superseded attempt"),
-    on("HANDSHAKE_FAILED", TimerFired, "HANDSHAKING", StartHandshake, when=referenced, do=_attempt),
-    on("HANDSHAKE_FAILED", TimerFired, "EVICTED"),
+    on(S.HANDSHAKING, HandshakeFailed, S.HANDSHAKE_FAILED, when=retries_left, do=_backoff),
+    on(S.HANDSHAKING, HandshakeFailed, S.EVICTED, fail_requesters),
+    on(S.HANDSHAKING, TimerFired, S.HANDSHAKE_FAILED, when=retries_left, do=_backoff),
+    on(S.HANDSHAKING, TimerFired, S.EVICTED, fail_requesters_timed_out),
+    ignore([S.HANDSHAKE_FAILED] + UP, HandshakeFailed, "late failure of a superseded attempt"),
+    on(S.HANDSHAKE_FAILED, TimerFired, S.HANDSHAKING, start_handshake, when=referenced, do=_attempt),
+    on(S.HANDSHAKE_FAILED, TimerFired, S.EVICTED),
 
-    on(UP, EngineActivity, "CONNECTED", do=_touch),
-    ignore(["HANDSHAKING", "HANDSHAKE_FAILED"], EngineActivity, "activity before the handshake completes"),
-    on("CONNECTED", TimerFired, "STALE"),
-    on("STALE", TimerFired, "STALE", when=referenced, do=_recheck_later),
-    on("STALE", TimerFired, "EVICTED", RemoveRemoteAgent),
+    on(UP, EngineActivity, S.CONNECTED, do=_touch),
+    ignore([S.HANDSHAKING, S.HANDSHAKE_FAILED], EngineActivity, "activity before the handshake completes"),
+    on(S.CONNECTED, TimerFired, S.STALE),
+    on(S.STALE, TimerFired, S.STALE, when=referenced, do=_recheck_later),
+    on(S.STALE, TimerFired, S.EVICTED, remove_remote_agent),
 
-    on(["HANDSHAKING", "HANDSHAKE_FAILED"], PeerDisconnected, "EVICTED", FailRequesters),
-    on(UP, PeerDisconnected, "EVICTED", RemoveRemoteAgent, FailRequesters),
+    on([S.HANDSHAKING, S.HANDSHAKE_FAILED], PeerDisconnected, S.EVICTED, fail_requesters),
+    on(UP, PeerDisconnected, S.EVICTED, remove_remote_agent, fail_requesters),
 )
 
 SPEC = Spec(
     name="remote_engine",
     instance_type=RemoteEngine,
-    initial="UNKNOWN",
+    initial=S.UNKNOWN,
     states=STATES,
     events=EVENTS,
+    created_by=(EngineAcquire,),
     table=TABLE,
     fail_closed_event=PeerDisconnected,
     doc=__doc__,

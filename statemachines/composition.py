@@ -1,0 +1,130 @@
+"""How the machines talk: every cross-machine wire, as data.
+
+A machine's table emits internal actions; the ControlPlane turns each into
+events of another machine exactly as a ``Wire`` here says: which event, to
+which machine, and where each of its fields comes from.  Nothing else moves
+between machines (besides a ``Spec.source``, declared on the using machine,
+and the creating events each spec declares in ``created_by``).
+``validate_composition`` proves the wiring against the machines' alphabets
+and ``render_composition`` draws it.
+
+Heartbeat registration (StartHeartbeat / StopHeartbeat) is the batcher's,
+which the plane runs itself; timers are the framework's.
+"""
+from __future__ import annotations
+
+import attrs
+
+from . import actions as A
+from . import events as E
+
+
+# ------------------------------------------------------- where a field comes from
+@attrs.frozen
+class ActionField:
+    """A field of the action."""
+
+    name: str
+
+
+@attrs.frozen
+class ConfigField:
+    """A PlaneConfig field."""
+
+    name: str
+
+
+@attrs.frozen
+class Const:
+    value: object
+
+
+@attrs.frozen
+class TargetField:
+    """A field of the target instance (the wire needs it live)."""
+
+    name: str
+
+
+@attrs.frozen
+class RequesterKind:
+    """The machine kind of the requester the event goes to (see ``REQUESTERS``)."""
+
+
+@attrs.frozen
+class RequesterKey:
+    """The id of the requester the event goes to (see ``REQUESTERS``)."""
+
+
+@attrs.frozen
+class HeartbeatChain:
+    """Our heartbeats to the action's engine (``HeartbeatBatcher.chain``):
+    ``"last"`` batch sent, or the first (``"since"``) of its unbroken chain."""
+
+    which: str = attrs.field(validator=attrs.validators.in_(("since", "last")))
+
+
+FieldSource = ActionField | ConfigField | Const | TargetField | RequesterKind | RequesterKey | HeartbeatChain
+
+
+# ------------------------------------------------------------------ targets
+@attrs.frozen
+class Requesters:
+    """Fan out: one event to each (kind, key) in the action's ``requesters``,
+    addressed to that requester's machine.  The requesters are the machines
+    whose tables emit ``acquired_by`` (a reference to the engine)."""
+
+    field: str
+    acquired_by: type
+
+
+@attrs.frozen
+class Wire:
+    """An internal ``action`` of one machine becomes ``event`` of ``target``."""
+
+    action: type
+    target: str | Requesters
+    event: type
+    fields: tuple[tuple[str, FieldSource], ...]
+    # Dropped unless the target instance is live (a release or activity for an
+    # engine already evicted; a push completing after its lease ended).
+    only_if_live: bool = False
+    doc: str = ""
+
+
+_REFERENCE = (("engine_id", ActionField("engine_id")), ("requester_kind", ActionField("kind")),
+              ("requester_key", ActionField("key")))
+REQUESTERS = Requesters("requesters", acquired_by=A.AcquireEngine)
+
+WIRES: tuple[Wire, ...] = (
+    # Engine references: a request needs the engine connected, and it is never
+    # evicted while referenced.
+    Wire(A.AcquireEngine, "remote_engine", E.EngineAcquire, _REFERENCE),
+    Wire(A.ReleaseEngine, "remote_engine", E.EngineRelease, _REFERENCE, only_if_live=True),
+    Wire(A.NoteActivity, "remote_engine", E.EngineActivity, (("engine_id", ActionField("engine_id")),),
+         only_if_live=True, doc="any READ, WRITE or completion refreshes the engine's liveness"),
+    Wire(A.WakeRequesters, REQUESTERS, E.EngineReady, (
+        ("kind", RequesterKind()), ("request_id", RequesterKey()), ("engine_id", ActionField("engine_id")),
+        ("clock_offset", ActionField("clock_offset")),
+        # The READ gate's heartbeat evidence travels with the wake-up.
+        ("heartbeat_at", HeartbeatChain("last")), ("heartbeats_since", HeartbeatChain("since")),
+    )),
+    Wire(A.FailRequesters, REQUESTERS, E.EngineLost, (
+        ("kind", RequesterKind()), ("request_id", RequesterKey()), ("engine_id", ActionField("engine_id")),
+        ("reason", ActionField("reason")),
+    )),
+    # A decoder's turn-2 hold: one consumer, a fixed TTL, not renewed by heartbeats.
+    Wire(A.GrantHold, "lease", E.LeaseGranted, (
+        ("request_id", ActionField("request_id")), ("block_ids", ActionField("block_ids")),
+        ("expected_consumers", Const(1)), ("duration", ConfigField("decoder_kv_blocks_ttl")),
+        ("renewable", Const(False)),
+    )),
+    # A completed push WRITE consumes P's lease like a READ, with the lease's own plan.
+    Wire(A.ConsumeLease, "lease", E.ConsumerDone, (
+        ("request_id", ActionField("request_id")), ("consumer", ActionField("consumer")),
+        ("expected_consumers", TargetField("expected_consumers")),
+    ), only_if_live=True),
+)
+
+# Internal actions the plane executes itself, not through a wire.
+PLANE_EXECUTED: frozenset[type] = frozenset({A.StartHeartbeat, A.StopHeartbeat})
