@@ -79,7 +79,7 @@ from .config import PlaneConfig
 from .eventlog import MemoryLog
 from .machines import MACHINES
 from .plane import ControlPlane
-from .spec import Machine
+from .machine import Machine
 
 # Small durations keep the interesting interleavings within a few ticks.
 EXPLORER_PLANE_CONFIG = PlaneConfig(

@@ -25,7 +25,7 @@ from .config import PlaneConfig
 from .eventlog import EventLog, read_log
 from .machines import MACHINES
 from .replay import ReplayResult, replay
-from .spec import Machine
+from .machine import Machine
 
 # Held, but nobody waits for their release.
 COLD = frozenset({"remote_agent"})

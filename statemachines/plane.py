@@ -35,7 +35,8 @@ from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
 from .config import PlaneConfig
 from .heartbeats import HeartbeatBatcher
 from .machines import MACHINES
-from .spec import IGNORED, Machine, ProtocolViolation, Source, timer_action, transitions_of
+from .machine import IGNORED, Machine, ProtocolViolation, timer_action
+from .spec import Source, transitions_of
 from .validate import validate_sources
 
 HEARTBEAT_TIMER = "heartbeat"

@@ -16,7 +16,8 @@ from transitions.extensions import GraphMachine
 from transitions.extensions.states import Tags, add_state_features
 
 from .base import TimerFired
-from .spec import IGNORED, Ignore, NoGuardMatched, ProtocolError, ProtocolViolation, Spec, Transition, timer_action
+from .machine import IGNORED, NoGuardMatched, ProtocolViolation, timer_action
+from .spec import Ignore, ProtocolError, Spec, Transition, with_timer_ignores
 
 
 @add_state_features(Tags)
@@ -96,8 +97,6 @@ class ReferenceMachine:
     """Interprets a Spec with one ``transitions.Machine`` per instance."""
 
     def __init__(self, spec: Spec):
-        from .spec import with_timer_ignores
-
         self.spec = spec = with_timer_ignores(spec)
         self.name = spec.name
         self._states = {s.name: s for s in spec.states}

@@ -34,7 +34,7 @@ from .config import PlaneConfig
 from .eventlog import EventLog, LogRecord, action_json, read_log
 from .machines import MACHINES
 from .plane import ControlPlane
-from .spec import Machine
+from .machine import Machine
 
 # observer(kind, inst, event, state_before, deadline_before, actions, now)
 Observer = Callable[[str, Any, Any, str, Any, Any, float], None]

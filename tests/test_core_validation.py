@@ -13,8 +13,9 @@ from kvplane.statemachines import actions as A
 from kvplane.statemachines import events as E
 from kvplane.statemachines.base import TimerFired
 from kvplane.statemachines.machines import SPECS, decode_request, lease, push_write, remote_engine
+from kvplane.statemachines.machine import compile_machine
 from kvplane.statemachines.spec import (
-    Ignore, MachineDefinitionError, ProtocolError, State, Transition, compile_machine, with_timer_ignores,
+    Ignore, MachineDefinitionError, ProtocolError, State, Transition, with_timer_ignores,
 )
 from kvplane.statemachines.table import error as error_rows
 from kvplane.statemachines.table import ignore, on
@@ -229,7 +230,7 @@ def test_source_needs_live_states():
 def test_a_plane_refuses_a_source_that_is_not_one_of_its_machines():
     from kvplane.statemachines.machines import MACHINES
     from kvplane.statemachines.plane import ControlPlane
-    from kvplane.statemachines.spec import compile_machine as build
+    from kvplane.statemachines.machine import compile_machine as build
 
     ghost = build(attrs.evolve(push_write.SPEC, source=attrs.evolve(push_write.SOURCE, kind="ghost")))
     with pytest.raises(MachineDefinitionError, match="push_write: source kind 'ghost' is not a machine"):

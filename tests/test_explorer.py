@@ -13,7 +13,8 @@ from kvplane.statemachines.explorer import EXPLORER_PLANE_CONFIG, STALL_FAULTS, 
 from kvplane.statemachines.machines import MACHINES, SPECS, decode_request, lease, push_write, remote_engine
 from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.replay import replay
-from kvplane.statemachines.spec import Ignore, MachineDefinitionError, Transition, compile_machine, with_timer_ignores
+from kvplane.statemachines.machine import compile_machine
+from kvplane.statemachines.spec import Ignore, MachineDefinitionError, Transition, with_timer_ignores
 from kvplane.statemachines.validate import validate
 
 from core_support import trusting_gate_machine

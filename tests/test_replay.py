@@ -136,7 +136,8 @@ def test_a_change_inside_an_internal_cascade_diverges():
     import attrs
 
     from kvplane.statemachines.machines import MACHINES, SPECS, decode_request
-    from kvplane.statemachines.spec import Transition, compile_machine
+    from kvplane.statemachines.machine import compile_machine
+    from kvplane.statemachines.spec import Transition
 
     _, lines = recorded_session()
     start = next(json.loads(l) for l in lines if '"event":"StartLoad"' in l)
