@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import attrs
 
-from .base import Action
+from .base import Action, declared
 
 
 def _ids(value) -> tuple:
@@ -193,6 +193,7 @@ class CancelXfer(ReleaseXfer):
     """ReleaseXfer for a transfer that has not completed (deadline, abort, peer lost)."""
 
     __slots__ = ()
+    abstract: ClassVar[bool] = True  # a builder only: what it builds is a ReleaseXfer
 
     @classmethod
     def build(cls, inst, ev, cfg, now):
@@ -248,6 +249,7 @@ class ReportRecvFailed(ReportRecv):
     """ReportRecv(ok=False) naming the blocks whose load failed."""
 
     __slots__ = ()
+    abstract: ClassVar[bool] = True  # a builder only: what it builds is a ReportRecv
 
     @classmethod
     def build(cls, inst, ev, cfg, now):
@@ -304,6 +306,7 @@ class RefuseNotification(Action):
     sender: str | None
     reason: str
     REASON: ClassVar[str] = "refused"
+    abstract: ClassVar[bool] = True  # the common base of the refusals below
 
     @classmethod
     def build(cls, inst, ev, cfg, now):
@@ -324,12 +327,6 @@ class RefuseWrongCount(RefuseNotification):
     REASON: ClassVar[str] = "wrong_consumer_count"
 
 
-ALL_ACTIONS: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        StartHeartbeat, StopHeartbeat, SendHeartbeat, AcquireEngine, ReleaseEngine, NoteActivity,
-        WakeRequesters, FailRequesters, StartHandshake, RemoveRemoteAgent, PostRead, PostWrite,
-        ReleaseXfer, SendNotif, SendPushRegistration, ReportRecv, FreeBlocks, GrantHold, ConsumeLease,
-        RefuseForeignSender, RefuseWrongCount,
-    )
-}
+# Every action the machines' tables name, by name (the event log resolves
+# names here; ArmTimer/CancelTimer, the framework's, are added there).
+ALL_ACTIONS: dict[str, type] = declared(Action, __name__)
