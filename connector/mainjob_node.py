@@ -104,6 +104,7 @@ class Node:
 
         from kvplane.statemachines.config import PlaneConfig
         from kvplane.statemachines.eventlog import EventLogWriter
+        from kvplane.transport.faults import DropNotifications
         from kvplane.transport.nixl_agent import NixlEndpoint
 
         from .connector import KVPlaneScheduler, KVPlaneWorker
@@ -121,9 +122,9 @@ class Node:
         self.clock = (lambda: time.monotonic() + skew) if skew else time.monotonic
         self.cfg = PlaneConfig(**opts["plane"])
         self.ep = NixlEndpoint(self.engine_id)
-        self.driver = PlaneDriver(engine_id=self.engine_id, endpoint=self.ep, config=self.cfg, clock=self.clock,
-                                  drop_notifications=opts["drop_notifications"],
-                                  seed=opts["seed"] * 2 + (role == "D"),
+        self.faults = DropNotifications(self.ep, rate=opts["drop_notifications"], seed=opts["seed"] * 2 + (role == "D"))
+        self.driver = PlaneDriver(engine_id=self.engine_id, endpoint=self.faults if self.faults.rate else self.ep,
+                                  config=self.cfg, clock=self.clock,
                                   # Authenticated side channel: this run's keys (mainjob.run_keys).
                                   curve_keypair=tuple(opts["curve"]["keypair"]), trusted_peers=opts["curve"]["peers"])
         self.sched = KVPlaneScheduler(self.driver)
@@ -529,7 +530,7 @@ class Node:
             "role": self.role, "engine_id": self.engine_id, "log": self.log_path,
             "outcomes": dict(self.outcomes), "verified_bytes": self.verified_bytes,
             "bytes_moved": d.counters["bytes_moved"], "busy_s": self.busy_s,
-            "counters": {k: v for k, v in d.counters.items()},
+            "counters": {**d.counters, **({"notifs_dropped_injected": self.faults.dropped} if self.faults.dropped else {})},
             "engines_evicted": evicted, "engines_closed_at_shutdown": closed,
             "heartbeats_sent": stats.get("heartbeats_sent", 0),
             "heartbeats_received": d.counters.get("heartbeats_received", 0),

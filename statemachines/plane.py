@@ -25,7 +25,7 @@ import functools
 import heapq
 import math
 from collections import Counter, deque
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import attrs
 
@@ -107,12 +107,6 @@ class ControlPlane:
             event, label, before, after, own, n_own = self._top
             self._top = None
             self.recorder(event, now, label, before, after, own + out[n_own:])
-        return out
-
-    def handle_all(self, events: Iterable[Event], now: float) -> list[Action]:
-        out: list[Action] = []
-        for ev in events:
-            out.extend(self.handle(ev, now))
         return out
 
     def next_deadline(self) -> float | None:
@@ -291,12 +285,6 @@ class ControlPlane:
         self.anomalies.append((what, kind, key, type(event).__name__, detail))
 
     # -------------------------------------------------------- internal actions
-    def _execute_internal(self, a: Action, now: float, queue: list) -> None:
-        handler = self._internal.get(type(a))
-        if handler is None:  # a new internal action without a handler is a bug
-            raise TypeError(f"no handler for internal action {type(a).__name__}")
-        handler(self, a, now, queue)
-
     def _do_arm(self, a: ArmTimer, now: float, queue: list) -> None:
         self._arm(a.at, a.kind, a.key)
 
