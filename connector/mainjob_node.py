@@ -26,6 +26,8 @@ from collections import Counter, deque
 
 import attrs
 
+from kvplane.statemachines.stats import Anomaly, FailClosed
+
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
 BLOCK_TOKENS = 16
 POISON = -1.0
@@ -191,8 +193,9 @@ class Node:
         return all(self.torch.equal(self.kv[b], self.pattern(lid, first_index + i)) for i, b in enumerate(blocks))
 
     # ------------------------------------------------------------ recorder tally
-    def _tally(self, event, now, label, before, after, actions) -> None:
-        self._tally_chain(event, now, label, before, after, actions)
+    def _tally(self, step) -> None:
+        self._tally_chain(step)
+        event, label, before, actions = step.event, step.machine, step.state_before, step.actions
         for a in actions:
             if type(a).__name__ == "ReportRecv" and not a.ok:
                 self.fail_reason[a.request_id] = recv_failure_reason(type(event).__name__, label, before)
@@ -541,8 +544,8 @@ class Node:
             "holds": dict(self.hold_stats), "last_hb_at": self.last_hb_at,
             "held_blocks": self.held_blocks(),
             "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()],
-            "anomalies": {k: v for k, v in stats.items() if k.split(":")[0] in
-                          ("unknown_id", "unknown_kind", "protocol_violation", "fail_closed")},
+            "anomalies": {str(k): v for k, v in stats.items() if isinstance(k, FailClosed) or isinstance(k, Anomaly)
+                          and k.what in ("unknown_id", "unknown_kind", "protocol_violation")},
             "stalls": self.stalls, "loop": self.gaps.to_dict(), "clock_offsets": offsets,
             # Which NIXL call, if any, held the loop up (the slowest of each kind).
             "nixl_calls": self.ep.call_times.to_dict(),

@@ -137,6 +137,17 @@ class ReferenceMachine:
 
     def handle(self, ref: "RefInstance", event, config, now: float):
         """Same contract as ``Machine.handle``: actions, then the timer action."""
+        old_deadline = ref.inst.deadline
+        actions = self.apply(ref, event, config, now)
+        if actions is not IGNORED:
+            timer = timer_action(self.name, ref.inst.key, old_deadline, ref.inst.deadline)
+            if timer is not None:
+                actions.append(timer)
+        return actions
+
+    def apply(self, ref: "RefInstance", event, config, now: float):
+        """Same contract as ``Machine.apply`` (the ControlPlane's entry point,
+        which arms timers from ``inst.deadline``): no timer action."""
         inst, model = ref.inst, ref.model
         outcome = self._outcome.get((model.state, type(event)))
         if isinstance(outcome, Ignore):
@@ -144,7 +155,6 @@ class ReferenceMachine:
         if isinstance(outcome, ProtocolError):
             raise ProtocolViolation(self.name, inst.key, model.state, event, outcome.reason)
         model.inst, model.event, model.config, model.now, model.actions = inst, event, config, now, []
-        old_deadline = inst.deadline
         try:
             fired = model.trigger(type(event).__name__, model)
         except MachineError as exc:
@@ -157,14 +167,7 @@ class ReferenceMachine:
         inst.state = model.state
         dl = self._states[inst.state].deadline
         inst.deadline = None if dl is None else dl(inst, config, now)
-        timer = timer_action(self.name, inst.key, old_deadline, inst.deadline)
-        if timer is not None:
-            actions.append(timer)
         return actions
-
-    # The ControlPlane's entry point; it arms timers from inst.deadline, so
-    # the timer action handle() appends is a harmless duplicate there.
-    apply = handle
 
 
 class RefInstance:
