@@ -43,7 +43,7 @@ class _Compiled(NamedTuple):
 class Machine:
     """A compiled spec.  Stateless: instances carry all per-request data."""
 
-    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states")
+    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard")
 
     def __init__(self, spec: Spec, table: dict):
         self.spec = spec
@@ -52,6 +52,9 @@ class Machine:
         self._table = table
         self._deadlines = {s.name: s.deadline for s in spec.states if s.deadline is not None}
         self.terminal_states = frozenset(s.name for s in spec.states if s.terminal)
+        # (state, event) -> the reason of the error row closing its guarded
+        # transitions: what no guard holding means there.
+        self._no_guard = closing_errors(spec)
 
     def new(self, key: Any, **data: Any) -> Instance:
         return self.spec.instance_type(key=key, state=self.spec.initial, **data)
@@ -87,7 +90,10 @@ class Machine:
                 if guard is None or guard(inst, event, config, now):
                     break
             else:
-                raise NoGuardMatched(self.name, inst.key, inst.state, event, "no guard matched")
+                reason = self._no_guard.get((inst.state, type(event)))
+                if reason is None:  # only in a machine compiled with check=False
+                    raise NoGuardMatched(self.name, inst.key, inst.state, event, "no guard matched")
+                raise ProtocolViolation(self.name, inst.key, inst.state, event, reason)
             if effect is not None:
                 effect(inst, event, config, now)
             actions = [b(inst, event, config, now) for b in builders]
@@ -127,6 +133,16 @@ def compile_machine(spec: Spec, *, check: bool = True) -> Machine:
         if isinstance(entry, Transition):
             compiled = _Compiled(entry.guard, entry.dest, entry.effect, tuple(a.build for a in entry.actions))
             table[key] = table.get(key, ()) + (compiled,)
-        else:
+        elif key not in table:
             table[key] = entry
+        # else: the error closing a guarded group (see closing_errors)
     return Machine(spec, table)
+
+
+def closing_errors(spec: Spec) -> dict[tuple[str, type], str]:
+    """(state, event) -> reason, for every ProtocolError row that closes a
+    group of guarded transitions of its pair (the validator allows one only
+    there, right after them)."""
+    has_transitions = {(t.src, t.event) for t in spec.table if isinstance(t, Transition)}
+    return {(e.src, e.event): e.reason for e in spec.table
+            if isinstance(e, ProtocolError) and (e.src, e.event) in has_transitions}

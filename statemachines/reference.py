@@ -16,7 +16,7 @@ from transitions.extensions import GraphMachine
 from transitions.extensions.states import Tags, add_state_features
 
 from .base import TimerFired
-from .machine import IGNORED, NoGuardMatched, ProtocolViolation, timer_action
+from .machine import IGNORED, NoGuardMatched, ProtocolViolation, closing_errors, timer_action
 from .spec import Ignore, ProtocolError, Spec, Transition, with_timer_ignores
 
 
@@ -102,7 +102,9 @@ class ReferenceMachine:
         self._states = {s.name: s for s in spec.states}
         self.states = self._states
         self.terminal_states = frozenset(s.name for s in spec.states if s.terminal)
-        self._outcome = {(e.src, e.event): e for e in spec.table if not isinstance(e, Transition)}
+        self._no_guard = closing_errors(spec)
+        self._outcome = {(e.src, e.event): e for e in spec.table
+                         if not isinstance(e, Transition) and (e.src, e.event) not in self._no_guard}
         self._transitions = [
             {
                 "trigger": t.event.__name__,
@@ -163,7 +165,10 @@ class ReferenceMachine:
             actions = model.actions
             del model.inst, model.event, model.config, model.actions  # pin nothing between events
         if not fired:
-            raise NoGuardMatched(self.name, inst.key, model.state, event, "no guard matched")
+            reason = self._no_guard.get((model.state, type(event)))
+            if reason is None:
+                raise NoGuardMatched(self.name, inst.key, model.state, event, "no guard matched")
+            raise ProtocolViolation(self.name, inst.key, model.state, event, reason)
         inst.state = model.state
         dl = self._states[inst.state].deadline
         inst.deadline = None if dl is None else dl(inst, config, now)

@@ -243,8 +243,8 @@ TABLE = rows(
     ignore("RUNNING", RequestRunning, "already running"),
     error(UNTIL_RECV + ["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"], RequestRunning,
           "scheduled before its recv was reported"),
-    on(FINISHED_RECV, RequestFinished, "RELEASED", GrantHold, when=hold_for_next_turn),
-    on(FINISHED_RECV, RequestFinished, "RELEASED"),
+    *(rows(on(s, RequestFinished, "RELEASED", GrantHold, when=hold_for_next_turn),
+           on(s, RequestFinished, "RELEASED")) for s in FINISHED_RECV),
     error(UNTIL_RECV + ["NOTIFYING", "HANDSHAKING", "READING", "AWAITING_PUSH"], RequestFinished,
           "finished before its recv was reported (abort instead)"),
 

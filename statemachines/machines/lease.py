@@ -129,22 +129,26 @@ TABLE = rows(
 
     on(HELD, TimerFired, "EXPIRED", FreeBlocks),
     on(HELD, LeaseAbort, "RELEASED", FreeBlocks),
-    # Guards are tried in order.  Refusals first: a stranger's message or a
-    # count that disagrees with the plan changes nothing (counted by the
-    # embedder), and a duplicate never counts as the last consumer.
     *(
         rows(
-            on(s, ConsumerDone, s, RefuseForeignSender, when=foreign_sender),
-            on(s, ConsumerDone, s, RefuseWrongCount, when=wrong_consumer_count),
             on(s, LeaseHeartbeat, s, RefuseForeignSender, when=foreign_sender),
             on(s, LeaseHeartbeat, s, when=renewable, do=_extend),
             on(s, LeaseHeartbeat, s, do=_bind),  # fixed TTL: a decoder's hold is not extended
         )
         for s in HELD
     ),
+    # Guards are tried in order.  Refusals first: a stranger's message or a
+    # count that disagrees with the plan changes nothing (counted by the
+    # embedder), and a duplicate never counts as the last consumer.
+    on("LEASED", ConsumerDone, "LEASED", RefuseForeignSender, when=foreign_sender),
+    on("LEASED", ConsumerDone, "LEASED", RefuseWrongCount, when=wrong_consumer_count),
+    on("LEASED", ConsumerDone, "RELEASED", FreeBlocks, when=last_consumer, do=_consumed),
+    on("LEASED", ConsumerDone, "PARTIALLY_READ", do=_consumed),
+    on("PARTIALLY_READ", ConsumerDone, "PARTIALLY_READ", RefuseForeignSender, when=foreign_sender),
+    on("PARTIALLY_READ", ConsumerDone, "PARTIALLY_READ", RefuseWrongCount, when=wrong_consumer_count),
     on("PARTIALLY_READ", ConsumerDone, "PARTIALLY_READ", when=duplicate_consumer),
-    on(HELD, ConsumerDone, "RELEASED", FreeBlocks, when=last_consumer, do=_consumed),
-    on(HELD, ConsumerDone, "PARTIALLY_READ", do=_consumed),
+    on("PARTIALLY_READ", ConsumerDone, "RELEASED", FreeBlocks, when=last_consumer, do=_consumed),
+    on("PARTIALLY_READ", ConsumerDone, "PARTIALLY_READ", do=_consumed),
 )
 
 SPEC = Spec(

@@ -154,8 +154,8 @@ TABLE = rows(
     # NIXL names an agent after its peer, so a repeated add is the same agent:
     # keep it and take the new clock samples.
     *(on(s, HandshakeOk, s, do=_resampled) for s in UP),
-    on("HANDSHAKING", [HandshakeFailed, TimerFired], "HANDSHAKE_FAILED", when=retries_left, do=_backoff),
-    on("HANDSHAKING", [HandshakeFailed, TimerFired], "EVICTED", FailRequesters),
+    *(rows(on("HANDSHAKING", e, "HANDSHAKE_FAILED", when=retries_left, do=_backoff),
+           on("HANDSHAKING", e, "EVICTED", FailRequesters)) for e in (HandshakeFailed, TimerFired)),
     ignore(["HANDSHAKE_FAILED"] + UP, HandshakeFailed, "late failure of a superseded attempt"),
     on("HANDSHAKE_FAILED", TimerFired, "HANDSHAKING", StartHandshake, when=referenced, do=_attempt),
     on("HANDSHAKE_FAILED", TimerFired, "EVICTED"),
