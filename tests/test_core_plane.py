@@ -379,3 +379,16 @@ def test_a_lease_shorter_than_six_seconds_is_refused():
     with pytest.raises(ValueError, match="kv_lease_duration"):
         PlaneConfig(kv_lease_duration=5)
     assert PlaneConfig(kv_lease_duration=6).heartbeat_interval == 1
+
+
+def test_stats_keys_are_records_with_the_report_labels():
+    p = plane()
+    p.handle(E.ReadDone(request_id="nope"), 0.0)
+    p.handle(E.ReadDone(request_id="nope"), 1.0)
+    (key,) = [k for k in p.stats if isinstance(k, Anomaly)]
+    assert key == Anomaly("unknown_id", "decode_request", "ReadDone") and p.stats[key] == 2
+    # The labels reports print (and the main job's summary keys) are the records' str().
+    assert str(key) == "unknown_id:decode_request:ReadDone"
+    assert str(Ignored("lease", "LEASED", "LeaseGranted")) == "ignored:lease:LEASED:LeaseGranted"
+    assert [str(Final("lease", "EXPIRED")), str(FailClosed("lease")), str(SourceEnded("push_write", "PushReady"))] == [
+        "final:lease:EXPIRED", "fail_closed:lease", "source_ended:push_write:PushReady"]
