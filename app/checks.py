@@ -48,7 +48,7 @@ def cmd_replay(path: str) -> int:
         t.add_row(f"leases {what}", str(r.leases[what]))
     t.add_row("engines evicted", str(r.engines_evicted))
     for key, n in sorted(r.anomalies.items()):
-        t.add_row(key, str(n))
+        t.add_row(str(key), str(n))
     con.print(t)
     if r.divergence is not None:
         con.print(f"DIVERGENCE at {r.divergence}")

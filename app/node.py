@@ -29,6 +29,9 @@ import attrs
 from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Finish, LeaseRecord, NodeOptions,
                        Prefill, Prefilled, Release, Released, Ready, Status, StatusRequest, Summary, Turn2, Turn2Done,
                        handlers)
+from kvplane.statemachines.stats import Anomaly, FailClosed
+from kvplane.statemachines.actions import ReportRecv
+from kvplane.statemachines.events import LeaseHeartbeat
 
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
 BLOCK_TOKENS = 16
@@ -115,6 +118,7 @@ class Node:
         import torch
 
         from kvplane.statemachines.eventlog import EventLogWriter
+        from kvplane.transport.faults import DropNotifications
         from kvplane.transport.nixl_agent import NixlEndpoint
 
         from kvplane.connector.connector import KVPlaneScheduler, KVPlaneWorker
@@ -132,9 +136,9 @@ class Node:
         self.clock = (lambda: time.monotonic() + skew) if skew else time.monotonic
         self.cfg = opts.plane
         self.ep = NixlEndpoint(self.engine_id)
-        self.driver = PlaneDriver(engine_id=self.engine_id, endpoint=self.ep, config=self.cfg, clock=self.clock,
-                                  drop_notifications=opts.drop_notifications,
-                                  seed=opts.seed * 2 + (role == "D"),
+        self.faults = DropNotifications(self.ep, rate=opts.drop_notifications, seed=opts.seed * 2 + (role == "D"))
+        self.driver = PlaneDriver(engine_id=self.engine_id, endpoint=self.faults if self.faults.rate else self.ep,
+                                  config=self.cfg, clock=self.clock,
                                   # Authenticated side channel: this run's keys (orchestrator.run_keys).
                                   curve_keypair=tuple(opts.curve.keypair), trusted_peers=opts.curve.peers)
         self.sched = KVPlaneScheduler(self.driver)
@@ -202,12 +206,13 @@ class Node:
         return all(self.torch.equal(self.kv[b], self.pattern(lid, first_index + i)) for i, b in enumerate(blocks))
 
     # ------------------------------------------------------------ recorder tally
-    def _tally(self, event, now, label, before, after, actions) -> None:
-        self._tally_chain(event, now, label, before, after, actions)
+    def _tally(self, step) -> None:
+        self._tally_chain(step)
+        event, label, before, actions = step.event, step.machine, step.state_before, step.actions
         for a in actions:
-            if type(a).__name__ == "ReportRecv" and not a.ok:
+            if isinstance(a, ReportRecv) and not a.ok:
                 self.fail_reason[a.request_id] = recv_failure_reason(type(event).__name__, label, before)
-        if type(event).__name__ == "LeaseHeartbeat":
+        if isinstance(event, LeaseHeartbeat):
             rec = self.lease_rec.get(event.request_id)
             if rec is not None and rec.freed is None:
                 t = time.monotonic()
@@ -545,7 +550,7 @@ class Node:
             "role": self.role, "engine_id": self.engine_id, "log": self.log_path,
             "outcomes": dict(self.outcomes), "verified_bytes": self.verified_bytes,
             "bytes_moved": d.counters["bytes_moved"], "busy_s": self.busy_s,
-            "counters": {k: v for k, v in d.counters.items()},
+            "counters": {**d.counters, **({"notifs_dropped_injected": self.faults.dropped} if self.faults.dropped else {})},
             "engines_evicted": evicted, "engines_closed_at_shutdown": closed,
             "heartbeats_sent": stats.get("heartbeats_sent", 0),
             "heartbeats_received": d.counters.get("heartbeats_received", 0),
@@ -556,8 +561,8 @@ class Node:
             "holds": dict(self.hold_stats), "last_hb_at": self.last_hb_at,
             "held_blocks": self.held_blocks(),
             "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()],
-            "anomalies": {k: v for k, v in stats.items() if k.split(":")[0] in
-                          ("unknown_id", "unknown_kind", "protocol_violation", "fail_closed")},
+            "anomalies": {str(k): v for k, v in stats.items() if isinstance(k, FailClosed) or isinstance(k, Anomaly)
+                          and k.what in ("unknown_id", "unknown_kind", "protocol_violation")},
             "stalls": self.stalls, "loop": self.gaps.to_dict(), "clock_offsets": offsets,
             # Which NIXL call, if any, held the loop up (the slowest of each kind).
             "nixl_calls": self.ep.call_times.to_dict(),

@@ -92,6 +92,11 @@ class Orchestrator:
             Abandoned: self.on_abandoned, Released: self.on_released, Prefilled: self.on_prefilled,
             Decoded: self.on_decoded, Turn2Done: self.on_turn2_done})
 
+    def summary_of(self, role: str) -> Summary | None:
+        """The report a side sent when it finished (None if it never did)."""
+        child = self.children.get(role)
+        return None if child is None else child.summary
+
     # ------------------------------------------------------------ processes
     def start(self) -> None:
         ctx = mp.get_context("spawn")

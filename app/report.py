@@ -6,21 +6,37 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
 from .messages import Summary
-from .options import ENGINE_IDS, SLACK_S
-
-if TYPE_CHECKING:
-    from .orchestrator import Orchestrator
+from .options import ENGINE_IDS, SLACK_S, RunOptions
+from .workload import Req
 
 
-def build_summary(orch: Orchestrator) -> dict:
+class RunRecord(Protocol):
+    """What the report reads of a finished run (the orchestrator is one);
+    a protocol, so that the report does not import the orchestrator."""
+
+    o: RunOptions
+    reqs: list[Req]
+    t0: float
+    fault: dict[str, Any]
+    fault_at: float | None
+    errors: list[str]
+    startup_s: float | None
+    abandoned: dict | None
+
+    def elapsed(self) -> float: ...
+
+    def summary_of(self, role: str) -> Summary | None: ...
+
+
+def build_summary(orch: RunRecord) -> dict:
     """The run's summary (written as summary.json): outcomes, checks, both sides' reports."""
     o = orch.o
-    P, D = (orch.children[r].summary for r in ("P", "D"))
+    P, D = (orch.summary_of(r) for r in ("P", "D"))
     t1 = {k: 0 for k in ("ok", "recomputed", "corrupt", "failed", "skipped", "abandoned", "pending")}
     t2 = dict(t1)
     for r in orch.reqs:
@@ -91,7 +107,7 @@ def build_summary(orch: Orchestrator) -> dict:
     return summary
 
 
-def _reclaim(orch: Orchestrator, P: Summary) -> dict:
+def _reclaim(orch: RunRecord, P: Summary) -> dict:
     """P's reclaim after the fault, against the lease promise: a lease is
     freed by max(grant + lease, last heartbeat + extension)."""
     o = orch.o

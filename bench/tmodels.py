@@ -44,14 +44,13 @@ class SharedMachine(RefMachine):
         self.machine.add_model(model, initial=inst.state)
         return RefInstance(inst, model)
 
-    def handle(self, p: RefInstance, event, config, now: float):
-        actions = super().handle(p, event, config, now)
+    def apply(self, p: RefInstance, event, config, now: float):
+        # handle() goes through apply() too.
+        actions = super().apply(p, event, config, now)
         if p.state in self.terminal_states:
             # transitions keeps models in a list: removal is O(models).
             self.machine.remove_model(p.model)
         return actions
-
-    apply = handle
 
 
 def ref_machines() -> dict[str, RefMachine]:

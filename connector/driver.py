@@ -23,7 +23,6 @@ the lease to its consumers.
 from __future__ import annotations
 
 import logging
-import random
 import secrets
 import time
 from collections import Counter, deque
@@ -36,6 +35,7 @@ from kvplane.statemachines import actions as A
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.plane import HEARTBEAT_REQUESTER, ControlPlane
+from kvplane.transport.endpoint import Endpoint
 from kvplane.transport.errors import PeerDisconnected as PeerGone
 from kvplane.transport.errors import TransportError
 from kvplane.statemachines.machines.lease import HELD as LEASE_HELD
@@ -57,14 +57,12 @@ class PlaneDriver:
         self,
         *,
         engine_id: str,
-        endpoint: Any,
+        endpoint: Endpoint,
         config: PlaneConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         compat_hash: str = "kvplane-v1",
         host: str = "127.0.0.1",
         port: int = 0,
-        drop_notifications: float = 0.0,
-        seed: int = 0,
         curve_keypair: tuple[bytes, bytes] | None = None,
         trusted_peers: dict[str, Any] | None = None,
         server_public_keys: dict[str, bytes] | None = None,
@@ -77,7 +75,8 @@ class PlaneDriver:
         peer's side channel that does not fetch from us.  ``insecure=True``
         (tests, benchmarks): no CURVE on our side channel, plaintext to peers
         whose key we lack, and, while no peer is trusted, notifications
-        accepted from any agent."""
+        accepted from any agent.  Fault injection (lost notifications) wraps
+        the endpoint (``kvplane.transport.faults``); the driver has none."""
         self.engine_id = engine_id
         self.endpoint = endpoint
         self.config = config or PlaneConfig()
@@ -114,8 +113,6 @@ class PlaneDriver:
         # the request id plus 128 random bits), both ways.
         self._lease_name: dict[str, str] = {}
         self._lease_of_name: dict[str, str] = {}
-        self._drop_rate = drop_notifications
-        self._rng = random.Random(seed)
         # What the scheduler collects (vLLM: finished_sending / finished_recving).
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
@@ -377,12 +374,11 @@ class PlaneDriver:
             self._notify(a.engine_id, msg, follow, "heartbeats")
 
     def _send_push_reg(self, a: A.SendPushRegistration, follow: list) -> None:
-        host, port = self.side_channel_url[len("tcp://"):].rsplit(":", 1)
         try:
             # deadline: when we give up (our clock); P bounds its WRITE by it.
-            reg = PushRegistration(request_id=a.remote_request_id, engine_id=self.engine_id,
-                                   decode_request_id=a.request_id, block_ids=a.block_ids, host=host,
-                                   port=int(port), deadline=a.deadline)
+            reg = PushRegistration.at_side_channel(
+                self.side_channel_url, request_id=a.remote_request_id, engine_id=self.engine_id,
+                decode_request_id=a.request_id, block_ids=a.block_ids, deadline=a.deadline)
         except ValueError as exc:  # e.g. a request id no notification can carry: D's push times out
             self.counters["push_regs_unencodable"] += 1
             log.warning("cannot send PUSH_REG for %s: %s", a.request_id, exc)
@@ -422,9 +418,6 @@ class PlaneDriver:
             return []
         events: list[E.Event] = []
         for agent, msg in got:
-            if self._drop_rate and self._rng.random() < self._drop_rate:
-                self.counters["notifs_dropped_injected"] += 1
-                continue
             sender = self._sender_engine(agent)
             if sender is None:
                 # Not an engine we trust or handshook with: whatever it says.

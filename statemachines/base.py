@@ -4,6 +4,11 @@ Events and actions are attrs frozen slots classes.  Each class says, as
 class variables, which resources it acquires or releases; the definition-time
 validator uses these to prove that every path to a terminal state releases
 everything a state holds.
+
+Every subclass registers itself under its module and name (``declared``), so
+the event log's name tables are built from the definitions, not kept by hand.
+A class that is never an event or action itself (a common base) says
+``abstract = True`` in its own body.
 """
 from __future__ import annotations
 
@@ -11,6 +16,24 @@ import math
 from typing import Any, ClassVar
 
 import attrs
+
+
+# base class -> module -> class name -> class, in definition order.
+_DECLARED: dict[type, dict[str, dict[str, type]]] = {}
+
+
+def _register(base: type, cls: type) -> None:
+    # attrs' slots classes are rebuilt under the same name: the rebuilt
+    # (final) class replaces the first one.
+    if not cls.__dict__.get("abstract", False):
+        _DECLARED.setdefault(base, {}).setdefault(cls.__module__, {})[cls.__name__] = cls
+
+
+def declared(base: type, *modules: str) -> dict[str, type]:
+    """Name -> class of every non-abstract subclass of ``base`` (``Event`` or
+    ``Action``) defined in ``modules``."""
+    by_module = _DECLARED.get(base, {})
+    return {name: cls for m in modules for name, cls in by_module.get(m, {}).items()}
 
 
 class Event:
@@ -29,6 +52,10 @@ class Event:
     acquires: ClassVar[frozenset[str]] = frozenset()
     releases: ClassVar[frozenset[str]] = frozenset()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _register(Event, cls)
+
     def refund(self) -> "Action | None":
         """The action that gives back what this event carried when the plane
         refuses it (unknown id, protocol error).  Required of every event
@@ -45,6 +72,10 @@ class Action:
     # Internal actions are executed by the ControlPlane itself (timers,
     # engine references, heartbeat registration) and never reach a transport.
     internal: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _register(Action, cls)
 
     @classmethod
     def build(cls, inst: Any, event: Any, config: Any, now: float) -> "Action":

@@ -38,6 +38,7 @@ from .actions import ALL_ACTIONS
 from .base import ArmTimer, CancelTimer, Event
 from .config import PlaneConfig
 from .events import ALL_EVENTS
+from .observe import Step
 
 LOG_VERSION = 1
 
@@ -124,7 +125,7 @@ class EventLogWriter:
     """A ControlPlane recorder writing JSONL.
 
     ``plane.recorder = writer`` (or ``EventLogWriter.attach``).  Each call
-    appends a tuple to a buffer; ``flush()`` serializes it to the stream
+    appends its Step to a buffer; ``flush()`` serializes it to the stream
     (automatically every ``flush_every`` records).  ``stimuli_only`` drops
     states and actions.
     """
@@ -145,9 +146,9 @@ class EventLogWriter:
         plane.recorder = writer
         return writer
 
-    def __call__(self, event, now, label, before, after, actions) -> None:
+    def __call__(self, step: Step) -> None:
         buf = self._buf
-        buf.append((event, now, label, before, after, actions))
+        buf.append(step)
         if len(buf) >= self.flush_every:
             self.flush()
 
@@ -156,9 +157,10 @@ class EventLogWriter:
         seq = self.seq
         only = self.stimuli_only
         lines = []
-        for event, now, label, before, after, actions in buf:
+        for step in buf:
             seq += 1
-            lines.append(encode(seq, event, now, label, before, after, None if only else actions))
+            lines.append(encode(seq, step.event, step.now, step.machine, step.state_before, step.state_after,
+                                None if only else step.actions))
         self.seq = seq
         if lines:
             self.stream.write("\n".join(lines) + "\n")

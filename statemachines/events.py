@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import attrs
 
 from . import actions as A
-from .base import Event, TimerFired
+from .base import Event, TimerFired, declared
 
 def _ids(value: Any) -> tuple:
     return tuple(value)
@@ -313,14 +313,5 @@ class PeerDisconnected(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-ALL_EVENTS: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        NewRequest, BlocksAllocated, StartLoad, EngineReady, EngineLost, ReadDone, ReadFailed,
-        PushDone, RequestRunning, RequestFinished, Abort,
-        LeaseGranted, LeaseHeartbeat, ConsumerDone, LeaseAbort,
-        PushRegistered, PushReady, WriteDone, WriteFailed, PushAbort, SourceEnded,
-        EngineAcquire, EngineRelease, HandshakeOk, HandshakeFailed, EngineActivity, PeerDisconnected,
-        TimerFired,
-    )
-}
+# Every event of the machines, by name (the event log resolves names here).
+ALL_EVENTS: dict[str, type] = declared(Event, TimerFired.__module__, __name__)

@@ -25,7 +25,8 @@ from .config import PlaneConfig
 from .eventlog import EventLog, read_log
 from .machines import MACHINES
 from .replay import ReplayResult, replay
-from .spec import Machine
+from .machine import Machine
+from .observe import Step
 
 # Held, but nobody waits for their release.
 COLD = frozenset({"remote_agent"})
@@ -97,7 +98,8 @@ class LivenessMonitor:
         self._reported: set = set()
         self._deadlines: list = []  # heap of (deadline, kind, key), validated lazily
 
-    def __call__(self, kind, inst, event, before, deadline_before, acts, now) -> None:
+    def __call__(self, step: Step) -> None:
+        kind, inst, now = step.kind, step.instance, step.now
         key = (kind, inst.key)
         hot = self.hot_states.get(kind, {}).get(inst.state, frozenset())
         prev = self.live.get(key)

@@ -28,7 +28,7 @@ import heapq
 import math
 import operator
 from collections import Counter, deque
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import attrs
 
@@ -42,7 +42,13 @@ from .composition import (
 from .config import PlaneConfig
 from .heartbeats import HeartbeatBatcher
 from .machines import MACHINES
-from .spec import IGNORED, Machine, ProtocolViolation, Source, timer_action, transitions_of
+from .observe import Observer, Step
+from .stats import (
+    NONFINITE_DEADLINE, PROTOCOL_VIOLATION, SOURCE_NOT_HELD, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed, Final,
+    HeartbeatEngine, Ignored, SourceEnded, StatKeys,
+)
+from .machine import IGNORED, Machine, ProtocolViolation, timer_action
+from .spec import Source, transitions_of
 from .validate import validate_sources
 from .validate_composition import creators, validate_composition
 
@@ -52,9 +58,6 @@ HEARTBEAT_TIMER = "heartbeat"
 # and it must not be evicted while heartbeats for it still flow.
 HEARTBEAT_REQUESTER = "heartbeat"
 
-# Observer of every stimulus handled: (event, now, label, state_before,
-# state_after, actions).  Used by the event log; None costs nothing.
-Recorder = Callable[[Event, float, str, str | None, str | None, list], None]
 
 
 class NonFiniteTime(ValueError):
@@ -82,10 +85,13 @@ class ControlPlane:
                                            self.config.lease_extension - self.config.heartbeat_interval)
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = 0
+        # Keyed by the records of ``stats`` (and "heartbeats_sent").
         self.stats: Counter = Counter()
+        self._stat_key = StatKeys()
         # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
         self.anomalies: deque = deque(maxlen=256)
-        self.recorder: Recorder | None = None
+        # Sees one Step per top-level stimulus (the event log); None costs nothing.
+        self.recorder: Observer | None = None
         self._top: tuple | None = None  # the stimulus being handled, logged once its effects are known
 
     # ------------------------------------------------------------------ input
@@ -104,15 +110,9 @@ class ControlPlane:
             # The log line of this stimulus: the addressed machine's own
             # actions, then the external effects of the internal events they
             # set off, so replay also checks what other machines did.
-            event, label, before, after, own, n_own = self._top
+            event, kind, key, before, after, own, n_own = self._top
             self._top = None
-            self.recorder(event, now, label, before, after, own + out[n_own:])
-        return out
-
-    def handle_all(self, events: Iterable[Event], now: float) -> list[Action]:
-        out: list[Action] = []
-        for ev in events:
-            out.extend(self.handle(ev, now))
+            self.recorder(Step(event, now, kind, key, before, after, own + out[n_own:]))
         return out
 
     def next_deadline(self) -> float | None:
@@ -183,18 +183,18 @@ class ControlPlane:
             if kind == HEARTBEAT_REQUESTER:
                 # The batcher needs no wake-up: it sends when its timer fires and
                 # the transport skips engines that are not connected yet.
-                self.stats[f"heartbeat_engine:{cls.__name__}"] += 1
+                self.stats[self._stat_key(HeartbeatEngine, cls.__name__)] += 1
                 return
-            self._anomaly("unknown_kind", kind, key, event)
+            self._anomaly(UNKNOWN_KIND, kind, key, event)
             if top and self.recorder is not None:
-                self.recorder(event, now, f"{kind}:{key}", None, None, IGNORED)
+                self.recorder(Step(event, now, kind, key, None, None, IGNORED))
             return
         machine = self.machines[kind]
         inst = insts.get(key)
         created = inst is None
         if created:
             if self._creators.get(cls) != kind:
-                self._refuse_uncreated(event, kind, key, "unknown_id", "", now, out, top)
+                self._refuse_uncreated(event, kind, key, UNKNOWN_ID, "", now, out, top)
                 return
             inst = insts[key] = machine.new(key)
         before, old_deadline = inst.state, inst.deadline
@@ -207,13 +207,13 @@ class ControlPlane:
                 # needs it ends now, one about to take it never does.
                 if created:
                     del insts[key]
-                    self._refuse_uncreated(event, kind, key, "source_not_held", source.kind, now, out, top)
+                    self._refuse_uncreated(event, kind, key, SOURCE_NOT_HELD, source.kind, now, out, top)
                     return
                 applied = self._source_ended(source, kind, key, cls)
         try:
             acts = machine.apply(inst, applied, self.config, now)
         except ProtocolViolation as exc:
-            self._anomaly("protocol_violation", kind, key, event, exc.reason)
+            self._anomaly(PROTOCOL_VIOLATION, kind, key, event, exc.reason)
             acts = self._fail_closed(machine, inst, now)
             refund = event.refund()
             if refund is not None:
@@ -224,25 +224,25 @@ class ControlPlane:
                 if refund is not None:
                     acts = [*acts, refund]
         if acts is IGNORED:
-            self.stats[f"ignored:{kind}:{before}:{cls.__name__}"] += 1
+            self.stats[self._stat_key(Ignored, kind, before, cls.__name__)] += 1
         deadline = inst.deadline
         if deadline is not None and deadline != old_deadline:
             if not math.isfinite(deadline):
                 # A deadline that is not a number (a NaN or infinite duration
                 # in an event) would never fire, or break the heap: the
                 # machine times out now, through its ordinary release path.
-                self._anomaly("nonfinite_deadline", kind, key, event, repr(deadline))
+                self._anomaly(NONFINITE_DEADLINE, kind, key, event, repr(deadline))
                 deadline = inst.deadline = now
             self._seq += 1
             heapq.heappush(self._timers, (deadline, self._seq, kind, key))
         if top and self.recorder is not None:
             timer = timer_action(kind, key, old_deadline, deadline)
             own = [*acts] if timer is None else [*acts, timer]
-            self._top = (event, f"{kind}:{key}", before, inst.state, own, len(out) + sum(
+            self._top = (event, kind, key, before, inst.state, own, len(out) + sum(
                 1 for a in acts if not a.internal))
         if inst.state in machine.terminal_states:
             del insts[key]
-            self.stats[f"final:{kind}:{inst.state}"] += 1
+            self.stats[self._stat_key(Final, kind, inst.state)] += 1
         elif created and inst.state == machine.spec.initial:
             del insts[key]  # the creating event was refused: keep no empty machine
         users = self._users.get(kind)
@@ -268,13 +268,13 @@ class ControlPlane:
         out.extend(acts)
         if top and self.recorder is not None:
             # Logged too, so a log holds every stimulus; no instance: no states.
-            self.recorder(event, now, f"{kind}:{key}", None, None, acts)
+            self.recorder(Step(event, now, kind, key, None, None, acts))
 
     def _fail_closed(self, machine: Machine, inst, now: float) -> list:
         fc = machine.spec.fail_closed_event
         if fc is None or machine.is_terminal(inst) or inst.state == machine.spec.initial:
             return []
-        self.stats[f"fail_closed:{machine.name}"] += 1
+        self.stats[self._stat_key(FailClosed, machine.name)] += 1
         return machine.apply(inst, _fail_closed_event(fc, machine.name, inst.key), self.config, now)
 
     def _source_held(self, source: Source, key: Any) -> bool:
@@ -283,20 +283,14 @@ class ControlPlane:
 
     def _source_ended(self, source: Source, kind: str, key: Any, cause: type) -> Event:
         inst = self.instances[source.kind].get(key)
-        self.stats[f"source_ended:{kind}:{cause.__name__}"] += 1
+        self.stats[self._stat_key(SourceEnded, kind, cause.__name__)] += 1
         return source.ended(kind=kind, request_id=key, source_state=None if inst is None else inst.state)
 
     def _anomaly(self, what: str, kind: str, key: Any, event: Event, detail: str = "") -> None:
-        self.stats[f"{what}:{kind}:{type(event).__name__}"] += 1
+        self.stats[self._stat_key(Anomaly, what, kind, type(event).__name__)] += 1
         self.anomalies.append((what, kind, key, type(event).__name__, detail))
 
     # -------------------------------------------------------- internal actions
-    def _execute_internal(self, a: Action, now: float, queue: list) -> None:
-        handler = self._internal.get(type(a))
-        if handler is None:  # a new internal action without a handler is a bug
-            raise TypeError(f"no handler for internal action {type(a).__name__}")
-        handler(self, a, now, queue)
-
     def _do_arm(self, a: ArmTimer, now: float, queue: list) -> None:
         self._arm(a.at, a.kind, a.key)
 
@@ -343,8 +337,8 @@ class ControlPlane:
         if self.recorder is not None:
             # Logged as the timer it is, so replay reproduces the batcher's
             # schedule (and what follows from it) by calling fire_due.
-            self.recorder(TimerFired(HEARTBEAT_TIMER, engine_id, due), now, f"{HEARTBEAT_TIMER}:{engine_id}",
-                          None, None, [action] if action is not None else IGNORED)
+            self.recorder(Step(TimerFired(HEARTBEAT_TIMER, engine_id, due), now, HEARTBEAT_TIMER, engine_id,
+                               None, None, [action] if action is not None else IGNORED))
         if at is not None:
             self._arm(at, HEARTBEAT_TIMER, engine_id)
         return at is not None

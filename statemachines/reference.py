@@ -16,7 +16,8 @@ from transitions.extensions import GraphMachine
 from transitions.extensions.states import Tags, add_state_features
 
 from .base import TimerFired
-from .spec import IGNORED, Ignore, NoGuardMatched, ProtocolError, ProtocolViolation, Spec, Transition, timer_action
+from .machine import IGNORED, NoGuardMatched, ProtocolViolation, closing_errors, timer_action
+from .spec import Ignore, ProtocolError, Spec, Transition, with_timer_ignores
 
 
 @add_state_features(Tags)
@@ -96,14 +97,14 @@ class ReferenceMachine:
     """Interprets a Spec with one ``transitions.Machine`` per instance."""
 
     def __init__(self, spec: Spec):
-        from .spec import with_timer_ignores
-
         self.spec = spec = with_timer_ignores(spec)
         self.name = spec.name
         self._states = {s.name: s for s in spec.states}
         self.states = self._states
         self.terminal_states = frozenset(s.name for s in spec.states if s.terminal)
-        self._outcome = {(e.src, e.event): e for e in spec.table if not isinstance(e, Transition)}
+        self._no_guard = closing_errors(spec)
+        self._outcome = {(e.src, e.event): e for e in spec.table
+                         if not isinstance(e, Transition) and (e.src, e.event) not in self._no_guard}
         self._transitions = [
             {
                 "trigger": t.event.__name__,
@@ -138,6 +139,17 @@ class ReferenceMachine:
 
     def handle(self, ref: "RefInstance", event, config, now: float):
         """Same contract as ``Machine.handle``: actions, then the timer action."""
+        old_deadline = ref.inst.deadline
+        actions = self.apply(ref, event, config, now)
+        if actions is not IGNORED:
+            timer = timer_action(self.name, ref.inst.key, old_deadline, ref.inst.deadline)
+            if timer is not None:
+                actions.append(timer)
+        return actions
+
+    def apply(self, ref: "RefInstance", event, config, now: float):
+        """Same contract as ``Machine.apply`` (the ControlPlane's entry point,
+        which arms timers from ``inst.deadline``): no timer action."""
         inst, model = ref.inst, ref.model
         outcome = self._outcome.get((model.state, type(event)))
         if isinstance(outcome, Ignore):
@@ -145,7 +157,6 @@ class ReferenceMachine:
         if isinstance(outcome, ProtocolError):
             raise ProtocolViolation(self.name, inst.key, model.state, event, outcome.reason)
         model.inst, model.event, model.config, model.now, model.actions = inst, event, config, now, []
-        old_deadline = inst.deadline
         try:
             fired = model.trigger(type(event).__name__, model)
         except MachineError as exc:
@@ -154,18 +165,14 @@ class ReferenceMachine:
             actions = model.actions
             del model.inst, model.event, model.config, model.actions  # pin nothing between events
         if not fired:
-            raise NoGuardMatched(self.name, inst.key, model.state, event, "no guard matched")
+            reason = self._no_guard.get((model.state, type(event)))
+            if reason is None:
+                raise NoGuardMatched(self.name, inst.key, model.state, event, "no guard matched")
+            raise ProtocolViolation(self.name, inst.key, model.state, event, reason)
         inst.state = model.state
         dl = self._states[inst.state].deadline
         inst.deadline = None if dl is None else dl(inst, config, now)
-        timer = timer_action(self.name, inst.key, old_deadline, inst.deadline)
-        if timer is not None:
-            actions.append(timer)
         return actions
-
-    # The ControlPlane's entry point; it arms timers from inst.deadline, so
-    # the timer action handle() appends is a harmless duplicate there.
-    apply = handle
 
 
 class RefInstance:

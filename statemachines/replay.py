@@ -34,39 +34,9 @@ from .config import PlaneConfig
 from .eventlog import EventLog, LogRecord, action_json, read_log
 from .machines import MACHINES
 from .plane import ControlPlane
-from .spec import Machine
-
-# observer(kind, inst, event, state_before, deadline_before, actions, now)
-Observer = Callable[[str, Any, Any, str, Any, Any, float], None]
-
-
-class ObservedMachine(Machine):
-    """A compiled machine that reports every transition (top-level and
-    cascaded) to an observer; the plane needs no hook for it."""
-
-    __slots__ = ("_inner", "_observer")
-
-    def __init__(self, inner: Machine, observer: Observer):
-        super().__init__(inner.spec, inner._table)
-        self._inner = inner
-        self._observer = observer
-
-    def apply(self, inst, event, config, now):
-        before, deadline = inst.state, inst.deadline
-        acts = self._inner.apply(inst, event, config, now)
-        self._observer(self.name, inst, event, before, deadline, acts, now)
-        return acts
-
-    def handle(self, inst, event, config, now):
-        before, deadline = inst.state, inst.deadline
-        acts = self._inner.handle(inst, event, config, now)
-        self._observer(self.name, inst, event, before, deadline, acts, now)
-        return acts
-
-
-def observed(machines: dict[str, Machine], observer: Observer) -> dict[str, Machine]:
-    return {k: ObservedMachine(m, observer) for k, m in machines.items()}
-
+from .machine import Machine
+from .observe import Observer, Step, observed
+from .stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, Final
 
 @attrs.define
 class Divergence:
@@ -90,7 +60,7 @@ class ReplayResult:
     leases: Counter = attrs.Factory(Counter)  # granted / extended / expired / released
     engines_evicted: int = 0
     held: list = attrs.Factory(list)  # the leak report: ControlPlane.held() at the end
-    anomalies: Counter = attrs.Factory(Counter)
+    anomalies: Counter = attrs.Factory(Counter)  # stats.Anomaly -> count (unknown ids and kinds, violations)
     end_time: float | None = None
     plane: ControlPlane | None = None
 
@@ -106,24 +76,20 @@ class _Counts:
         self.r = result
         self.chained = chained
 
-    def __call__(self, kind, inst, event, before, deadline_before, acts, now):
-        after = inst.state
+    def __call__(self, step: Step) -> None:
+        kind, before, after = step.kind, step.state_before, step.state_after
         if kind == "lease":
             if before == "PREFILLING" and after == "LEASED":
                 self.r.leases["granted"] += 1
-            elif before == after and type(event).__name__ == "LeaseHeartbeat" and inst.deadline != deadline_before:
+            elif (before == after and type(step.event).__name__ == "LeaseHeartbeat"
+                  and step.instance.deadline != step.deadline_before):
                 self.r.leases["extended"] += 1
             elif after in ("EXPIRED", "RELEASED") and before != after:
                 self.r.leases[after.lower()] += 1
         elif kind == "remote_engine" and after == "EVICTED" and before != after:
             self.r.engines_evicted += 1
         if self.chained is not None:
-            self.chained(kind, inst, event, before, deadline_before, acts, now)
-
-
-def _produced_fields(rec_tuple) -> tuple:
-    event, now, label, before, after, acts = rec_tuple
-    return label, before, after, action_json(acts), event
+            self.chained(step)
 
 
 def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Machine] | None = None,
@@ -138,7 +104,7 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
     counts = _Counts(result, observer)
     plane = ControlPlane(cfg, machines=observed(dict(machines or MACHINES), counts))
     produced: deque = deque()
-    plane.recorder = lambda *rec: produced.append(rec)
+    plane.recorder = produced.append
     result.plane = plane
 
     for rec in log.records:
@@ -157,9 +123,9 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
             if produced:
                 # This line was caused by fire_due: match it, do not feed it.
                 got = produced.popleft()
-                if got[0] != rec.event:
+                if got.event != rec.event:
                     result.divergence = Divergence(rec.seq, rec.line, "event", _describe(rec),
-                                                   f"{type(got[0]).__name__} {got[0]!r} at {got[1]}")
+                                                   f"{type(got.event).__name__} {got.event!r} at {got.now}")
                     break
             else:
                 plane.handle(rec.event, rec.t)
@@ -172,8 +138,7 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
             if produced:
                 # A recorded line's fire_due produced more than the log holds.
                 got = produced[0]
-                result.divergence = Divergence(rec.seq, rec.line, "extra", _describe(rec),
-                                               f"{got[2]} {type(got[0]).__name__} at {got[1]}")
+                result.divergence = Divergence(rec.seq, rec.line, "extra", _describe(rec), _produced(got))
                 break
             plane.fire_due(rec.t)
             if type(rec.event) is not TimerFired:
@@ -182,8 +147,7 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
     else:
         if produced and result.divergence is None:
             got = produced[0]
-            result.divergence = Divergence(-1, -1, "extra", "end of log",
-                                           f"{got[2]} {type(got[0]).__name__} at {got[1]}")
+            result.divergence = Divergence(-1, -1, "extra", "end of log", _produced(got))
     if until is not None and result.divergence is None:
         plane.recorder = None
         plane.fire_due(until)
@@ -196,8 +160,12 @@ def _describe(rec: LogRecord) -> str:
     return f"{rec.machine or '?'} {type(rec.event).__name__} {rec.data}"
 
 
-def _compare(rec: LogRecord, got: tuple) -> Divergence | None:
-    label, before, after, acts, _ = _produced_fields(got)
+def _produced(step: Step) -> str:
+    return f"{step.machine} {type(step.event).__name__} at {step.now}"
+
+
+def _compare(rec: LogRecord, got: Step) -> Divergence | None:
+    label, before, after, acts = got.machine, got.state_before, got.state_after, action_json(got.actions)
     if rec.machine is not None and rec.machine != label:
         return Divergence(rec.seq, rec.line, "machine", rec.machine, label)
     if rec.state_before != before:
@@ -211,10 +179,9 @@ def _compare(rec: LogRecord, got: tuple) -> Divergence | None:
 
 def _summarize(result: ReplayResult, plane: ControlPlane) -> None:
     for key, n in plane.stats.items():
-        parts = key.split(":")
-        if parts[0] == "final" and parts[1] == "decode_request":
-            result.requests[parts[2]] += n
-        elif parts[0] in ("unknown_id", "unknown_kind", "protocol_violation"):
+        if isinstance(key, Final) and key.kind == "decode_request":
+            result.requests[key.state] += n
+        elif isinstance(key, Anomaly) and key.what in (UNKNOWN_ID, UNKNOWN_KIND, PROTOCOL_VIOLATION):
             result.anomalies[key] += n
     for inst in plane.instances.get("decode_request", {}).values():
         result.requests[inst.state] += 1

@@ -4,6 +4,9 @@ Checks, each reported with the state (and event) at fault:
 - every (non-terminal state, event) pair is declared exactly once: guarded
   transitions, an ignore with a reason, or a protocol error; terminal
   instances are discarded by the plane, so they accept nothing;
+- the rows of one pair are adjacent in the table (their order is their
+  priority, so it must read as one list), and a group of guarded transitions
+  ends in an unguarded one or in an explicit error for when no guard holds;
 - a state that waits on a remote party has a deadline, and a state with a
   deadline handles TimerFired with a transition;
 - every state is reachable from the initial one and can reach a terminal one;
@@ -42,7 +45,9 @@ def validate(spec: Spec) -> None:
     alphabet = set(spec.events)
 
     entries: dict[tuple[str, type], list] = defaultdict(list)
-    for e in spec.table:
+    rows_at: dict[tuple[str, type], list[int]] = defaultdict(list)
+    for i, e in enumerate(spec.table):
+        rows_at[(e.src, e.event)].append(i)
         where = f"{e.src} x {_name(e.event)}"
         if e.src not in states:
             err(f"{where}: unknown source state {e.src!r}")
@@ -66,16 +71,30 @@ def validate(spec: Spec) -> None:
             if not got:
                 err(f"{where}: undeclared (declare a transition, an Ignore with a reason, or a ProtocolError)")
                 continue
-            kinds = {type(x) for x in got}
-            if len(kinds) > 1 or (kinds != {Transition} and len(got) > 1):
+            at = rows_at[(s.name, ev)]
+            if at[-1] - at[0] != len(at) - 1:
+                err(f"{where}: its rows are not adjacent (table rows {at}); their order is their priority, "
+                    f"keep them together")
+            # A group: transitions, tried in order, optionally closed by the
+            # error for when no guard holds.  Otherwise one Ignore or error.
+            closing = got[-1] if len(got) > 1 and isinstance(got[-1], ProtocolError) else None
+            body = got[:-1] if closing is not None else got
+            grouped = all(isinstance(x, Transition) for x in body)
+            if not grouped and len(got) > 1:
                 err(f"{where}: declared more than once ({', '.join(type(x).__name__ for x in got)})")
                 continue
-            if kinds == {Transition}:
-                for t in got[:-1]:
+            if grouped:
+                for t in body[:-1]:
                     if t.guard is None:
                         err(f"{where}: unguarded transition to {t.dest} shadows the ones after it")
-            else:
-                (only,) = got
+                last = body[-1]
+                if closing is None and last.guard is not None:
+                    err(f"{where}: the guarded rows end with a guard ({last.guard_doc!r}); end them with an "
+                        f"unguarded row or an error() row for when no guard holds")
+                if closing is not None and last.guard is None:
+                    err(f"{where}: the error row after the unguarded transition to {last.dest} is never reached")
+            only = closing if closing is not None else None if grouped else got[0]
+            if only is not None:
                 if not only.reason.strip():
                     err(f"{where}: {type(only).__name__} needs a reason")
                 if isinstance(only, Ignore) and (ev.acquires or ev.releases):

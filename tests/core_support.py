@@ -69,7 +69,8 @@ def trusting_gate_machine():
     import attrs
 
     from kvplane.statemachines.machines import decode_request
-    from kvplane.statemachines.spec import Transition, compile_machine
+    from kvplane.statemachines.machine import compile_machine
+    from kvplane.statemachines.spec import Transition
 
     def trusting(r, ev, cfg, now):
         """the bug: trust the last heartbeat whatever the gap before it"""

@@ -94,7 +94,7 @@ def test_a_wire_must_give_every_required_field_from_fields_that_exist():
 
 def test_a_plane_refuses_an_invalid_composition():
     from kvplane.statemachines.machines import MACHINES
-    from kvplane.statemachines.spec import compile_machine
+    from kvplane.statemachines.machine import compile_machine
 
     broken = compile_machine(attrs.evolve(SPECS["lease"], created_by=()))
     with pytest.raises(MachineDefinitionError, match="no event creates it"):

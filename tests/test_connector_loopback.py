@@ -11,6 +11,7 @@ from kvplane.connector.connector import KVPlaneScheduler, KVPlaneWorker
 from kvplane.connector.driver import PlaneDriver, introduce
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
+from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, Anomaly, FailClosed
 
 BLOCKS, ELEMS = 16, 256
 
@@ -144,7 +145,7 @@ def test_duplicated_completion_frees_the_blocks_once(pair):
     assert p.driver.freed == [("r1", (1, 2, 3), "consumed")]
     # The copies are counted ignores: of a lease that is gone, or (polled
     # after it was freed) of a name that died with it.
-    assert (p.driver.plane.stats["unknown_id:lease:ConsumerDone"]
+    assert (p.driver.plane.stats[Anomaly("unknown_id", "lease", "ConsumerDone")]
             + p.driver.counters["notifs_unknown_lease"]) == 2
     assert d.held() == [] and p.held() == []
 
@@ -441,6 +442,6 @@ def test_notify_only_full_prefix_hit_runs_at_once_and_releases_p(pair, finish_fi
     assert p.driver.freed[-1][2] == "consumed"
     assert "d1" not in d.recving
     for side in (p, d):
-        assert not [k for k in side.driver.plane.stats if k.split(":")[0] in
-                    ("unknown_id", "protocol_violation", "fail_closed")], side.driver.plane.stats
+        assert not [k for k in side.driver.plane.stats if isinstance(k, FailClosed) or isinstance(k, Anomaly)
+                    and k.what in (UNKNOWN_ID, PROTOCOL_VIOLATION)], side.driver.plane.stats
     assert d.held() == [] and p.held() == []

@@ -20,6 +20,7 @@ from kvplane.statemachines import events as E
 from kvplane.statemachines.config import ConfigError, PlaneConfig
 from kvplane.statemachines.machines import decode_request, push_write
 from kvplane.statemachines.plane import ControlPlane, NonFiniteTime
+from kvplane.statemachines.stats import Anomaly, Final
 
 NAN, INF = math.nan, math.inf
 NON_FINITE = [NAN, INF, -INF]
@@ -170,7 +171,7 @@ def test_no_write_against_a_non_finite_push_deadline(bad):
     out = p.handle(E.PushReady(request_id="p1", block_ids=(7, 8)), 0.0)
     out += connect(p, "D0", 0.5)
     assert of_type(out, A.PostWrite) == []
-    assert p.get("push_write", "p1") is None and p.stats["final:push_write:FAILED"] == 1
+    assert p.get("push_write", "p1") is None and p.stats[Final("push_write", "FAILED")] == 1
 
 
 @pytest.mark.parametrize("bad", NON_FINITE, ids=["nan", "inf", "-inf"])
@@ -180,7 +181,7 @@ def test_a_lease_whose_duration_is_not_finite_expires_at_once(bad):
     p = plane()
     p.handle(E.LeaseGranted(request_id="p1", block_ids=(7,), duration=bad), 3.0)
     assert p.get("lease", "p1").deadline == 3.0
-    assert p.stats["nonfinite_deadline:lease:LeaseGranted"] == 1
+    assert p.stats[Anomaly("nonfinite_deadline", "lease", "LeaseGranted")] == 1
     assert run_timers(p, 3.0) == [(3.0, A.FreeBlocks("p1", (7,), "expired"))]
     assert p.held() == []
 

@@ -13,6 +13,7 @@ from kvplane.statemachines import events as E
 from kvplane.statemachines.base import TimerFired
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.plane import ControlPlane
+from kvplane.statemachines.stats import Anomaly, FailClosed, Final, Ignored, SourceEnded
 
 P0 = "P0"
 
@@ -35,12 +36,12 @@ def test_unknown_ids_are_counted_anomalies():
     assert p.handle(TimerFired("lease", "nope", 1.0), 1.0) == []
     assert p.handle(E.EngineActivity(engine_id="nope"), 1.0) == []
     assert p.handle(E.EngineReady(kind="bogus", request_id="x", engine_id=P0), 1.0) == []
-    assert p.stats["unknown_id:decode_request:ReadDone"] == 1
-    assert p.stats["unknown_id:lease:LeaseHeartbeat"] == 1
-    assert p.stats["unknown_id:lease:ConsumerDone"] == 1
-    assert p.stats["unknown_id:lease:TimerFired"] == 1
-    assert p.stats["unknown_id:remote_engine:EngineActivity"] == 1
-    assert p.stats["unknown_kind:bogus:EngineReady"] == 1
+    assert p.stats[Anomaly("unknown_id", "decode_request", "ReadDone")] == 1
+    assert p.stats[Anomaly("unknown_id", "lease", "LeaseHeartbeat")] == 1
+    assert p.stats[Anomaly("unknown_id", "lease", "ConsumerDone")] == 1
+    assert p.stats[Anomaly("unknown_id", "lease", "TimerFired")] == 1
+    assert p.stats[Anomaly("unknown_id", "remote_engine", "EngineActivity")] == 1
+    assert p.stats[Anomaly("unknown_kind", "bogus", "EngineReady")] == 1
     assert [a[0] for a in p.anomalies] == ["unknown_id"] * 5 + ["unknown_kind"]
     assert p.anomalies[0][1:4] == ("decode_request", "nope", "ReadDone")
     # No empty machines were created for them.
@@ -52,22 +53,22 @@ def test_duplicate_and_late_events_are_counted_ignores():
     reading(p)
     assert p.handle(new_request("r1", P0, "p1"), 1.0) == []  # duplicate on_new_request
     assert p.handle(E.StartLoad(request_id="r1"), 1.0) == []  # the worker repeats start_load_kv
-    assert p.stats["ignored:decode_request:READING:NewRequest"] == 1
-    assert p.stats["ignored:decode_request:READING:StartLoad"] == 1
+    assert p.stats[Ignored("decode_request", "READING", "NewRequest")] == 1
+    assert p.stats[Ignored("decode_request", "READING", "StartLoad")] == 1
     out = p.handle(E.ReadDone(request_id="r1"), 2.0)
     assert of_type(out, A.ReportRecv) == [A.ReportRecv("r1", True)]
     # Late duplicate completion and late failure: ignored, no second report.
     assert p.handle(E.ReadDone(request_id="r1"), 3.0) == []
     assert p.handle(E.ReadFailed(request_id="r1"), 3.0) == []
-    assert p.stats["ignored:decode_request:RECV_DONE:ReadDone"] == 1
-    assert p.stats["ignored:decode_request:RECV_DONE:ReadFailed"] == 1
+    assert p.stats[Ignored("decode_request", "RECV_DONE", "ReadDone")] == 1
+    assert p.stats[Ignored("decode_request", "RECV_DONE", "ReadFailed")] == 1
     # After the request is gone, events for it are unknown ids.
     p.handle(E.RequestRunning(request_id="r1"), 4.0)
     p.handle(E.RequestFinished(request_id="r1"), 5.0)
     assert p.get("decode_request", "r1") is None
     assert p.handle(E.ReadDone(request_id="r1"), 6.0) == []
-    assert p.stats["unknown_id:decode_request:ReadDone"] == 1
-    assert p.stats["final:decode_request:RELEASED"] == 1
+    assert p.stats[Anomaly("unknown_id", "decode_request", "ReadDone")] == 1
+    assert p.stats[Final("decode_request", "RELEASED")] == 1
 
 
 def test_duplicate_consumer_notification_cannot_free_blocks_early():
@@ -79,7 +80,7 @@ def test_duplicate_consumer_notification_cannot_free_blocks_early():
     assert p.handle(E.ConsumerDone(request_id="p1", consumer="D2", expected_consumers=2), 2.0) == [
         A.FreeBlocks("p1", (1,), "consumed")]
     assert p.handle(E.ConsumerDone(request_id="p1", consumer="D2", expected_consumers=2), 3.0) == []
-    assert p.stats["unknown_id:lease:ConsumerDone"] == 1
+    assert p.stats[Anomaly("unknown_id", "lease", "ConsumerDone")] == 1
 
 
 # ------------------------------------------------------------- fail closed
@@ -90,9 +91,9 @@ def test_protocol_error_fails_the_decode_request_closed():
     out = p.handle(E.RequestFinished(request_id="r1"), 1.0)  # finished before its recv was reported
     assert out == [A.ReleaseXfer("r1", True), A.ReportRecv("r1", False, (1, 2))]
     assert p.get("decode_request", "r1") is None
-    assert p.stats["protocol_violation:decode_request:RequestFinished"] == 1
-    assert p.stats["fail_closed:decode_request"] == 1
-    assert p.stats["final:decode_request:ABORTED"] == 1
+    assert p.stats[Anomaly("protocol_violation", "decode_request", "RequestFinished")] == 1
+    assert p.stats[FailClosed("decode_request")] == 1
+    assert p.stats[Final("decode_request", "ABORTED")] == 1
     what, kind, key, event, detail = p.anomalies[-1]
     assert (what, kind, key, event) == ("protocol_violation", "decode_request", "r1", "RequestFinished")
     assert "before its recv was reported" in detail
@@ -181,7 +182,7 @@ def test_protocol_error_on_a_fresh_push_keeps_no_machine():
     p = plane()
     assert p.handle(E.WriteDone(request_id="p1"), 0.0) == []
     assert p.get("push_write", "p1") is None
-    assert p.stats["unknown_id:push_write:WriteDone"] == 1
+    assert p.stats[Anomaly("unknown_id", "push_write", "WriteDone")] == 1
 
 
 # ------------------------------------------------- a push lives only while its lease holds the blocks
@@ -198,12 +199,12 @@ def test_push_readied_without_a_held_lease_takes_nothing(order):
     assert p.handle(second, 0.0) == []
     assert p.get("remote_engine", "D0") is None and p.held() == []
     if order == "ready_then_reg":
-        assert p.stats["source_not_held:push_write:PushReady"] == 1
+        assert p.stats[Anomaly("source_not_held", "push_write", "PushReady")] == 1
         assert p.get("push_write", "p1").state == "REGISTERED"
         assert run_timers(p, 1000.0) == []
     else:
-        assert p.stats["source_ended:push_write:PushReady"] == 1
-    assert p.get("push_write", "p1") is None and p.stats["final:push_write:FAILED"] == 1
+        assert p.stats[SourceEnded("push_write", "PushReady")] == 1
+    assert p.get("push_write", "p1") is None and p.stats[Final("push_write", "FAILED")] == 1
 
 
 def test_push_that_finds_its_lease_gone_ends_instead_of_acting():
@@ -219,7 +220,7 @@ def test_push_that_finds_its_lease_gone_ends_instead_of_acting():
     out = connect(p, "D0", 1.0)
     assert of_type(out, A.PostWrite) == []
     assert p.get("push_write", "p1") is None
-    assert p.stats["source_ended:push_write:EngineReady"] == 1
+    assert p.stats[SourceEnded("push_write", "EngineReady")] == 1
     assert p.get("remote_engine", "D0").refs == set()
 
 
@@ -240,7 +241,7 @@ def test_stale_timers_are_skipped():
     q.handle(E.RequestFinished(request_id="r1"), 1.0)
     fired = run_timers(q, 10_000.0)
     assert [a for _, a in fired if not isinstance(a, A.RemoveRemoteAgent)] == []
-    assert not [k for k in q.stats if k.startswith(("unknown", "ignored"))]
+    assert not [k for k in q.stats if isinstance(k, Ignored) or isinstance(k, Anomaly) and k.what.startswith("unknown")]
     assert q.next_deadline() is None
 
 
@@ -369,7 +370,7 @@ def test_a_handshake_completing_after_eviction_removes_the_agent_it_added():
     # The slow peer finally answers; the transport has added its agent.
     out = p.handle(E.HandshakeOk(engine_id=P0, samples=((0.0, 0.001),)), 1000.0)
     assert out == [A.RemoveRemoteAgent(P0)]
-    assert p.stats["unknown_id:remote_engine:HandshakeOk"] == 1
+    assert p.stats[Anomaly("unknown_id", "remote_engine", "HandshakeOk")] == 1
     assert p.get("remote_engine", P0) is None
 
 
@@ -378,3 +379,16 @@ def test_a_lease_shorter_than_six_seconds_is_refused():
     with pytest.raises(ValueError, match="kv_lease_duration"):
         PlaneConfig(kv_lease_duration=5)
     assert PlaneConfig(kv_lease_duration=6).heartbeat_interval == 1
+
+
+def test_stats_keys_are_records_with_the_report_labels():
+    p = plane()
+    p.handle(E.ReadDone(request_id="nope"), 0.0)
+    p.handle(E.ReadDone(request_id="nope"), 1.0)
+    (key,) = [k for k in p.stats if isinstance(k, Anomaly)]
+    assert key == Anomaly("unknown_id", "decode_request", "ReadDone") and p.stats[key] == 2
+    # The labels reports print (and the main job's summary keys) are the records' str().
+    assert str(key) == "unknown_id:decode_request:ReadDone"
+    assert str(Ignored("lease", "LEASED", "LeaseGranted")) == "ignored:lease:LEASED:LeaseGranted"
+    assert [str(Final("lease", "EXPIRED")), str(FailClosed("lease")), str(SourceEnded("push_write", "PushReady"))] == [
+        "final:lease:EXPIRED", "fail_closed:lease", "source_ended:push_write:PushReady"]

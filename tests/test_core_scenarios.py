@@ -12,6 +12,7 @@ from core_support import connect, heartbeats_to_leases, held_by, names, new_requ
 from kvplane.statemachines import actions as A
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.stats import Final
 
 P_ENGINE, D_ENGINE = "P0", "D0"
 
@@ -370,7 +371,7 @@ def test_push_write_declined_when_the_decoder_gives_up_too_soon(d_ahead, left):
     if left <= 0:
         assert names(out) == ["StartHandshake"]
         assert p.plane.get("push_write", "p1") is None
-        assert p.plane.stats["final:push_write:FAILED"] == 1
+        assert p.plane.stats[Final("push_write", "FAILED")] == 1
         # Nothing posted, the engine reference is back, the lease is untouched.
         assert p.sent(A.PostWrite) == [] and p.plane.get("remote_engine", D_ENGINE).refs == set()
         assert p.plane.get("lease", "p1").state == "LEASED"
@@ -502,7 +503,7 @@ def test_push_deadlines_fail_the_push(missing):
     assert p.plane.get("push_write", "p1").state == state
     p.until(cfg.push_registration_timeout)
     assert p.plane.get("push_write", "p1") is None
-    assert p.plane.stats["final:push_write:FAILED"] == 1
+    assert p.plane.stats[Final("push_write", "FAILED")] == 1
     assert p.sent(A.PostWrite) == []
     # Nothing written: the lease is not consumed, and expires on its own.
     assert p.plane.get("lease", "p1").state == "LEASED"
@@ -685,7 +686,7 @@ def test_push_handshake_completing_after_the_lease_expired_posts_no_write():
     assert [(t, a) for t, a in p.log if isinstance(a, A.FreeBlocks)] == [(6.0, A.FreeBlocks("p1", (7, 8), "expired"))]
     assert _freed_then_written(p.log) == []
     assert p.sent(A.PostWrite) == []
-    assert p.plane.get("push_write", "p1") is None and p.plane.stats["final:push_write:FAILED"] == 1
+    assert p.plane.get("push_write", "p1") is None and p.plane.stats[Final("push_write", "FAILED")] == 1
     assert held_by(p.plane, "p1") == []
     engine = p.plane.get("remote_engine", D_ENGINE)
     assert engine is None or engine.refs == set()

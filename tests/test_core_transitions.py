@@ -20,7 +20,8 @@ from kvplane.statemachines import events as E
 from kvplane.statemachines.base import ArmTimer, CancelTimer, TimerFired
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.machines import MACHINES
-from kvplane.statemachines.spec import IGNORED, Ignore, ProtocolError, ProtocolViolation, Transition
+from kvplane.statemachines.machine import IGNORED, ProtocolViolation
+from kvplane.statemachines.spec import Ignore, ProtocolError, Transition
 
 CFG = PlaneConfig()
 KEYS = {"decode_request": "r1", "lease": "p1", "remote_engine": "P0", "push_write": "p1"}

@@ -11,9 +11,11 @@ import pytest
 
 from kvplane.statemachines import events as E
 from kvplane.statemachines.base import TimerFired
+from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.machines import SPECS, decode_request, lease, push_write, remote_engine
+from kvplane.statemachines.machine import compile_machine
 from kvplane.statemachines.spec import (
-    Ignore, MachineDefinitionError, ProtocolError, State, Transition, compile_machine, with_timer_ignores,
+    Ignore, MachineDefinitionError, ProtocolError, State, Transition, with_timer_ignores,
 )
 from kvplane.statemachines.table import error as error_rows
 from kvplane.statemachines.table import ignore, on
@@ -33,6 +35,15 @@ def replace_rows(spec, match, new=()):
     kept = tuple(r for r in spec.table if not match(r))
     assert len(kept) < len(spec.table), "mutation matched no row"
     return attrs.evolve(spec, table=kept + tuple(new))
+
+
+def insert_beside(spec, src, event, new, *, after=False):
+    """Insert ``new`` right before (or after) the rows of (src, event), so
+    they stay adjacent to them."""
+    at = [i for i, r in enumerate(spec.table) if r.src == src and r.event is event]
+    assert at, "no row of the pair"
+    i = at[-1] + 1 if after else at[0]
+    return attrs.evolve(spec, table=spec.table[:i] + tuple(new) + spec.table[i:])
 
 
 def replace_state(spec, name, **changes):
@@ -158,8 +169,8 @@ def test_terminal_state_accepts_no_events():
 
 
 def test_shadowing_unguarded_transition():
-    spec = attrs.evolve(decode_request.SPEC, table=tuple(
-        on("HEARTBEATING", E.BlocksAllocated, "NOTIFY_ONLY", do=decode_request._allocated)) + decode_request.SPEC.table)
+    spec = insert_beside(decode_request.SPEC, "HEARTBEATING", E.BlocksAllocated,
+                         on("HEARTBEATING", E.BlocksAllocated, "NOTIFY_ONLY", do=decode_request._allocated))
     errs = errors_of(spec)
     assert errs == ["HEARTBEATING x BlocksAllocated: unguarded transition to NOTIFY_ONLY shadows the ones after it"]
 
@@ -171,8 +182,8 @@ def test_fail_closed_event_must_be_a_transition_everywhere():
 
 
 def test_pair_declared_twice():
-    spec = attrs.evolve(remote_engine.SPEC, table=remote_engine.SPEC.table
-                        + tuple(ignore("CONNECTED", E.EngineActivity, "twice")))
+    spec = insert_beside(remote_engine.SPEC, "CONNECTED", E.EngineActivity,
+                         ignore("CONNECTED", E.EngineActivity, "twice"), after=True)
     assert errors_of(spec) == ["CONNECTED x EngineActivity: declared more than once (Transition, Ignore)"]
 
 
@@ -228,7 +239,7 @@ def test_source_needs_live_states():
 def test_a_plane_refuses_a_source_that_is_not_one_of_its_machines():
     from kvplane.statemachines.machines import MACHINES
     from kvplane.statemachines.plane import ControlPlane
-    from kvplane.statemachines.spec import compile_machine as build
+    from kvplane.statemachines.machine import compile_machine as build
 
     ghost = build(attrs.evolve(push_write.SPEC, source=attrs.evolve(push_write.SOURCE, kind="ghost")))
     with pytest.raises(MachineDefinitionError, match="push_write: source kind 'ghost' is not a machine"):
@@ -236,3 +247,65 @@ def test_a_plane_refuses_a_source_that_is_not_one_of_its_machines():
     terminal = build(attrs.evolve(push_write.SPEC, source=attrs.evolve(push_write.SOURCE, held=("EXPIRED",))))
     with pytest.raises(MachineDefinitionError, match="source state 'EXPIRED' is not a live state of lease"):
         ControlPlane(machines={**MACHINES, "push_write": terminal})
+
+
+# ------------------------------------------------- guard groups and row order
+def test_rows_of_one_pair_must_be_adjacent():
+    # Two rows of LEASED x LeaseAbort, split by another pair's row: their
+    # order is their priority, which a reader must see in one place.
+    spec = replace_rows(lease.SPEC, is_row(Transition, "LEASED", E.LeaseAbort))
+    guarded = on("LEASED", E.LeaseAbort, "RELEASED", lease.free_aborted, when=lease.renewable)
+    fallback = on("LEASED", E.LeaseAbort, "RELEASED", lease.free_aborted)
+    table = spec.table
+    i = next(i for i, r in enumerate(table) if r.src == "LEASED" and r.event is TimerFired)
+    spec = attrs.evolve(spec, table=table[:i] + tuple(guarded) + (table[i],) + tuple(fallback) + table[i + 1:])
+    errs = errors_of(spec)
+    assert len(errs) == 1 and errs[0].startswith("LEASED x LeaseAbort: its rows are not adjacent (table rows [")
+    # The same rows together are a valid table.
+    compile_machine(insert_beside(replace_rows(lease.SPEC, is_row(Transition, "LEASED", E.LeaseAbort)),
+                                  "LEASED", TimerFired, guarded + fallback, after=True))
+
+
+def test_a_guarded_group_must_end_unguarded_or_in_an_error():
+    spec = replace_rows(lease.SPEC, is_row(Transition, "LEASED", E.LeaseAbort),
+                        on("LEASED", E.LeaseAbort, "RELEASED", lease.free_aborted, when=lease.renewable))
+    assert errors_of(spec) == [
+        "LEASED x LeaseAbort: the guarded rows end with a guard ('renewable lease'); end them with an unguarded row "
+        "or an error() row for when no guard holds"]
+
+
+def test_an_error_row_closes_a_guarded_group_and_is_what_no_guard_means():
+    from kvplane.statemachines.machine import ProtocolViolation
+    from kvplane.statemachines.reference import ReferenceMachine
+
+    spec = replace_rows(lease.SPEC, is_row(Transition, "LEASED", E.LeaseHeartbeat))
+    spec = insert_beside(spec, "LEASED", E.ConsumerDone,
+                         on("LEASED", E.LeaseHeartbeat, "LEASED", lease.refuse_foreign_sender, when=lease.foreign_sender)
+                         + on("LEASED", E.LeaseHeartbeat, "LEASED", when=lease.renewable, do=lease._extend)
+                         + error_rows("LEASED", E.LeaseHeartbeat, "a fixed-TTL hold takes no heartbeat"))
+    cfg = PlaneConfig()
+    for m in (compile_machine(spec), ReferenceMachine(spec)):
+        hold = m.new("H")
+        m.handle(hold, E.LeaseGranted(request_id="H", block_ids=(1,), renewable=False), cfg, 0.0)
+        with pytest.raises(ProtocolViolation) as info:
+            m.handle(hold, E.LeaseHeartbeat(request_id="H"), cfg, 1.0)
+        assert info.value.reason == "a fixed-TTL hold takes no heartbeat" and hold.state == "LEASED"
+        lease_ = m.new("L")
+        m.handle(lease_, E.LeaseGranted(request_id="L", block_ids=(1,)), cfg, 0.0)
+        expiry = lease_.expiry
+        m.handle(lease_, E.LeaseHeartbeat(request_id="L"), cfg, expiry - 1.0)
+        assert lease_.state == "LEASED" and lease_.expiry > expiry
+
+
+def test_an_error_row_after_an_unguarded_one_is_unreachable():
+    spec = insert_beside(lease.SPEC, "LEASED", E.LeaseHeartbeat,
+                         error_rows("LEASED", E.LeaseHeartbeat, "never"), after=True)
+    assert errors_of(spec) == [
+        "LEASED x LeaseHeartbeat: the error row after the unguarded transition to LEASED is never reached"]
+
+
+def test_an_error_row_may_only_close_transitions():
+    spec = insert_beside(lease.SPEC, "PREFILLING", E.LeaseHeartbeat,
+                         error_rows("PREFILLING", E.LeaseHeartbeat, "twice"), after=True)
+    assert errors_of(spec) == ["PREFILLING x LeaseHeartbeat: declared more than once (Ignore, ProtocolError)"]
+

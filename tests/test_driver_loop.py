@@ -34,10 +34,10 @@ def test_events_are_handled_in_arrival_order(driver):
     seen: list[str] = []
     chained = driver.plane.recorder
 
-    def record(event, now, label, before, after, actions):
-        seen.append(event.request_id)
+    def record(step):
+        seen.append(step.event.request_id)
         if chained is not None:
-            chained(event, now, label, before, after, actions)
+            chained(step)
 
     driver.plane.recorder = record
     ids = [f"r{i}" for i in range(50)]

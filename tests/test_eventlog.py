@@ -200,3 +200,26 @@ def test_a_config_header_of_the_wrong_type_names_line_1():
         with pytest.raises(MalformedLine) as info:
             read_log([b'{"v":1,"config":' + config + b"}", GOOD])
         assert info.value.line == 1 and words in str(info.value)
+
+
+def test_event_and_action_names_come_from_the_definitions_only():
+    import attrs
+
+    from kvplane.statemachines import actions as A
+    from kvplane.statemachines.base import Action, ArmTimer, Event, TimerFired
+    from kvplane.statemachines.eventlog import ACTION_TYPES
+
+    @attrs.frozen
+    class ReadDone(Event):  # a test's own event, even one reusing a name, is not the log's
+        request_id: str
+
+    class Shim(Action):
+        __slots__ = ()
+
+    assert E.ALL_EVENTS["ReadDone"] is E.ReadDone and E.ALL_EVENTS["TimerFired"] is TimerFired
+    assert "Shim" not in ACTION_TYPES and ACTION_TYPES["ArmTimer"] is ArmTimer
+    # Common bases and builder-only classes are declared abstract: never logged, never parsed.
+    for name in ("RefuseNotification", "CancelXfer", "ReportRecvFailed"):
+        assert name not in A.ALL_ACTIONS
+    assert {"RefuseForeignSender", "RefuseWrongCount", "ReleaseXfer", "ReportRecv"} <= set(A.ALL_ACTIONS)
+    assert all(v.__name__ == k for k, v in {**E.ALL_EVENTS, **A.ALL_ACTIONS}.items())

@@ -16,7 +16,8 @@ from kvplane.statemachines.explorer.moves import Deliver, Resume, Stall, Tick, s
 from kvplane.statemachines.machines import MACHINES, SPECS, decode_request, lease, push_write, remote_engine
 from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.replay import replay
-from kvplane.statemachines.spec import Ignore, MachineDefinitionError, Transition, compile_machine, with_timer_ignores
+from kvplane.statemachines.machine import compile_machine
+from kvplane.statemachines.spec import Ignore, MachineDefinitionError, Transition, with_timer_ignores
 from kvplane.statemachines.validate import validate
 
 from core_support import trusting_gate_machine

@@ -16,7 +16,7 @@ def test_obligations_come_from_declared_holds():
     assert "CONNECTED" not in ob["remote_engine"] and "remote_agent" in COLD
     # A new resource declared on a state is monitored without touching monitors.py.
     states = tuple(attrs.evolve(s, holds=s.holds | {"gpu"}) if s.name == "LEASED" else s for s in lease.STATES)
-    from kvplane.statemachines.spec import Machine
+    from kvplane.statemachines.machine import Machine
     m = MACHINES["lease"]
     mutated = {**MACHINES, "lease": Machine(attrs.evolve(m.spec, states=states), m._table)}
     assert obligations(mutated)["lease"]["LEASED"] == {"blocks", "gpu"}

@@ -11,7 +11,7 @@ from kvplane.statemachines.base import TimerFired
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.machines import MACHINES, SPECS
 from kvplane.statemachines.reference import ReferenceMachine
-from kvplane.statemachines.spec import IGNORED, ProtocolViolation
+from kvplane.statemachines.machine import IGNORED, ProtocolViolation
 
 
 def sample_event(cls, key, rng):

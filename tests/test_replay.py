@@ -8,6 +8,7 @@ from kvplane.statemachines import events as E
 from kvplane.statemachines.eventlog import MemoryLog, UnknownEvent
 from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.replay import replay
+from kvplane.statemachines.stats import Anomaly
 
 
 def recorded_session():
@@ -88,7 +89,7 @@ def test_stimuli_only_summary_and_leak_report():
     r = replay(lines)
     assert r.leases["granted"] == 2 and r.leases["released"] == 1 and r.leases["extended"] == 1
     assert r.held == [("lease", "b", "LEASED", ("blocks",))] and not r.ok
-    assert r.anomalies == {"unknown_id:decode_request:ReadDone": 1}
+    assert r.anomalies == {Anomaly("unknown_id", "decode_request", "ReadDone"): 1}
     # Advancing time lets the lease expire: nothing leaks.
     r = replay(lines, until=100.0)
     assert r.ok and r.leases["expired"] == 1
@@ -136,7 +137,8 @@ def test_a_change_inside_an_internal_cascade_diverges():
     import attrs
 
     from kvplane.statemachines.machines import MACHINES, SPECS, decode_request
-    from kvplane.statemachines.spec import Transition, compile_machine
+    from kvplane.statemachines.machine import compile_machine
+    from kvplane.statemachines.spec import Transition
 
     _, lines = recorded_session()
     start = next(json.loads(l) for l in lines if '"event":"StartLoad"' in l)
@@ -215,3 +217,25 @@ def test_check_log_refuses_a_grace_that_is_not_a_finite_duration(grace, tmp_path
     path.write_text("\n".join(lines) + "\n")
     assert main(["check-log", "--grace", grace, str(path)]) == 2
     assert "bad --grace" in capsys.readouterr().out
+
+
+def test_one_observer_sees_the_same_steps_from_the_compiled_machines_and_the_reference_interpreter():
+    from kvplane.statemachines.machines import SPECS
+    from kvplane.statemachines.reference import ReferenceMachine
+
+    _, lines = recorded_session()
+
+    def steps_with(machines):
+        seen = []
+
+        def observer(step):
+            seen.append((step.machine, type(step.event).__name__, step.state_before, step.state_after, step.actions,
+                         step.deadline_before, step.instance.deadline))
+
+        r = replay(lines, machines=machines, observer=observer)
+        assert r.ok, r.divergence
+        return seen
+
+    compiled = steps_with(None)
+    assert len(compiled) > len(lines) // 2  # cascaded transitions are observed too
+    assert steps_with({kind: ReferenceMachine(spec) for kind, spec in SPECS.items()}) == compiled

@@ -5,7 +5,7 @@ import torch
 
 from kvplane.transport.errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed
 from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
-from kvplane.transport.tracker import TransferTracker
+from transfer_tracker import TransferTracker
 from kvplane.transport.wire import decode_notif, encode_completion, encode_heartbeat
 
 NB, BS = 6, 64

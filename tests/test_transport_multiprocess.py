@@ -16,7 +16,7 @@ import torch
 from kvplane.transport.errors import PeerDisconnected, TransferFailed
 from kvplane.transport.handshake import handshake
 from kvplane.transport.nixl_agent import NixlEndpoint
-from kvplane.transport.tracker import TransferTracker
+from transfer_tracker import TransferTracker
 from kvplane.transport.wire import decode_notif, encode_completion
 from transport_peer import pattern
 

@@ -9,7 +9,7 @@ import torch
 from kvplane.transport.errors import MetadataRejected, NotFound, TransferFailed, TransportError
 from kvplane.transport.layout import CacheLayout
 from kvplane.transport.nixl_agent import NixlEndpoint, translate_nixl_error
-from kvplane.transport.tracker import TransferTracker
+from transfer_tracker import TransferTracker
 from kvplane.transport.wire import (
     CorruptMetadata,
     TruncatedMetadata,

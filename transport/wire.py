@@ -222,6 +222,13 @@ class PushRegistration:
         if self.deadline is not None:
             object.__setattr__(self, "deadline", float(self.deadline))
 
+    @classmethod
+    def at_side_channel(cls, url: str, **fields: Any) -> "PushRegistration":
+        """A registration naming the side channel at ``url`` (``tcp://host:port``,
+        the inverse of ``side_channel``); ValueError as the constructor."""
+        host, port = url[len("tcp://"):].rsplit(":", 1)
+        return cls(host=host, port=int(port), **fields)
+
     @property
     def side_channel(self) -> str:
         host = self.host

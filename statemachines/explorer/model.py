@@ -15,7 +15,7 @@ from .. import events as E
 from ..eventlog import MemoryLog
 from ..machines import MACHINES
 from ..plane import ControlPlane
-from ..spec import Machine
+from ..machine import Machine
 from . import messages as msg
 from .canonical import Canonical
 from .checks import Checks, Found

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import attrs
 
-from ..spec import Machine
+from ..machine import Machine
 from .checks import Found
 from .config import ExploreConfig
 from .model import Model

@@ -1,5 +1,5 @@
 """The compiled machines.  Compiling validates: an invalid table fails at import."""
-from ..spec import compile_machine
+from ..machine import compile_machine
 from . import decode_request, lease, push_write, remote_engine
 
 SPECS = {m.SPEC.name: m.SPEC for m in (decode_request, lease, remote_engine, push_write)}

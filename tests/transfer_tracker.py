@@ -1,4 +1,8 @@
-"""TransferTracker: a control-plane deadline for every posted transfer.
+"""TransferTracker (test helper): a deadline for every posted transfer.
+
+The library's driver gives each transfer its deadline through the machines;
+the transport tests use this stand-alone tracker to show what a hung peer
+does to a transfer and that the endpoint releases it.
 
 A SIGSTOPped (hung, not dead) peer is never detected by NIXL: its transfers stay
 "PROC" forever.  The tracker turns that into a timeout and frees the handle.
@@ -7,17 +11,13 @@ Works with any endpoint exposing ``poll_transfer(handle)`` and ``release(handle)
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
-from .errors import TransportError
-from .handle import DONE, XferHandle
-
-
-class _Endpoint(Protocol):
-    def poll_transfer(self, handle: XferHandle) -> str: ...
-    def release(self, handle: XferHandle, *, missing_ok: bool = False) -> None: ...
+from kvplane.transport.endpoint import Endpoint
+from kvplane.transport.errors import TransportError
+from kvplane.transport.handle import DONE, XferHandle
 
 
 @attrs.frozen
@@ -40,7 +40,7 @@ class TrackerPoll:
 
 
 class TransferTracker:
-    def __init__(self, endpoint: _Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint) -> None:
         self._ep = endpoint
         self._live: dict[int, Tracked] = {}
         self._unreleased: dict[int, Tracked] = {}

@@ -1,0 +1,148 @@
+"""A compiled machine: a Spec turned into a dict dispatch.
+
+``compile_machine`` validates a spec (see ``validate``) and produces a
+``Machine`` whose ``handle`` costs one dict lookup plus the guards, effects
+and action builders of the chosen transition.  Kept apart from ``spec`` so
+that the declarations, the validator and the runtime import one way only:
+spec <- validate <- machine.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+from .base import Action, ArmTimer, CancelTimer, Event, Instance
+from .spec import Effect, Guard, Ignore, ProtocolError, Spec, Transition, with_timer_ignores
+from .validate import validate
+
+
+class ProtocolViolation(Exception):
+    """An event that the spec declares impossible in the current state."""
+
+    def __init__(self, machine: str, key: Any, state: str, event: Event, reason: str):
+        self.machine, self.key, self.state, self.event, self.reason = machine, key, state, event, reason
+        super().__init__(f"{machine}:{key}: {type(event).__name__} in {state}: {reason}")
+
+
+class NoGuardMatched(ProtocolViolation):
+    """Every guarded transition of a (state, event) pair was false."""
+
+
+# Dispatch entries: a tuple of transitions (guarded, first match wins) or an
+# Ignore / ProtocolError marker.
+_Entry = tuple  # tuple[_Compiled, ...] | Ignore | ProtocolError
+
+
+class _Compiled(NamedTuple):
+    # A plain tuple: unpacked once per dispatch, cheaper than attribute reads.
+    guard: Guard | None
+    dest: str
+    effect: Effect | None
+    builders: tuple[Callable, ...]
+
+
+class Machine:
+    """A compiled spec.  Stateless: instances carry all per-request data."""
+
+    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard")
+
+    def __init__(self, spec: Spec, table: dict):
+        self.spec = spec
+        self.name = spec.name
+        self.states = {s.name: s for s in spec.states}
+        self._table = table
+        self._deadlines = {s.name: s.deadline for s in spec.states if s.deadline is not None}
+        self.terminal_states = frozenset(s.name for s in spec.states if s.terminal)
+        # (state, event) -> the reason of the error row closing its guarded
+        # transitions: what no guard holding means there.
+        self._no_guard = closing_errors(spec)
+
+    def new(self, key: Any, **data: Any) -> Instance:
+        return self.spec.instance_type(key=key, state=self.spec.initial, **data)
+
+    def is_terminal(self, inst: Instance) -> bool:
+        return inst.state in self.terminal_states
+
+    def handle(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action]:
+        """Apply ``event`` to ``inst`` at time ``now`` and return the actions,
+        ending with ArmTimer / CancelTimer when the deadline moved.
+
+        Returns ``IGNORED`` (an empty tuple, identity-comparable) for a
+        declared ignore; raises ``ProtocolViolation`` for a declared error.
+        """
+        old = inst.deadline
+        actions = self.apply(inst, event, config, now)
+        if actions is not IGNORED:
+            timer = timer_action(self.name, inst.key, old, inst.deadline)
+            if timer is not None:
+                actions.append(timer)
+        return actions
+
+    def apply(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action]:
+        """``handle`` without the timer actions: the new deadline is left in
+        ``inst.deadline`` for the ControlPlane, which owns the timer heap and
+        so need not build and then consume an ArmTimer per transition."""
+        entry = self._table.get((inst.state, type(event)))
+        if entry is None:
+            # Only reachable for an event type outside the spec's alphabet.
+            raise ProtocolViolation(self.name, inst.key, inst.state, event, "event not in this machine's alphabet")
+        if entry.__class__ is tuple:
+            for guard, dest, effect, builders in entry:
+                if guard is None or guard(inst, event, config, now):
+                    break
+            else:
+                reason = self._no_guard.get((inst.state, type(event)))
+                if reason is None:  # only in a machine compiled with check=False
+                    raise NoGuardMatched(self.name, inst.key, inst.state, event, "no guard matched")
+                raise ProtocolViolation(self.name, inst.key, inst.state, event, reason)
+            if effect is not None:
+                effect(inst, event, config, now)
+            actions = [b(inst, event, config, now) for b in builders]
+            inst.state = dest
+            dl = self._deadlines.get(dest)
+            inst.deadline = None if dl is None else dl(inst, config, now)
+            return actions
+        if entry.__class__ is Ignore:
+            return IGNORED
+        raise ProtocolViolation(self.name, inst.key, inst.state, event, entry.reason)
+
+    def explain(self, state: str, event_type: type) -> Any:
+        """The table entry for a pair (for diagrams, docs and tests)."""
+        return self._table[(state, event_type)]
+
+
+# Returned by identity for a declared ignore, so the plane can count it.
+IGNORED: tuple = ()
+
+
+def timer_action(kind: str, key: Any, old: float | None, new: float | None) -> Action | None:
+    """The timer action a deadline change means: arm the new one, or cancel."""
+    if new is not None:
+        return ArmTimer(kind, key, new) if new != old else None
+    return CancelTimer(kind, key) if old is not None else None
+
+
+def compile_machine(spec: Spec, *, check: bool = True) -> Machine:
+    """Validate and compile.  ``check=False`` exists for mutation tests that
+    build a deliberately broken machine to show the runtime checks catch it."""
+    spec = with_timer_ignores(spec)
+    if check:
+        validate(spec)
+    table: dict = {}
+    for entry in spec.table:
+        key = (entry.src, entry.event)
+        if isinstance(entry, Transition):
+            compiled = _Compiled(entry.guard, entry.dest, entry.effect, tuple(a.build for a in entry.actions))
+            table[key] = table.get(key, ()) + (compiled,)
+        elif key not in table:
+            table[key] = entry
+        # else: the error closing a guarded group (see closing_errors)
+    return Machine(spec, table)
+
+
+def closing_errors(spec: Spec) -> dict[tuple[str, type], str]:
+    """(state, event) -> reason, for every ProtocolError row that closes a
+    group of guarded transitions of its pair (the validator allows one only
+    there, right after them)."""
+    has_transitions = {(t.src, t.event) for t in spec.table if isinstance(t, Transition)}
+    return {(e.src, e.event): e.reason for e in spec.table
+            if isinstance(e, ProtocolError) and (e.src, e.event) in has_transitions}

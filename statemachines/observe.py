@@ -1,0 +1,74 @@
+"""One observer protocol: every observer is a callable taking a ``Step``.
+
+Two places produce steps.  The ControlPlane's ``recorder`` sees one step per
+top-level stimulus (the event log writes one line per step, replay compares
+them).  ``observed`` wraps compiled machines (or reference interpreters) so
+that an observer also sees every transition, cascaded ones included
+(replay's lifecycle counts, the liveness monitors); those steps carry the
+instance and its deadline before the transition.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from .base import Action, Event
+
+
+# Not frozen: one is built per recorded stimulus on the hot path, and a
+# frozen attrs class costs about three times as much to build.  Observers
+# read steps; none may change one.
+@attrs.define(slots=True)
+class Step:
+    event: Event
+    now: float
+    kind: str  # the machine kind (or the heartbeat timer's)
+    key: Any  # the machine instance's id
+    # None when no instance handled the event (refused, unknown kind, a
+    # heartbeat timer): the log line then has no states.
+    state_before: str | None
+    state_after: str | None
+    actions: Sequence[Action]
+    # Transition steps (``observed``) only: the instance and its deadline
+    # before the transition (the instance itself holds the new one).
+    deadline_before: float | None = None
+    instance: Any = None
+
+    @property
+    def machine(self) -> str:
+        """The event log's ``machine`` field: ``"<kind>:<id>"``."""
+        return f"{self.kind}:{self.key}"
+
+
+Observer = Callable[[Step], None]
+
+
+class ObservedMachine:
+    """A machine (compiled or reference) that reports every ``apply`` and
+    ``handle`` to an observer; everything else is the wrapped machine's."""
+
+    __slots__ = ("inner", "observer")
+
+    def __init__(self, inner: Any, observer: Observer):
+        self.inner = inner
+        self.observer = observer
+
+    def apply(self, inst, event, config, now):
+        before, deadline = inst.state, inst.deadline
+        acts = self.inner.apply(inst, event, config, now)
+        self.observer(Step(event, now, self.inner.name, inst.key, before, inst.state, acts, deadline, inst))
+        return acts
+
+    def handle(self, inst, event, config, now):
+        before, deadline = inst.state, inst.deadline
+        acts = self.inner.handle(inst, event, config, now)
+        self.observer(Step(event, now, self.inner.name, inst.key, before, inst.state, acts, deadline, inst))
+        return acts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def observed(machines: dict[str, Any], observer: Observer) -> dict[str, ObservedMachine]:
+    return {kind: ObservedMachine(m, observer) for kind, m in machines.items()}

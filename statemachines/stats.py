@@ -1,0 +1,105 @@
+"""The keys of ``ControlPlane.stats``: one small record per kind of count.
+
+``str()`` of a key is its label for reports (``"ignored:lease:LEASED:
+LeaseAbort"``); nothing parses a label back: readers match the record's
+type and fields.  Event names are class names, so the keys serialize.
+
+``StatKeys`` interns the keys a plane counts under: counting then costs a
+tuple and a dict lookup, about what formatting a string label cost, and
+the dict compares the interned key by identity.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+# What an anomaly (``Anomaly.what``) can be.
+UNKNOWN_ID = "unknown_id"  # no instance with this id, and the event creates none
+UNKNOWN_KIND = "unknown_kind"  # addressed to no machine kind of the plane
+PROTOCOL_VIOLATION = "protocol_violation"  # declared an error in the current state
+NONFINITE_DEADLINE = "nonfinite_deadline"  # a deadline that is NaN or infinite
+SOURCE_NOT_HELD = "source_not_held"  # would create a machine whose source is gone
+
+
+@attrs.frozen(order=True)
+class Ignored:
+    """A declared ignore: ``event`` in ``state`` of a ``kind`` machine."""
+
+    kind: str
+    state: str
+    event: str
+
+    def __str__(self) -> str:
+        return f"ignored:{self.kind}:{self.state}:{self.event}"
+
+
+@attrs.frozen(order=True)
+class Final:
+    """A ``kind`` machine ended in terminal ``state``."""
+
+    kind: str
+    state: str
+
+    def __str__(self) -> str:
+        return f"final:{self.kind}:{self.state}"
+
+
+@attrs.frozen(order=True)
+class FailClosed:
+    """A protocol violation made a ``kind`` machine fail closed."""
+
+    kind: str
+
+    def __str__(self) -> str:
+        return f"fail_closed:{self.kind}"
+
+
+@attrs.frozen(order=True)
+class SourceEnded:
+    """A ``kind`` machine was fed its source's end instead of ``cause``
+    (or because its source left its held states on ``cause``)."""
+
+    kind: str
+    cause: str
+
+    def __str__(self) -> str:
+        return f"source_ended:{self.kind}:{self.cause}"
+
+
+@attrs.frozen(order=True)
+class Anomaly:
+    """An event the plane refused or repaired (see the constants above)."""
+
+    what: str
+    kind: str
+    event: str
+
+    def __str__(self) -> str:
+        return f"{self.what}:{self.kind}:{self.event}"
+
+
+@attrs.frozen(order=True)
+class HeartbeatEngine:
+    """An engine event addressed to the heartbeat batcher's reference (it needs none)."""
+
+    event: str
+
+    def __str__(self) -> str:
+        return f"heartbeat_engine:{self.event}"
+
+
+class StatKeys:
+    """One key object per distinct key (see the module docstring)."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple, Any] = {}
+
+    def __call__(self, record: type, *fields: str) -> Any:
+        probe = (record, *fields)
+        key = self._keys.get(probe)
+        if key is None:
+            key = self._keys[probe] = record(*fields)
+        return key

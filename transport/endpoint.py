@@ -1,0 +1,55 @@
+"""What the driver and the connector need from a transfer endpoint.
+
+``NixlEndpoint`` (real NIXL) and ``LoopbackEndpoint`` (in-process, for
+tests) both provide it, and so does any wrapper around one (``faults``).
+Every method may raise a ``TransportError`` subclass (``errors``); block
+ids are the endpoint's own cache blocks, ``remote_desc`` a peer's
+``describe_cache()``.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from .handle import XferHandle
+
+
+@runtime_checkable
+class Endpoint(Protocol):
+    # ------------------------------------------------------------ memory
+    def register_kv_cache(self, tensor: Any, block_size_bytes: int) -> Any:
+        """Register one more region of the KV cache ([num_blocks, ...] contiguous)."""
+
+    def describe_cache(self) -> dict:
+        """The serializable layout a peer passes to post_read / post_write."""
+
+    # ------------------------------------------------------------ peers
+    def local_metadata(self) -> bytes:
+        """This agent's metadata, unframed (the handshake frames it)."""
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's unframed metadata; returns the peer's agent name."""
+
+    def remove_remote(self, name: str) -> None: ...
+
+    # ------------------------------------------------------------ transfers
+    def post_read(self, remote_name: str, remote_desc: dict, remote_block_ids: Sequence[int],
+                  local_block_ids: Sequence[int], notif: bytes = b"") -> XferHandle:
+        """Pull remote blocks into local ones; ``notif`` reaches the peer on completion."""
+
+    def post_write(self, remote_name: str, remote_desc: dict, remote_block_ids: Sequence[int],
+                   local_block_ids: Sequence[int], notif: bytes = b"") -> XferHandle:
+        """Push local blocks into remote ones (push mode)."""
+
+    def poll_transfer(self, handle: XferHandle) -> str:
+        """``"DONE"`` or ``"PROC"``; a failed transfer raises."""
+
+    def release(self, handle: XferHandle, *, missing_ok: bool = False) -> None:
+        """Free a handle (cancelling a transfer still in flight)."""
+
+    # ------------------------------------------------------------ notifications
+    def send_notif(self, remote_name: str, msg: bytes) -> None: ...
+
+    def poll_notifs(self) -> list[tuple[str, bytes]]:
+        """(sender agent name, message) of every notification since the last call."""
+
+    def close(self) -> None: ...
