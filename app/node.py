@@ -26,12 +26,13 @@ from collections import Counter, deque
 
 import attrs
 
+from kvplane.statemachines.actions import ReportRecv
+from kvplane.statemachines.events import LeaseHeartbeat
+from kvplane.statemachines.stats import Anomaly, FailClosed
+
 from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Finish, LeaseRecord, NodeOptions,
                        Prefill, Prefilled, Release, Released, Ready, Status, StatusRequest, Summary, Turn2, Turn2Done,
                        handlers)
-from kvplane.statemachines.stats import Anomaly, FailClosed
-from kvplane.statemachines.actions import ReportRecv
-from kvplane.statemachines.events import LeaseHeartbeat
 
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
 BLOCK_TOKENS = 16
