@@ -31,6 +31,7 @@ import attrs
 
 from . import actions as A
 from . import events as E
+from . import read_gate
 from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
 from .config import PlaneConfig
 from .heartbeats import HeartbeatBatcher
@@ -77,8 +78,7 @@ class ControlPlane:
         # source kind -> ((user kind, Source), ...)
         self._sources, self._users = _source_wiring(tuple(self.machines.items()))
         self.instances: dict[str, dict[Any, Any]] = {kind: {} for kind in self.machines}
-        self.heartbeats = HeartbeatBatcher(self.config.heartbeat_interval,
-                                           self.config.lease_extension - self.config.heartbeat_interval)
+        self.heartbeats = HeartbeatBatcher(self.config.heartbeat_interval, read_gate.max_gap(self.config))
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.stats: Counter = Counter()
