@@ -15,11 +15,11 @@ from typing import ClassVar
 
 import attrs
 
+from .. import read_gate
 from ..actions import (
     AcquireEngine, CancelXfer, GrantHold, NoteActivity, PostRead, ReleaseEngine, ReleaseXfer,
     ReportRecv, ReportRecvFailed, SendNotif, SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
-from .. import read_gate
 from ..base import Instance, TimerFired
 from ..events import (
     Abort, BlocksAllocated, EngineLost, EngineReady, NewRequest, PushDone, ReadDone, ReadFailed,
