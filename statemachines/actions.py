@@ -53,6 +53,10 @@ class SendHeartbeat(Action):
     ranks: tuple = attrs.field(converter=_ids)
     request_ids: tuple = attrs.field(converter=_ids)
 
+    @classmethod
+    def build(cls, inst, ev, cfg, now):
+        return cls(inst.engine_id, tuple(sorted(inst.ranks)), tuple(inst.ids))
+
 
 # --------------------------------------------------------- engine references (internal)
 @attrs.frozen

@@ -269,6 +269,27 @@ class EngineRelease(Event):
 
 
 @attrs.frozen(kw_only=True)
+class HeartbeatRegister(Event):
+    """Internal: keep a peer request id in the engine's heartbeat batches."""
+
+    engine_id: str
+    request_id: str
+    ranks: tuple = (0,)
+    machine: ClassVar[str] = "heartbeat"
+    key_field: ClassVar[str] = "engine_id"
+
+
+@attrs.frozen(kw_only=True)
+class HeartbeatUnregister(Event):
+    """Internal: one registration of the id ends."""
+
+    engine_id: str
+    request_id: str
+    machine: ClassVar[str] = "heartbeat"
+    key_field: ClassVar[str] = "engine_id"
+
+
+@attrs.frozen(kw_only=True)
 class HandshakeOk(Event):
     """The side-channel handshake succeeded and the remote agent was added.
 
@@ -321,6 +342,6 @@ ALL_EVENTS: dict[str, type] = {
         LeaseGranted, LeaseHeartbeat, ConsumerDone, LeaseAbort,
         PushRegistered, PushReady, WriteDone, WriteFailed, PushAbort, SourceEnded,
         EngineAcquire, EngineRelease, HandshakeOk, HandshakeFailed, EngineActivity, PeerDisconnected,
-        TimerFired,
+        HeartbeatRegister, HeartbeatUnregister, TimerFired,
     )
 }

@@ -31,19 +31,12 @@ import attrs
 
 from . import actions as A
 from . import events as E
-from . import read_gate
 from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
 from .config import PlaneConfig
-from .heartbeats import HeartbeatBatcher
+from .heartbeats import Heartbeats
 from .machines import MACHINES
 from .spec import IGNORED, Machine, ProtocolViolation, Source, timer_action, transitions_of
 from .validate import validate_sources
-
-HEARTBEAT_TIMER = "heartbeat"
-# Requester kind under which the heartbeat batcher holds an engine reference:
-# heartbeats start at arrival, so the engine must be connected from then on,
-# and it must not be evicted while heartbeats for it still flow.
-HEARTBEAT_REQUESTER = "heartbeat"
 
 # Events that create a machine when no instance with their id exists.
 CREATORS: dict[type, str] = {
@@ -52,6 +45,7 @@ CREATORS: dict[type, str] = {
     E.PushRegistered: "push_write",
     E.PushReady: "push_write",
     E.EngineAcquire: "remote_engine",
+    E.HeartbeatRegister: "heartbeat",
 }
 
 # Observer of every stimulus handled: (event, now, label, state_before,
@@ -78,7 +72,8 @@ class ControlPlane:
         # source kind -> ((user kind, Source), ...)
         self._sources, self._users = _source_wiring(tuple(self.machines.items()))
         self.instances: dict[str, dict[Any, Any]] = {kind: {} for kind in self.machines}
-        self.heartbeats = HeartbeatBatcher(self.config.heartbeat_interval, read_gate.max_gap(self.config))
+        # What the heartbeat batches hold, for the driver and the explorer.
+        self.heartbeats = Heartbeats(self.instances.get("heartbeat", {}), self.config)
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.stats: Counter = Counter()
@@ -131,13 +126,11 @@ class ControlPlane:
             if not self._timer_live(entry):
                 continue
             at, _, kind, key = entry
-            if kind == HEARTBEAT_TIMER:
-                if not self._fire_heartbeat(key, at, now, out):
-                    out.extend(self._release_heartbeat_engine(key, now))
-                else:
-                    out.extend(self._keep_heartbeat_engine(key, now))
-            else:
-                out.extend(self.handle(TimerFired(kind, key, at), now))
+            acts = self.handle(TimerFired(kind, key, at), now)
+            for a in acts:
+                if a.__class__ is A.SendHeartbeat:
+                    self.stats["heartbeats_sent"] += 1
+            out.extend(acts)
         return out
 
     def clone(self) -> "ControlPlane":
@@ -147,7 +140,7 @@ class ControlPlane:
         q = ControlPlane(self.config, self.machines)
         q.instances = {kind: {key: _copy_instance(i) for key, i in insts.items()}
                        for kind, insts in self.instances.items()}
-        q.heartbeats = self.heartbeats.clone()
+        q.heartbeats = Heartbeats(q.instances.get("heartbeat", {}), q.config)
         q._timers = list(self._timers)
         q._seq = self._seq
         return q
@@ -179,11 +172,6 @@ class ControlPlane:
         key = getattr(event, cls.key_field)
         insts = self.instances.get(kind)
         if insts is None:
-            if kind == HEARTBEAT_REQUESTER:
-                # The batcher needs no wake-up: it sends when its timer fires and
-                # the transport skips engines that are not connected yet.
-                self.stats[f"heartbeat_engine:{cls.__name__}"] += 1
-                return
             self._anomaly("unknown_kind", kind, key, event)
             if top and self.recorder is not None:
                 self.recorder(event, now, f"{kind}:{key}", None, None, IGNORED)
@@ -303,14 +291,11 @@ class ControlPlane:
         pass  # lazy deletion: a popped entry whose deadline moved is skipped
 
     def _do_start_heartbeat(self, a: A.StartHeartbeat, now: float, queue: list) -> None:
-        at = self.heartbeats.start(a.engine_id, a.remote_request_id, a.ranks, now)
-        if at is not None:
-            self._arm(at, HEARTBEAT_TIMER, a.engine_id)
-            queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=HEARTBEAT_REQUESTER,
-                                         requester_key=a.engine_id))
+        queue.append(E.HeartbeatRegister(engine_id=a.engine_id, request_id=a.remote_request_id, ranks=a.ranks))
 
     def _do_stop_heartbeat(self, a: A.StopHeartbeat, now: float, queue: list) -> None:
-        self.heartbeats.stop(a.engine_id, a.remote_request_id)
+        if a.engine_id in self.instances["heartbeat"]:
+            queue.append(E.HeartbeatUnregister(engine_id=a.engine_id, request_id=a.remote_request_id))
 
     def _do_acquire(self, a: A.AcquireEngine, now: float, queue: list) -> None:
         queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=a.kind, requester_key=a.key))
@@ -357,46 +342,8 @@ class ControlPlane:
 
     def _timer_live(self, entry) -> bool:
         at, _, kind, key = entry
-        if kind == HEARTBEAT_TIMER:
-            return self.heartbeats.is_due(key, at)
         inst = self.instances[kind].get(key)
         return inst is not None and inst.deadline == at
-
-    def _fire_heartbeat(self, engine_id: str, due: float, now: float, out: list) -> bool:
-        """Send the engine's batch; False once nothing is left to keep alive."""
-        action, at = self.heartbeats.fire(engine_id, now)
-        if action is not None:
-            self.stats["heartbeats_sent"] += 1
-            out.append(action)
-        if self.recorder is not None:
-            # Logged as the timer it is, so replay reproduces the batcher's
-            # schedule (and what follows from it) by calling fire_due.
-            self.recorder(TimerFired(HEARTBEAT_TIMER, engine_id, due), now, f"{HEARTBEAT_TIMER}:{engine_id}",
-                          None, None, [action] if action is not None else IGNORED)
-        if at is not None:
-            self._arm(at, HEARTBEAT_TIMER, engine_id)
-        return at is not None
-
-    def _keep_heartbeat_engine(self, engine_id: str, now: float) -> list[Action]:
-        """Heartbeats still flow: make sure the batcher holds the engine.
-
-        The reference taken at the first StartHeartbeat is lost when the engine
-        is evicted (peer disconnect, failed handshake); the engine a request
-        creates later lacks it.  Without this, heartbeats of requests still
-        queued go to an engine that is not connected (the transport skips
-        them) or is evicted for silence, and the prefill leases expire.
-        """
-        engine = self.instances["remote_engine"].get(engine_id)
-        if engine is not None and (HEARTBEAT_REQUESTER, engine_id) in engine.refs:
-            return []
-        return self.handle(E.EngineAcquire(engine_id=engine_id, requester_kind=HEARTBEAT_REQUESTER,
-                                           requester_key=engine_id), now)
-
-    def _release_heartbeat_engine(self, engine_id: str, now: float) -> list[Action]:
-        if engine_id not in self.instances["remote_engine"]:
-            return []
-        return self.handle(E.EngineRelease(engine_id=engine_id, requester_kind=HEARTBEAT_REQUESTER,
-                                           requester_key=engine_id), now)
 
 
 @functools.lru_cache(maxsize=64)
