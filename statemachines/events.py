@@ -72,7 +72,7 @@ class EngineReady(Event):
     engine_id: str
     clock_offset: float = 0.0
     # Our heartbeats to this engine (our clock): the last batch, and the first
-    # of the unbroken chain it ends (see HeartbeatBatcher).
+    # of the unbroken chain it ends (see machines/heartbeat.py, read_gate.py).
     heartbeat_at: float | None = None
     heartbeats_since: float | None = None
     machine: ClassVar[str] = ""  # routed by ``kind``

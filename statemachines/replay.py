@@ -5,9 +5,8 @@ timer) is reproduced by calling ``fire_due(t)`` at the line's time, never
 by feeding the event: the replayed plane decides itself which timers are
 due, so a timer the recorded plane fired and the replayed one would not
 (or the reverse) shows as a divergence instead of being forced.  Everything
-``fire_due`` records (several firings, and stimuli they cause such as the
-heartbeat batcher's EngineRelease) is matched, in order, against the next
-log lines.  Lines of any other event are fed with ``handle(event, t)``.
+``fire_due`` records (several firings) is matched, in order, against the
+next log lines.  Lines of any other event are fed with ``handle(event, t)``.
 
 - A recorded line (with state_after/actions) must be reproduced exactly:
   machine, state_before, state_after and actions.  The first difference is
@@ -30,9 +29,9 @@ from typing import Any, Callable
 import attrs
 
 from .base import TimerFired
-from .events import EngineAcquire, EngineRelease
 from .config import PlaneConfig
 from .eventlog import EventLog, LogRecord, action_json, read_log
+from .events import EngineAcquire, EngineRelease
 from .machines import MACHINES
 from .machines.heartbeat import KIND as HEARTBEAT
 from .plane import ControlPlane
