@@ -34,7 +34,8 @@ import zmq
 from kvplane.statemachines import actions as A
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
-from kvplane.statemachines.plane import HEARTBEAT_REQUESTER, ControlPlane
+from kvplane.statemachines.machines.heartbeat import KIND as HEARTBEAT
+from kvplane.statemachines.plane import ControlPlane
 from kvplane.transport.endpoint import Endpoint
 from kvplane.transport.errors import PeerDisconnected as PeerGone
 from kvplane.transport.errors import TransportError
@@ -227,11 +228,11 @@ class PlaneDriver:
         shutdown), so the plane, and its event log, end holding no remote
         agent.  Returns how many were closed."""
         hb = self.plane.heartbeats
-        # The heartbeat batcher keeps its reference until its next tick even
+        # A heartbeat batch keeps its reference until its next tick even
         # with nothing left to send; such an engine is idle too.
         idle = [key for key, e in self.plane.instances["remote_engine"].items()
                 if e.state in ENGINE_UP
-                and all(kind == HEARTBEAT_REQUESTER and not hb.registered(key) for kind, _ in e.refs)]
+                and all(kind == HEARTBEAT and not hb.registered(key) for kind, _ in e.refs)]
         for key in idle:
             self.feed(E.PeerDisconnected(engine_id=key, reason=reason))
         return len(idle)

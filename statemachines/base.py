@@ -77,10 +77,6 @@ class Action:
         super().__init_subclass__(**kwargs)
         _register(Action, cls)
 
-    @classmethod
-    def build(cls, inst: Any, event: Any, config: Any, now: float) -> "Action":
-        raise NotImplementedError(f"{cls.__name__}.build")
-
 
 @attrs.define(slots=True)
 class Instance:

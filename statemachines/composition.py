@@ -8,8 +8,7 @@ and the creating events each spec declares in ``created_by``).
 ``validate_composition`` proves the wiring against the machines' alphabets
 and ``render_composition`` draws it.
 
-Heartbeat registration (StartHeartbeat / StopHeartbeat) is the batcher's,
-which the plane runs itself; timers are the framework's.
+Timers are the framework's (ArmTimer / CancelTimer, run by the plane).
 """
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ class RequesterKey:
 
 @attrs.frozen
 class HeartbeatChain:
-    """Our heartbeats to the action's engine (``HeartbeatBatcher.chain``):
+    """Our heartbeats to the action's engine (``Heartbeats.chain``):
     ``"last"`` batch sent, or the first (``"since"``) of its unbroken chain."""
 
     which: str = attrs.field(validator=attrs.validators.in_(("since", "last")))
@@ -97,6 +96,15 @@ _REFERENCE = (("engine_id", ActionField("engine_id")), ("requester_kind", Action
 REQUESTERS = Requesters("requesters", acquired_by=A.AcquireEngine)
 
 WIRES: tuple[Wire, ...] = (
+    # Heartbeats start at arrival: a decode request registers its peer id with
+    # the engine's batch (created by the first registration), until it ends.
+    Wire(A.StartHeartbeat, "heartbeat", E.HeartbeatRegister, (
+        ("engine_id", ActionField("engine_id")), ("request_id", ActionField("remote_request_id")),
+        ("ranks", ActionField("ranks")),
+    )),
+    Wire(A.StopHeartbeat, "heartbeat", E.HeartbeatUnregister, (
+        ("engine_id", ActionField("engine_id")), ("request_id", ActionField("remote_request_id")),
+    ), only_if_live=True, doc="a batch that already ended has nothing to unregister"),
     # Engine references: a request needs the engine connected, and it is never
     # evicted while referenced.
     Wire(A.AcquireEngine, "remote_engine", E.EngineAcquire, _REFERENCE),
@@ -127,4 +135,4 @@ WIRES: tuple[Wire, ...] = (
 )
 
 # Internal actions the plane executes itself, not through a wire.
-PLANE_EXECUTED: frozenset[type] = frozenset({A.StartHeartbeat, A.StopHeartbeat})
+PLANE_EXECUTED: frozenset[type] = frozenset()

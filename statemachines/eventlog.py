@@ -13,8 +13,9 @@ Format (ARCHITECTURE.md, "Event log")::
   instance (unknown id); ``actions`` are the ones the addressed machine
   emitted, internal ones (ArmTimer, AcquireEngine...) included.
 - Timer firings are stimuli too: ``TimerFired`` lines, including heartbeat
-  timers (``machine`` "heartbeat:<engine>", no states, the SendHeartbeat as
-  action).  Replay reproduces them by calling ``fire_due`` (see replay.py).
+  batches (``machine`` "heartbeat:<engine>"; logs from before the batch was a
+  machine have no states there).  Replay reproduces them by calling
+  ``fire_due`` (see replay.py).
 - A stimuli-only line omits state_before/state_after/actions; ``seq`` and
   ``machine`` may be omitted in hand-written logs.
 - The header records the PlaneConfig the log was made under.

@@ -72,7 +72,7 @@ class EngineReady(Event):
     engine_id: str
     clock_offset: float = 0.0
     # Our heartbeats to this engine (our clock): the last batch, and the first
-    # of the unbroken chain it ends (see HeartbeatBatcher).
+    # of the unbroken chain it ends (see machines/heartbeat.py, read_gate.py).
     heartbeat_at: float | None = None
     heartbeats_since: float | None = None
     machine: ClassVar[str] = ""  # routed by ``kind``
@@ -265,6 +265,27 @@ class EngineRelease(Event):
     requester_kind: str
     requester_key: str
     machine: ClassVar[str] = "remote_engine"
+    key_field: ClassVar[str] = "engine_id"
+
+
+@attrs.frozen(kw_only=True)
+class HeartbeatRegister(Event):
+    """Internal: keep a peer request id in the engine's heartbeat batches."""
+
+    engine_id: str
+    request_id: str
+    ranks: tuple = (0,)
+    machine: ClassVar[str] = "heartbeat"
+    key_field: ClassVar[str] = "engine_id"
+
+
+@attrs.frozen(kw_only=True)
+class HeartbeatUnregister(Event):
+    """Internal: one registration of the id ends."""
+
+    engine_id: str
+    request_id: str
+    machine: ClassVar[str] = "heartbeat"
     key_field: ClassVar[str] = "engine_id"
 
 

@@ -1,92 +1,51 @@
-"""Heartbeat batching on the decode side.
+"""What the heartbeat batches hold, read-only, for the driver and the explorer.
 
-One ``HB:`` message per remote engine per interval, carrying every peer
-request id registered for that engine, sent to every rank of that engine
-(heterogeneous TP: each P rank holds its own lease records).  Registration
-starts at request arrival, so a request queued for long on D keeps its
-prefill lease alive.  Work per interval is O(engines + ids sent), never
-O(all in-flight requests).
+The batches are machines (machines/heartbeat.py), one per remote engine,
+living in the plane's instances; this is their public query surface, so
+no caller reads a batch's fields.
 """
 from __future__ import annotations
 
-from .actions import SendHeartbeat
+from . import read_gate
 
 
-class HeartbeatBatcher:
-    __slots__ = ("interval", "max_gap", "_ids", "_ranks", "_next_at", "_last_sent", "_chain_start")
+class Heartbeats:
+    __slots__ = ("_batches", "interval", "max_gap")
 
-    def __init__(self, interval: float, max_gap: float | None = None):
-        self.interval = interval
-        # Two batches further apart than this may not chain: the lease the
-        # first one extended can have expired before the second arrives.
-        self.max_gap = interval if max_gap is None else max_gap
-        self._ids: dict[str, dict[str, int]] = {}  # engine -> peer request id -> registrations
-        self._ranks: dict[str, set[int]] = {}
-        self._next_at: dict[str, float] = {}
-        # When the engine's last batch went out: every id registered before
-        # then had its lease extended to at least that time + extension.
-        self._last_sent: dict[str, float] = {}
-        # First send of the current unbroken chain (no gap over max_gap).
-        self._chain_start: dict[str, float] = {}
+    def __init__(self, batches: dict, config):
+        self._batches = batches  # the plane's "heartbeat" instances, by engine id
+        self.interval = config.heartbeat_interval
+        self.max_gap = read_gate.max_gap(config)
 
-    def start(self, engine_id: str, request_id: str, ranks, now: float) -> float | None:
-        """Register an id; returns the engine's first send time if a timer must be armed."""
-        ids = self._ids.get(engine_id)
-        if ids is None:
-            ids = self._ids[engine_id] = {}
-            self._ranks[engine_id] = set()
-        ids[request_id] = ids.get(request_id, 0) + 1
-        self._ranks[engine_id].update(ranks)
-        if engine_id not in self._next_at:
-            at = self._next_at[engine_id] = now + self.interval
-            return at
-        return None
+    def registered(self, engine_id: str) -> tuple[str, ...]:
+        """Peer request ids the engine's next batch carries."""
+        b = self._batches.get(engine_id)
+        return () if b is None else tuple(b.ids)
 
-    def stop(self, engine_id: str, request_id: str) -> None:
-        ids = self._ids.get(engine_id)
-        if not ids or request_id not in ids:
-            return
-        ids[request_id] -= 1
-        if ids[request_id] <= 0:
-            del ids[request_id]
+    def registrations(self, engine_id: str, request_id: str) -> int | None:
+        """How many live registrations the id has (None: not registered)."""
+        b = self._batches.get(engine_id)
+        return None if b is None else b.ids.get(request_id)
 
-    def clone(self) -> "HeartbeatBatcher":
-        copy = HeartbeatBatcher(self.interval, self.max_gap)
-        copy._ids = {e: dict(d) for e, d in self._ids.items()}
-        copy._ranks = {e: set(r) for e, r in self._ranks.items()}
-        copy._next_at = dict(self._next_at)
-        copy._last_sent = dict(self._last_sent)
-        copy._chain_start = dict(self._chain_start)
-        return copy
+    def engines(self) -> tuple[str, ...]:
+        """Engines with ids to keep alive."""
+        return tuple(e for e, b in self._batches.items() if b.ids)
+
+    def scheduled(self) -> tuple[str, ...]:
+        """Engines with a batch scheduled (with or without ids left)."""
+        return tuple(self._batches)
+
+    def due(self, engine_id: str) -> float | None:
+        """When the engine's next batch goes out (None: none scheduled)."""
+        b = self._batches.get(engine_id)
+        return None if b is None else b.next_at
+
+    def ranks(self, engine_id: str) -> tuple[int, ...]:
+        """Ranks of the engine the batches go to, sorted."""
+        b = self._batches.get(engine_id)
+        return () if b is None else tuple(sorted(b.ranks))
 
     def chain(self, engine_id: str) -> tuple[float | None, float | None]:
         """(first, last) send time of the engine's current unbroken chain."""
-        return self._chain_start.get(engine_id), self._last_sent.get(engine_id)
-
-    def is_due(self, engine_id: str, at: float) -> bool:
-        return self._next_at.get(engine_id) == at
-
-    def fire(self, engine_id: str, now: float) -> tuple[SendHeartbeat | None, float | None]:
-        """Emit the engine's batch; returns (action, next time to arm or None)."""
-        ids = self._ids.get(engine_id)
-        if not ids:
-            # Nothing left to keep alive: forget the engine until the next start.
-            self._ids.pop(engine_id, None)
-            self._ranks.pop(engine_id, None)
-            self._next_at.pop(engine_id, None)
-            self._last_sent.pop(engine_id, None)
-            self._chain_start.pop(engine_id, None)
-            return None, None
-        action = SendHeartbeat(engine_id, tuple(sorted(self._ranks[engine_id])), tuple(ids))
-        last = self._last_sent.get(engine_id)
-        if last is None or now - last > self.max_gap:
-            self._chain_start[engine_id] = now  # e.g. after a stall: leases may be gone
-        self._last_sent[engine_id] = now
-        at = self._next_at[engine_id] = now + self.interval
-        return action, at
-
-    def registered(self, engine_id: str) -> tuple[str, ...]:
-        return tuple(self._ids.get(engine_id, ()))
-
-    def engines(self) -> tuple[str, ...]:
-        return tuple(e for e, ids in self._ids.items() if ids)
+        b = self._batches.get(engine_id)
+        return (None, None) if b is None else (b.chain_start, b.last_sent)

@@ -30,12 +30,17 @@ from .observe import Step
 
 # Held, but nobody waits for their release.
 COLD = frozenset({"remote_agent"})
+# Machines whose resources nobody waits on: a heartbeat batch holds its
+# engine while requests' heartbeats flow, and those are hot themselves.
+COLD_KINDS = frozenset({"heartbeat"})
 
 
 def obligations(machines: dict[str, Machine] | None = None) -> dict[str, dict[str, frozenset[str]]]:
     """kind -> state -> hot resources held there (from the specs' ``holds``)."""
     out: dict[str, dict[str, frozenset[str]]] = {}
     for kind, m in (machines or MACHINES).items():
+        if kind in COLD_KINDS:
+            continue
         out[kind] = {s.name: frozenset(s.holds) - COLD for s in m.spec.states if frozenset(s.holds) - COLD}
     return out
 

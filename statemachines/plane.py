@@ -40,7 +40,7 @@ from .composition import (
     Wire,
 )
 from .config import PlaneConfig
-from .heartbeats import HeartbeatBatcher
+from .heartbeats import Heartbeats
 from .machines import MACHINES
 from .observe import Observer, Step
 from .stats import (
@@ -51,12 +51,6 @@ from .machine import IGNORED, Machine, ProtocolViolation, timer_action
 from .spec import Source, transitions_of
 from .validate import validate_sources
 from .validate_composition import creators, validate_composition
-
-HEARTBEAT_TIMER = "heartbeat"
-# Requester kind under which the heartbeat batcher holds an engine reference:
-# heartbeats start at arrival, so the engine must be connected from then on,
-# and it must not be evicted while heartbeats for it still flow.
-HEARTBEAT_REQUESTER = "heartbeat"
 
 
 
@@ -81,8 +75,8 @@ class ControlPlane:
         # Event class -> the kind it creates; internal action class -> its executor.
         self._creators, self._internal = _composition(tuple(self.machines.items()))
         self.instances: dict[str, dict[Any, Any]] = {kind: {} for kind in self.machines}
-        self.heartbeats = HeartbeatBatcher(self.config.heartbeat_interval,
-                                           self.config.lease_extension - self.config.heartbeat_interval)
+        # What the heartbeat batches hold, for the driver and the explorer.
+        self.heartbeats = Heartbeats(self.instances.get("heartbeat", {}), self.config)
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         # Keyed by the records of ``stats`` (and "heartbeats_sent").
@@ -132,13 +126,11 @@ class ControlPlane:
             if not self._timer_live(entry):
                 continue
             at, _, kind, key = entry
-            if kind == HEARTBEAT_TIMER:
-                if not self._fire_heartbeat(key, at, now, out):
-                    out.extend(self._release_heartbeat_engine(key, now))
-                else:
-                    out.extend(self._keep_heartbeat_engine(key, now))
-            else:
-                out.extend(self.handle(TimerFired(kind, key, at), now))
+            acts = self.handle(TimerFired(kind, key, at), now)
+            for a in acts:
+                if a.__class__ is A.SendHeartbeat:
+                    self.stats["heartbeats_sent"] += 1
+            out.extend(acts)
         return out
 
     def clone(self) -> "ControlPlane":
@@ -148,7 +140,7 @@ class ControlPlane:
         q = ControlPlane(self.config, self.machines)
         q.instances = {kind: {key: _copy_instance(i) for key, i in insts.items()}
                        for kind, insts in self.instances.items()}
-        q.heartbeats = self.heartbeats.clone()
+        q.heartbeats = Heartbeats(q.instances.get("heartbeat", {}), q.config)
         q._timers = list(self._timers)
         q._seq = self._seq
         return q
@@ -180,11 +172,6 @@ class ControlPlane:
         key = getattr(event, cls.key_field)
         insts = self.instances.get(kind)
         if insts is None:
-            if kind == HEARTBEAT_REQUESTER:
-                # The batcher needs no wake-up: it sends when its timer fires and
-                # the transport skips engines that are not connected yet.
-                self.stats[self._stat_key(HeartbeatEngine, cls.__name__)] += 1
-                return
             self._anomaly(UNKNOWN_KIND, kind, key, event)
             if top and self.recorder is not None:
                 self.recorder(Step(event, now, kind, key, None, None, IGNORED))
@@ -297,16 +284,6 @@ class ControlPlane:
     def _do_cancel(self, a: CancelTimer, now: float, queue: list) -> None:
         pass  # lazy deletion: a popped entry whose deadline moved is skipped
 
-    def _do_start_heartbeat(self, a: A.StartHeartbeat, now: float, queue: list) -> None:
-        at = self.heartbeats.start(a.engine_id, a.remote_request_id, a.ranks, now)
-        if at is not None:
-            self._arm(at, HEARTBEAT_TIMER, a.engine_id)
-            queue.append(E.EngineAcquire(engine_id=a.engine_id, requester_kind=HEARTBEAT_REQUESTER,
-                                         requester_key=a.engine_id))
-
-    def _do_stop_heartbeat(self, a: A.StopHeartbeat, now: float, queue: list) -> None:
-        self.heartbeats.stop(a.engine_id, a.remote_request_id)
-
     def _heartbeat_chain(self, engine_id: str) -> tuple[float | None, float | None]:
         """(since, last) of our heartbeats to the engine, for a wire's HeartbeatChain."""
         return self.heartbeats.chain(engine_id)
@@ -314,7 +291,6 @@ class ControlPlane:
     # Internal actions the plane runs itself; the wired ones are added per plane.
     _own_internal: dict = {
         ArmTimer: _do_arm, CancelTimer: _do_cancel,
-        A.StartHeartbeat: _do_start_heartbeat, A.StopHeartbeat: _do_stop_heartbeat,
     }
 
     def _arm(self, at: float, kind: str, key: Any) -> None:
@@ -323,46 +299,8 @@ class ControlPlane:
 
     def _timer_live(self, entry) -> bool:
         at, _, kind, key = entry
-        if kind == HEARTBEAT_TIMER:
-            return self.heartbeats.is_due(key, at)
         inst = self.instances[kind].get(key)
         return inst is not None and inst.deadline == at
-
-    def _fire_heartbeat(self, engine_id: str, due: float, now: float, out: list) -> bool:
-        """Send the engine's batch; False once nothing is left to keep alive."""
-        action, at = self.heartbeats.fire(engine_id, now)
-        if action is not None:
-            self.stats["heartbeats_sent"] += 1
-            out.append(action)
-        if self.recorder is not None:
-            # Logged as the timer it is, so replay reproduces the batcher's
-            # schedule (and what follows from it) by calling fire_due.
-            self.recorder(Step(TimerFired(HEARTBEAT_TIMER, engine_id, due), now, HEARTBEAT_TIMER, engine_id,
-                               None, None, [action] if action is not None else IGNORED))
-        if at is not None:
-            self._arm(at, HEARTBEAT_TIMER, engine_id)
-        return at is not None
-
-    def _keep_heartbeat_engine(self, engine_id: str, now: float) -> list[Action]:
-        """Heartbeats still flow: make sure the batcher holds the engine.
-
-        The reference taken at the first StartHeartbeat is lost when the engine
-        is evicted (peer disconnect, failed handshake); the engine a request
-        creates later lacks it.  Without this, heartbeats of requests still
-        queued go to an engine that is not connected (the transport skips
-        them) or is evicted for silence, and the prefill leases expire.
-        """
-        engine = self.instances["remote_engine"].get(engine_id)
-        if engine is not None and (HEARTBEAT_REQUESTER, engine_id) in engine.refs:
-            return []
-        return self.handle(E.EngineAcquire(engine_id=engine_id, requester_kind=HEARTBEAT_REQUESTER,
-                                           requester_key=engine_id), now)
-
-    def _release_heartbeat_engine(self, engine_id: str, now: float) -> list[Action]:
-        if engine_id not in self.instances["remote_engine"]:
-            return []
-        return self.handle(E.EngineRelease(engine_id=engine_id, requester_kind=HEARTBEAT_REQUESTER,
-                                           requester_key=engine_id), now)
 
 
 @functools.lru_cache(maxsize=64)

@@ -41,7 +41,7 @@ class Side:
 
     def held(self):
         """Leak report without the long-lived engine connections (remote_agent)."""
-        return [h for h in self.driver.plane.held() if h[0] != "remote_engine"]
+        return [h for h in self.driver.plane.held() if h[0] not in ("remote_engine", "heartbeat")]
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from kvplane.statemachines.machine import IGNORED, ProtocolViolation
 from kvplane.statemachines.spec import Ignore, ProtocolError, Transition
 
 CFG = PlaneConfig()
-KEYS = {"decode_request": "r1", "lease": "p1", "remote_engine": "P0", "push_write": "p1"}
+KEYS = {"decode_request": "r1", "lease": "p1", "remote_engine": "P0", "push_write": "p1", "heartbeat": "P0"}
 
 
 class Drive:
@@ -125,7 +125,20 @@ def push_path(state, *, remote_deadline=None):
     return d
 
 
-PATHS = {"decode_request": decode_path, "lease": lease_path, "remote_engine": engine_path, "push_write": push_path}
+def heartbeat_path(state, *, empty=False):
+    d = Drive("heartbeat")
+    if state == "NEW":
+        return d
+    d(E.HeartbeatRegister(engine_id="P0", request_id="p1", ranks=(0, 1)))
+    if state == "UNREFERENCED":
+        d(E.EngineLost(kind="heartbeat", request_id="P0", engine_id="P0", reason="evicted"))
+    if empty:
+        d(E.HeartbeatUnregister(engine_id="P0", request_id="p1"))
+    return d
+
+
+PATHS = {"decode_request": decode_path, "lease": lease_path, "remote_engine": engine_path, "push_write": push_path,
+         "heartbeat": heartbeat_path}
 
 
 # ----------------------------------------------------------- default events
@@ -166,6 +179,8 @@ def default_event(kind, ev_type, inst):
         E.WriteFailed: lambda: E.WriteFailed(request_id=key, reason="remote error"),
         E.PushAbort: lambda: E.PushAbort(request_id=key),
         E.SourceEnded: lambda: E.SourceEnded(kind=kind, request_id=key, source_state="EXPIRED"),
+        E.HeartbeatRegister: lambda: E.HeartbeatRegister(engine_id=key, request_id="p2", ranks=(1,)),
+        E.HeartbeatUnregister: lambda: E.HeartbeatUnregister(engine_id=key, request_id="p1"),
     }[ev_type]()
 
 
@@ -244,6 +259,14 @@ def arrange(kind, row):
         else:
             assert g is None, f"no recipe for guard {g}"
         d = engine_path(src, **opts)
+        event = default_event(kind, ev, d.inst)
+    elif kind == "heartbeat":
+        opts = {}
+        if ev is TimerFired:
+            opts = {"ids_left": {}, None: dict(empty=True)}[g]
+        else:
+            assert g is None, f"no recipe for guard {g}"
+        d = heartbeat_path(src, **opts)
         event = default_event(kind, ev, d.inst)
     else:
         opts = {}

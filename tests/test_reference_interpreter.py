@@ -32,6 +32,8 @@ def sample_event(cls, key, rng):
         E.EngineAcquire: dict(requester_kind="decode_request", requester_key=pick(["a", "b"])),
         E.EngineRelease: dict(requester_kind="decode_request", requester_key=pick(["a", "b"])),
         E.HandshakeOk: dict(samples=((0.5, 0.01), (0.2, 0.001))),
+        E.HeartbeatRegister: dict(request_id=pick(["p1", "p2"]), ranks=pick([(0,), (0, 1)])),
+        E.HeartbeatUnregister: dict(request_id=pick(["p1", "p2"])),
     }.get(cls, {})
     if cls is TimerFired:
         return None

@@ -49,7 +49,7 @@ class Node:
         self.recving |= r
 
     def held(self) -> list:
-        return [h for h in self.driver.plane.held() if h[0] != "remote_engine"]
+        return [h for h in self.driver.plane.held() if h[0] not in ("remote_engine", "heartbeat")]
 
     def close(self) -> None:
         self.worker.shutdown()

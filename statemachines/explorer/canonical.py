@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from .. import read_gate
 from ..plane import ControlPlane
 from .config import Profile
 from .messages import Message, PushRegistration
@@ -30,44 +31,25 @@ GATE_STATES = ("NEW", "HEARTBEATING", "WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT
 def heartbeat_schedule(plane: ControlPlane) -> Iterator[tuple[str, float, tuple, float | None]]:
     """(engine, next send, ranks, last send) per scheduled engine, by engine."""
     hb = plane.heartbeats
-    for eng in sorted(hb._next_at):
-        yield eng, hb._next_at[eng], tuple(sorted(hb._ranks.get(eng, ()))), hb._last_sent.get(eng)
+    for eng in sorted(hb.scheduled()):
+        yield eng, hb.due(eng), hb.ranks(eng), hb.chain(eng)[1]
 
 
 def heartbeat_registrations(plane: ControlPlane, engine: str, request_id: str) -> int | None:
     """How many times ``request_id`` is registered for ``engine``'s batches (None: not)."""
-    return plane.heartbeats._ids.get(engine, {}).get(request_id)
+    return plane.heartbeats.registrations(engine, request_id)
 
 
 def gate_signature(r, now: float, offset: float, plane: ControlPlane) -> tuple | None:
-    """What the READ gate on a renewable lease reads besides times already
-    in the state.  ``remote_valid_until`` extends the expiry E (our clock)
-    by the last send L iff L > arrived A and E > max(A + interval, first
-    send S of the chain).  L is in the shared signature (relative);
-    A and S enter only through these comparisons: a later L (> now > A)
-    always passes the first, the second is fixed, and a later S (>= now)
-    compares with E's relative value, which is in the signature.  So two
-    states with equal signatures decide every future gate alike, however
-    long ago A and S were.  ``offset``: the clock offset to r's engine."""
-    if r.remote_expiry is None or r.state not in GATE_STATES:
+    """What the READ gate reads of ``r`` (read_gate.signature: equal
+    signatures decide every future gate alike), or None outside the gated
+    states.  ``offset``: the clock offset to r's engine."""
+    if r.state not in GATE_STATES:
         return None
-    e = r.remote_expiry - offset
-    # An expiry already past only ever loses a comparison (the gate's
-    # margin is >= 0, later first sends are >= now): all alike.
-    rel_e = max(e - now, 0.0)
-    if not r.remote_renewable:
-        return (rel_e,)
     since, last = plane.heartbeats.chain(r.engine_id)
-    sent = last is not None and last > r.arrived
-    fixed = e > r.arrived + plane.config.heartbeat_interval
-    chained = since is None or e > since
-    if sent and fixed and chained and e <= last + plane.heartbeats.max_gap:
-        # The chain dominates E for good: while it lasts the gate reads
-        # last' + extension > E, and a send that breaks it comes more
-        # than max_gap after ``last``, past E, so E no longer counts and
-        # is already <= now when the gate next reads it: declined.
-        return ("chained",)
-    return (rel_e, sent, fixed, chained)
+    return read_gate.signature(read_gate.GateInputs(
+        expiry=r.remote_expiry, renewable=r.remote_renewable, clock_offset=offset, arrived=r.arrived,
+        chain_since=since, chain_last=last), plane.config, now)
 
 
 # --------------------------------------------------------------- canonical

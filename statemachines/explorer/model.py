@@ -35,7 +35,7 @@ IGNORED_ACTIONS: frozenset[type] = frozenset({
 def _scheduled_heartbeat_times(plane: ControlPlane):
     """The next send time of every engine whose batch has ids to send."""
     hb = plane.heartbeats
-    return (at for eng, at in hb._next_at.items() if hb._ids.get(eng))
+    return (hb.due(eng) for eng in hb.engines())
 
 
 class Model:

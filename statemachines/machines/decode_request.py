@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import attrs
 
+from .. import read_gate
 from ..actions import (
     AcquireEngine, GrantHold, NoteActivity, PostRead, ReleaseEngine, ReleaseXfer, ReportRecv, SendNotif,
     SendPushRegistration, StartHeartbeat, StopHeartbeat,
@@ -106,46 +107,20 @@ def full_prefix_hit(r: DecodeRequest, ev, cfg, now) -> bool:
 
 def remote_blocks_expired(r: DecodeRequest, ev: EngineReady, cfg, now) -> bool:
     """remote blocks not valid beyond now + margin"""
-    valid_until = remote_valid_until(r, ev, cfg)
-    if valid_until is None:
-        return False
-    # Heartbeats keep a live lease at least extension - interval ahead.
-    margin = min(cfg.expiry_safety_margin, cfg.heartbeat_interval) if r.remote_renewable else cfg.expiry_safety_margin
-    # Written so that a comparison with NaN declines; a ``now`` of -inf would
-    # make any expiry look far ahead.
-    return not (valid_until > now + margin and math.isfinite(now))
-
-
-# Validity of blocks whose expiry cannot be judged (an input is not a finite
-# number): never valid, so the gate declines and a READ deadline is now.
-NOT_VALID = -math.inf
+    return read_gate.declines(gate_inputs(r, ev), cfg, now)
 
 
 def remote_valid_until(r: DecodeRequest, ev: EngineReady, cfg) -> float | None:
-    """Until when (our clock) the remote blocks are surely still held; None
-    when the remote sent no expiry; NOT_VALID when an input (the expiry, the
-    clock offset, our heartbeat times) is NaN or infinite."""
-    if r.remote_expiry is None:
-        return None
-    # The expiry is in the remote clock; offset = remote clock - local clock.
-    if not (is_finite_number(r.remote_expiry) and is_finite_number(ev.clock_offset)):
-        return NOT_VALID
-    valid_until = r.remote_expiry - ev.clock_offset
-    if not math.isfinite(valid_until):  # two huge finite values
-        return NOT_VALID
-    if r.remote_renewable:
-        # Each heartbeat P received extended the lease to at least its send
-        # time + extension (our clock; receipt is later still), provided the
-        # lease was still alive then: the grant covered the first batch that
-        # carried this request and no gap broke the chain since.  A decoder
-        # that stalled (SIGSTOP, overload) must not read blocks P reclaimed.
-        hb, since = ev.heartbeat_at, ev.heartbeats_since
-        if hb is not None:
-            if not (is_finite_number(hb) and is_finite_number(since) and is_finite_number(r.arrived)):
-                return NOT_VALID
-            if hb > r.arrived and valid_until > max(r.arrived + cfg.heartbeat_interval, since):
-                valid_until = max(valid_until, hb + cfg.lease_extension)
-    return valid_until
+    """Until when (our clock) the remote blocks are surely still held (see
+    read_gate.valid_until)."""
+    return read_gate.valid_until(gate_inputs(r, ev), cfg)
+
+
+def gate_inputs(r: DecodeRequest, ev: EngineReady) -> read_gate.GateInputs:
+    """What the READ gate reads: the remote's expiry from the request, the
+    clock offset and our heartbeat chain from the wake-up."""
+    return read_gate.GateInputs(expiry=r.remote_expiry, renewable=r.remote_renewable, clock_offset=ev.clock_offset,
+                                arrived=r.arrived, chain_since=ev.heartbeats_since, chain_last=ev.heartbeat_at)
 
 
 def push_mode(r: DecodeRequest, ev, cfg, now) -> bool:
