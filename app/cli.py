@@ -58,7 +58,7 @@ def _diagrams(args) -> int:
 
     try:
         if args.check:
-            folder = Path(args.out) if args.out else folders.committed()
+            folder = (Path(args.out) if args.out else folders.committed()).resolve()
             stale = diagrams.stale_files(folder)
             if stale:
                 # Outside a checkout the shipped copy is the reference: the
@@ -69,7 +69,7 @@ def _diagrams(args) -> int:
                 return 1
             print(f"diagrams in {folder} are up to date")
             return 0
-        out = Path(args.out) if args.out else folders.default_out()
+        out = (Path(args.out) if args.out else folders.default_out()).resolve()
         if not diagrams.have_dot():
             print("note: graphviz `dot` (or the graphviz package) not found; writing Mermaid only "
                   "(apt-get install graphviz for SVG)")

@@ -200,3 +200,92 @@ def test_check_log_json(tmp_path, capsys):
     assert obj["grace_s"] == 0.5 and obj["divergence"] is None
     assert main(["check-log", "--json", "--grace", "nan", str(good)]) == 2
     assert "bad --grace" in _json_out(capsys)["error"]
+
+
+# ------------------------------------------------------------------ kvplane run's report (items 4, 5)
+def _run_summary(**over) -> dict:
+    """A summary as build_summary writes it, trimmed to what the table reads."""
+    side = {"heartbeats_sent": 5, "heartbeats_received": 4, "engines_evicted": 1}
+    s = {
+        "requests": {"turn1": {"ok": 6, "recomputed": 1, "corrupt": 0, "failed": 1, "skipped": 0, "abandoned": 0,
+                               "pending": 0},
+                     "turn2": {"ok": 2, "recomputed": 0, "corrupt": 0, "failed": 0, "skipped": 0, "abandoned": 0,
+                               "pending": 0},
+                     "total": 8, "multiturn": 2, "late_turn2": 0},
+        "recompute_reasons": {"turn1": {}, "turn2": {}}, "bytes_moved": 2**20, "bytes_verified": 2**20,
+        "gbps_in_flight": 1.0, "gbps_wall": 0.1, "leases": {"granted": 8, "extended": 3, "expired": 0, "consumed": 8},
+        "holds": {"granted": 2, "consumed": 2}, "heartbeats_sent": 10, "heartbeats_received": 8,
+        "engines_evicted": 2, "blocks_held": {"P": 0, "D": 0}, "fault": None, "loop": {}, "abandoned": None,
+        "wall_s": 3.0, "startup_s": 20.0, "wall_with_startup_s": 23.0, "errors": [], "expired_before_fault": [],
+        "checks": {"no_errors": True, "p_blocks_held_zero": True, "all_turn1_ok": False},
+        "sides": {"P": dict(side), "D": dict(side)}, "requests_detail": [],
+    }
+    s.update(over)
+    return s
+
+
+def _table_text(summary: dict) -> str:
+    from rich.console import Console
+
+    from kvplane.app.report import summary_table
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(summary_table(summary))
+    return console.export_text()
+
+
+def test_a_failed_check_says_why_in_the_table():
+    from kvplane.app.report import check_reasons
+
+    s = _run_summary()
+    s["check_reasons"] = check_reasons(s)
+    assert s["check_reasons"] == {"all_turn1_ok": "6 of 8 ok: 1 recomputed, 1 failed"}
+    text = _table_text(s)
+    assert "FAIL: 6 of 8 ok: 1 recomputed, 1 failed" in text and "pass" in text
+
+
+def test_counts_of_a_killed_side_read_na_not_zero():
+    s = _run_summary(holds=None, blocks_held={"P": 0, "D": None}, fault={"kind": "kill", "at_s": 1.0,
+                                                                         "leases_reclaimed_after_fault": 3,
+                                                                         "leases_expired_after_fault": 3})
+    s["sides"]["D"] = None
+    text = _table_text(s)
+    row = next(line for line in text.splitlines() if "D holds granted" in line)
+    assert "n/a (killed)" in row and " 0 / 0" not in row
+    row = next(line for line in text.splitlines() if "heartbeats sent" in line)
+    assert "n/a (P 5; D lost)" in row
+    assert "0 / n/a (killed)" in next(line for line in text.splitlines() if "blocks still held" in line)
+
+
+def test_the_wall_time_is_given_with_and_without_start_up():
+    text = _table_text(_run_summary())
+    assert "3.0 s / 23.0 s (start-up 20.0 s)" in text
+
+
+def test_the_progress_count_names_its_unit():
+    from kvplane.app.options import RunOptions
+    from kvplane.app.orchestrator import progress_unit
+    from kvplane.app.workload import make_stream
+
+    opts = RunOptions(requests=48)
+    reqs = make_stream(opts)
+    turn2 = sum(r.hold for r in reqs)
+    assert turn2 and progress_unit(opts, reqs) == f"48 turn-1 + {turn2} turn-2 requests"
+
+
+def test_a_failed_handshake_warning_says_whether_a_retry_follows():
+    from types import SimpleNamespace
+
+    from kvplane.connector.driver import PlaneDriver
+    from kvplane.statemachines import events as E
+    from kvplane.statemachines.config import PlaneConfig
+    from kvplane.statemachines.plane import ControlPlane
+
+    plane = ControlPlane(PlaneConfig(handshake_max_attempts=2))
+    plane.handle(E.NewRequest(request_id="r1", engine_id="e", remote_request_id="x", remote_block_ids=[1]), 0.0)
+    driver = SimpleNamespace(plane=plane, config=plane.config)
+    assert PlaneDriver._retry_words(driver, "e") == "retrying (attempt 2 of 2)"
+    plane.handle(E.HandshakeFailed(engine_id="e", reason="timed out"), 0.1)
+    plane.fire_due(10.0)  # the backoff is over: the second attempt
+    assert PlaneDriver._retry_words(driver, "e") == "giving up (attempt 2 of 2)"
+    assert PlaneDriver._retry_words(driver, "nobody") == "no handshake in progress"
