@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import attrs
-
 from rich.console import Console
 from rich.table import Table
 

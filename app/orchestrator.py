@@ -37,7 +37,7 @@ NO_NIXL = ("kvplane run: NIXL is not installed: pip install 'kvplane[nixl-cu12]'
 
 # What an engine process does before it reports ready (node.py); D
 # handshakes with P over the side channel on its first request.
-STARTING = "process spawn, torch and NIXL import, NIXL agent, side channel"
+STARTING = "spawn, import torch and NIXL, NIXL agent, side channel"
 
 
 class StartupFailed(RuntimeError):

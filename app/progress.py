@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from kvplane.statemachines.explorer import SearchProgress
 
@@ -50,7 +51,7 @@ class ExploreProgress:
         self._last_plain = self.start
         self._status = None
 
-    def __enter__(self) -> "ExploreProgress":
+    def __enter__(self) -> ExploreProgress:
         if self.live:
             from rich.console import Console
 

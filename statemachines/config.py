@@ -89,7 +89,7 @@ class PlaneConfig:
         return self.kv_lease_duration * 2 // 3
 
     @classmethod
-    def from_kv_transfer_config(cls, kv_transfer_config: Mapping[str, Any]) -> "FromKvTransferConfig":
+    def from_kv_transfer_config(cls, kv_transfer_config: Mapping[str, Any]) -> FromKvTransferConfig:
         """A PlaneConfig from a vLLM-style ``kv_transfer_config`` dict.
 
         The plane's settings are the keys of ``kv_connector_extra_config``
