@@ -9,9 +9,12 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from kvplane.statemachines.explorer import SearchProgress
+
+if TYPE_CHECKING:
+    from rich.status import Status
 
 # Between two plain lines when stderr is not a terminal.
 PLAIN_EVERY_S = 5.0
@@ -49,15 +52,15 @@ class ExploreProgress:
         self.live = self.stream.isatty() if live is None else live
         self.start = clock()
         self._last_plain = self.start
-        self._status = None
+        self._status: Status | None = None
 
     def __enter__(self) -> ExploreProgress:
         if self.live:
             from rich.console import Console
 
             console = Console(file=self.stream, highlight=False, markup=False, emoji=False)
-            self._status = console.status("explore: starting")
-            self._status.start()
+            self._status = status = console.status("explore: starting")
+            status.start()
         return self
 
     def __exit__(self, *exc) -> None:
