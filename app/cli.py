@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diagrams", help="render the state diagrams from the machine tables (--check: compare only)", formatter_class=HelpFormatter,
                        description="Render the state diagrams (Mermaid, and SVG when graphviz is installed) "
                                    "from the machine tables.")
-    d.add_argument("--out", help="output folder (default: the checkout's diagrams/ when run from a checkout, "
+    d.add_argument("--out", metavar="DIR", help="output folder (default: the checkout's diagrams/ when run from a checkout, "
                                  "otherwise the current directory)")
     d.add_argument("--check", action="store_true",
                    help="write nothing; fail if the diagrams differ from the tables (those in --out; by default "

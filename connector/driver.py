@@ -271,7 +271,8 @@ class PlaneDriver:
         key = self._server_keys.get(a.engine_id)
         if key is None and not self.insecure:
             self.counters["handshakes_refused_no_key"] += 1
-            log.warning("no CURVE public key known for engine %s: not handshaking (trust_peer it first)", a.engine_id)
+            log.warning("%s: no CURVE public key known for engine %s: not handshaking (trust_peer it first)",
+                        self.engine_id, a.engine_id)
             follow.append(E.HandshakeFailed(engine_id=a.engine_id, reason="no CURVE public key known for the engine"))
             return
         self.counters["handshakes_started"] += 1
