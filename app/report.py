@@ -98,6 +98,8 @@ def build_summary(orch: RunRecord) -> dict:
         "loop": {role: _loop_brief(side) for role, side in (("P", P), ("D", D))},
         "expired_before_fault": expired_early,
         "sides": {"P": _slim(P), "D": _slim(D)},
+        # A side that sent no report (killed): the sums above lack its share.
+        "sides_without_report": [role for role, side in (("P", P), ("D", D)) if side is None],
         # Written by each side as it runs; a killed side's log ends where it died.
         "logs": {role: os.path.join(os.path.abspath(o.out), f"{name}.events.jsonl")
                  for role, name in (("P", "prefill"), ("D", "decode"))},
