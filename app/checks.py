@@ -146,7 +146,8 @@ def cmd_check_log(path: str, grace: float = DEFAULT_GRACE, *, json_out: bool = F
     start = log.records[0].t  # read_log refuses a log without an event line
 
     def rel(t: float | None) -> float | None:
-        return None if t is None else t - start
+        # Rounded to the microsecond: a difference of two log times keeps float noise.
+        return None if t is None else round(t - start, 6)
 
     if json_out:
         _emit_json({
