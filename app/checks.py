@@ -6,22 +6,27 @@ violation, 2 bad input (unreadable or malformed log, bad arguments).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
 import attrs
-
 from rich.console import Console
 from rich.table import Table
 
-from kvplane.statemachines.eventlog import EventLogError
+from kvplane.statemachines.eventlog import EventLogError, read_log
 from kvplane.statemachines.explorer import STALL_FAULTS, ExploreConfig, ExploreResult, Violation, explore
 from kvplane.statemachines.monitors import DEFAULT_GRACE, check_log
-from kvplane.statemachines.replay import replay
+from kvplane.statemachines.replay import Divergence, replay
+
+from .progress import ExploreProgress
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
+# The version of the --json objects; a field's meaning never changes within one.
+JSON_SCHEMA = 1
 
 
 def _console() -> Console:
@@ -30,14 +35,67 @@ def _console() -> Console:
     return Console(highlight=False, markup=False, emoji=False)
 
 
-def cmd_replay(path: str) -> int:
+def _emit_json(obj: dict) -> None:
+    """The --json output: one object, one line, on stdout."""
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _label(key: Any) -> str:
+    """A stats key in words (stats records have a ``label``; plain counters are strings)."""
+    return getattr(key, "label", str(key))
+
+
+def _divergence_json(d: Divergence | None) -> dict | None:
+    return None if d is None else {"seq": d.seq, "line": d.line, "what": d.what, "expected": d.expected,
+                                   "got": d.got, "message": str(d)}
+
+
+def violation_note_path(log_path: str) -> str:
+    """Where ``kvplane explore --out`` notes which property a counterexample's
+    logs (``<prefix>.<plane>.jsonl``) violate: ``<prefix>.violation.json``."""
+    head, name = os.path.split(log_path)
+    prefix = name.rsplit(".", 2)[0] if name.count(".") >= 2 else name
+    return os.path.join(head, prefix + ".violation.json")
+
+
+def _violation_note(log_path: str) -> dict | None:
+    """The note beside a counterexample's log, if this log is one."""
+    try:
+        with open(violation_note_path(log_path), encoding="utf-8") as f:
+            note = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) and "kind" in note else None
+
+
+def cmd_replay(path: str, *, json_out: bool = False) -> int:
     con = _console()
+    where = os.path.abspath(path)
     try:
         r = replay(path)
     except (EventLogError, OSError) as exc:
-        con.print(f"cannot replay {path}: {exc}", style="red")
+        if json_out:
+            _emit_json({"command": "replay", "schema": JSON_SCHEMA, "log": where, "ok": False, "error": str(exc)})
+        else:
+            con.print(f"cannot replay {where}: {exc}", style="red")
         return BAD_INPUT
-    t = Table(title=f"replay {path}")
+    note = _violation_note(path)
+    if json_out:
+        _emit_json({
+            "command": "replay", "schema": JSON_SCHEMA, "log": where, "ok": r.ok,
+            "lines": r.lines, "recorded_lines": r.recorded_lines, "end_t": r.end_time,
+            "requests": dict(sorted(r.requests.items())),
+            "leases": {what: r.leases[what] for what in ("granted", "extended", "expired", "released")},
+            "engines_evicted": r.engines_evicted,
+            "anomalies": [{"key": str(k), "label": _label(k), "count": n} for k, n in sorted(r.anomalies.items())],
+            "divergence": _divergence_json(r.divergence),
+            "held": [{"machine": kind, "id": str(key), "state": state, "holds": list(res)}
+                     for kind, key, state, res in r.held],
+            "counterexample_of": note,
+        })
+        return OK if r.ok else FAILED
+    t = Table(title=f"replay {where}")
     t.add_column("item")
     t.add_column("value", justify="right")
     t.add_row("lines", str(r.lines))
@@ -48,8 +106,12 @@ def cmd_replay(path: str) -> int:
         t.add_row(f"leases {what}", str(r.leases[what]))
     t.add_row("engines evicted", str(r.engines_evicted))
     for key, n in sorted(r.anomalies.items()):
-        t.add_row(str(key), str(n))
+        t.add_row(_label(key), str(n))
     con.print(t)
+    if note is not None:
+        # The property is cross-plane (the explorer's); one plane's replay
+        # shows its symptom (a leak, a divergence) or nothing at all.
+        con.print(f"counterexample of the explorer's property {note['kind']}: {note.get('message', '')}")
     if r.divergence is not None:
         con.print(f"DIVERGENCE at {r.divergence}")
     if r.held:
@@ -63,27 +125,53 @@ def cmd_replay(path: str) -> int:
     return OK if r.ok else FAILED
 
 
-def cmd_check_log(path: str, grace: float = DEFAULT_GRACE) -> int:
+def cmd_check_log(path: str, grace: float = DEFAULT_GRACE, *, json_out: bool = False) -> int:
     con = _console()
+    where = os.path.abspath(path)
+
+    def refuse(message: str) -> int:
+        if json_out:
+            _emit_json({"command": "check-log", "schema": JSON_SCHEMA, "log": where, "ok": False, "error": message})
+        else:
+            con.print(message, style="red")
+        return BAD_INPUT
+
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < math.inf:
-        con.print(f"bad --grace {grace!r}: must be a finite number of seconds >= 0", style="red")
-        return BAD_INPUT
+        return refuse(f"bad --grace {grace!r}: must be a finite number of seconds >= 0")
     try:
-        rep = check_log(path, grace=grace)
+        log = read_log(path)
+        rep = check_log(log, grace=grace)
     except (EventLogError, OSError) as exc:
-        con.print(f"cannot check {path}: {exc}", style="red")
-        return BAD_INPUT
-    con.print(f"{rep.lines} lines, end t={rep.end_time}, {rep.discharged} obligations discharged")
+        return refuse(f"cannot check {where}: {exc}")
+    start = log.records[0].t  # read_log refuses a log without an event line
+
+    def rel(t: float | None) -> float | None:
+        # Rounded to the microsecond: a difference of two log times keeps float noise.
+        return None if t is None else round(t - start, 6)
+
+    if json_out:
+        _emit_json({
+            "command": "check-log", "schema": JSON_SCHEMA, "log": where, "ok": rep.ok, "grace_s": grace,
+            "lines": rep.lines, "start_t": start, "end_t": rep.end_time, "discharged": rep.discharged,
+            "divergence": _divergence_json(rep.divergence),
+            "hot": [{"machine": h.kind, "id": str(h.key), "resource": h.resource, "state": h.state,
+                     "reason": h.reason, "since_s": rel(h.since), "deadline_s": rel(h.deadline), "at_s": rel(h.at),
+                     "since_t": h.since, "deadline_t": h.deadline, "at_t": h.at} for h in rep.hot],
+        })
+        return OK if rep.ok else FAILED
+    end = rep.end_time if rep.end_time is not None else start
+    con.print(f"{where}: {rep.lines} lines over {end - start:g} s (log clock t={start:g} to {end:g}), "
+              f"{rep.discharged} obligations discharged")
     if rep.divergence is not None:
         # The monitors watched the replay, not the recorded run: fail.
         con.print(f"DIVERGENCE at {rep.divergence}")
     if rep.hot:
-        t = Table(title="hot obligations")
+        t = Table(title="hot obligations (times in seconds from the log's start)")
         for col in ("machine", "id", "resource", "state", "since", "deadline", "why"):
             t.add_column(col)
         for h in rep.hot:
-            t.add_row(h.kind, str(h.key), h.resource, h.state, f"{h.since:g}",
-                      "-" if h.deadline is None else f"{h.deadline:g}", h.reason.replace("_", " "))
+            t.add_row(h.kind, str(h.key), h.resource, h.state, f"{rel(h.since):g}",
+                      "-" if h.deadline is None else f"{rel(h.deadline):g}", h.reason.replace("_", " "))
         con.print(t)
     con.print("OK" if rep.ok else "FAILED")
     return OK if rep.ok else FAILED
@@ -91,20 +179,24 @@ def cmd_check_log(path: str, grace: float = DEFAULT_GRACE) -> int:
 
 def add_explore_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = ExploreConfig()
-    parser.add_argument("--requests", default=",".join(d.requests),
-                        help="comma-separated request profiles: read, hit, notify, read2 (turn 2)")
-    parser.add_argument("--depth", type=int, default=d.max_depth)
-    parser.add_argument("--faults", type=int, default=d.max_faults, help="fault budget per execution")
-    parser.add_argument("--aborts", type=int, default=d.max_aborts)
-    parser.add_argument("--skew", type=float, default=d.skew, help="P clock minus D clock, seconds")
+    parser.add_argument("--requests", default=",".join(d.requests), metavar="PROFILES",
+                        help="comma-separated request profiles: read, hit, notify, read2 (turn 2), push")
+    parser.add_argument("--depth", type=int, default=d.max_depth, metavar="N", help="moves per execution, at most")
+    parser.add_argument("--faults", type=int, default=d.max_faults, metavar="N", help="fault budget per execution")
+    parser.add_argument("--aborts", type=int, default=d.max_aborts, metavar="N", help="abort budget per execution")
+    parser.add_argument("--skew", type=float, default=d.skew, metavar="S", help="P clock minus D clock, seconds")
     parser.add_argument("--stall", type=float, nargs="?", const=d.stall, default=None, metavar="S",
-                        help=f"add the fault 'D stalls' for up to S seconds (default {d.stall:g}): D's timers "
-                             "and loop stop while P's run on (not in the default fault set)")
-    parser.add_argument("--max-states", type=int, default=d.max_states)
-    parser.add_argument("--no-symmetry", action="store_true")
-    parser.add_argument("--no-liveness", action="store_true")
+                        help=f"add the fault 'D stalls' for up to S seconds ({d.stall:g} when S is omitted): D's "
+                             "timers and loop stop while P's run on (not in the default fault set)")
+    parser.add_argument("--max-states", type=int, default=d.max_states, metavar="N",
+                        help="stop (truncated) after this many distinct states")
+    parser.add_argument("--no-symmetry", action="store_true", help="do not merge states that differ only in "
+                                                                   "the naming of interchangeable requests")
+    parser.add_argument("--no-liveness", action="store_true", help="skip the fault-free drains (safety only)")
     parser.add_argument("--all", action="store_true", help="keep going after the first violation")
-    parser.add_argument("--out", default=None, help="directory for counterexample logs")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write each counterexample's event logs here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
     return parser
 
 
@@ -139,11 +231,30 @@ def write_counterexamples(result: ExploreResult, directory: str) -> list[str]:
     return paths
 
 
+def write_violation_notes(result: ExploreResult, directory: str) -> list[str]:
+    """Beside each violation's logs (``write_counterexamples``' names), the
+    property it violates, so that ``kvplane replay`` of one log can say."""
+    paths = []
+    for n, v in enumerate(result.violations, 1):
+        path = os.path.join(directory, f"{n:02d}-{v.kind}.violation.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(_violation_json(v), f, indent=1)
+            f.write("\n")
+        paths.append(path)
+    return paths
+
+
+def _violation_json(v: Violation) -> dict:
+    return {"kind": v.kind, "message": v.message, "steps": list(v.moves)}
+
+
 def cmd_explore(args: Any = None) -> int:
     """``args``: an argparse Namespace (missing attributes take defaults), or a list of argv strings."""
     con = _console()
+    json_out = False
     try:
         a = _explore_args(args)
+        json_out = bool(a.json)
         requests = tuple(x.strip() for x in str(a.requests).split(",") if x.strip())
         cfg = ExploreConfig(requests=requests, max_depth=a.depth, max_faults=a.faults, max_aborts=a.aborts,
                             skew=a.skew, max_states=a.max_states, symmetry=not a.no_symmetry,
@@ -152,12 +263,42 @@ def cmd_explore(args: Any = None) -> int:
             if not a.stall > 0:
                 raise ValueError(f"--stall must be > 0, got {a.stall:g}")
             cfg = attrs.evolve(cfg, faults=STALL_FAULTS, stall=a.stall)
-        result = explore(cfg, clock=time.perf_counter)
+        if a.quiet or json_out:
+            result = explore(cfg, clock=time.perf_counter)
+        else:
+            with ExploreProgress() as shown:
+                result = explore(cfg, clock=time.perf_counter, progress=shown.update)
     except SystemExit:
         return BAD_INPUT
     except (KeyError, ValueError, TypeError) as exc:
-        con.print(f"bad explore arguments: {exc!r}")
+        if json_out:
+            _emit_json({"command": "explore", "schema": JSON_SCHEMA, "ok": False,
+                        "error": f"bad explore arguments: {exc!r}"})
+        else:
+            con.print(f"bad explore arguments: {exc!r}")
         return BAD_INPUT
+    written: dict[int, list[str]] = {}
+    if result.violations and a.out:
+        paths = write_counterexamples(result, a.out)
+        write_violation_notes(result, a.out)
+        for n in range(1, len(result.violations) + 1):
+            written[n] = [os.path.abspath(p) for p in paths if os.path.basename(p).startswith(f"{n:02d}-")]
+    if json_out:
+        _emit_json({
+            "command": "explore", "schema": JSON_SCHEMA, "ok": result.ok,
+            "config": {"requests": list(requests), "max_depth": cfg.max_depth, "max_faults": cfg.max_faults,
+                       "max_aborts": cfg.max_aborts, "skew_s": cfg.skew,
+                       "stall_s": cfg.stall if "stall" in cfg.faults else None, "symmetry": cfg.symmetry,
+                       "liveness": cfg.liveness, "max_states": cfg.max_states, "stop_at_first": cfg.stop_at_first},
+            "states": result.states, "transitions": result.transitions,
+            "max_depth_reached": result.max_depth_reached, "states_cut_at_max_depth": result.frontier_cut,
+            "drains": result.drained, "elapsed_s": round(result.elapsed, 3),
+            "states_per_s": round(result.states_per_second, 1) if result.elapsed > 0 else None,
+            "truncated": result.truncated,
+            "violations": [{**_violation_json(v), "logs": written.get(n, [])}
+                           for n, v in enumerate(result.violations, 1)],
+        })
+        return OK if result.ok else FAILED
     t = Table(title="explore")
     t.add_column("item")
     t.add_column("value", justify="right")
@@ -176,8 +317,8 @@ def cmd_explore(args: Any = None) -> int:
     con.print(t)
     for v in result.violations:
         con.print(f"VIOLATION {v}")
-    if result.violations and a.out:
-        for p in write_counterexamples(result, a.out):
+    for paths in written.values():
+        for p in paths:
             con.print(f"wrote {p}")
     con.print("OK" if result.ok else "FAILED")
     return OK if result.ok else FAILED

@@ -1,22 +1,55 @@
 """The ``kvplane`` command line.
 
-    kvplane run            prefill + decode processes over real NIXL (the main job)
-    kvplane diagrams       render diagrams/ from the machine tables (--check: compare only)
-    kvplane replay LOG     replay an event log; non-zero on divergence or leak
-    kvplane check-log LOG  liveness monitors over a log
-    kvplane explore        exhaustive interleavings with faults (model checker)
-
-The benchmark suite is not part of the installed package: run
-`python -m bench` from a checkout.
-
-Subcommands import their modules lazily so that ``kvplane diagrams`` does
-not pay for NIXL or torch.
+The help text is ``DESCRIPTION`` and ``EPILOG``, written for a user; this
+docstring is for readers of the code.  Subcommands import their modules
+lazily so that ``kvplane diagrams`` and ``--help`` do not pay for NIXL or
+torch.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+DESCRIPTION = ("kvplane: the control plane of a disaggregated prefill/decode KV-cache connector, "
+               "as explicit state machines. Run the main job, check event logs, model-check the machines, "
+               "render their diagrams.")
+EPILOG = """\
+exit status: 0 ok, 1 a check failed, 2 bad input or arguments.
+`kvplane COMMAND --help` lists a command's options.
+
+Benchmarks are not part of the installed package: from a checkout run
+`python -m bench --help`.
+"""
+
+
+def version() -> str:
+    """The installed distribution's version, else the package's own (a bare checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvplane")
+    except metadata.PackageNotFoundError:
+        import kvplane
+
+        return kvplane.__version__
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default; keeps the line breaks of a text that has
+    some (the epilog) and wraps the others.  An
+    option without a value (a flag, or one whose absence is its meaning)
+    shows none: "(default: None)" would read as a value."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _diagrams(args) -> int:
@@ -25,7 +58,7 @@ def _diagrams(args) -> int:
 
     try:
         if args.check:
-            folder = Path(args.out) if args.out else folders.committed()
+            folder = (Path(args.out) if args.out else folders.committed()).resolve()
             stale = diagrams.stale_files(folder)
             if stale:
                 # Outside a checkout the shipped copy is the reference: the
@@ -36,7 +69,7 @@ def _diagrams(args) -> int:
                 return 1
             print(f"diagrams in {folder} are up to date")
             return 0
-        out = Path(args.out) if args.out else folders.default_out()
+        out = (Path(args.out) if args.out else folders.default_out()).resolve()
         if not diagrams.have_dot():
             print("note: graphviz `dot` (or the graphviz package) not found; writing Mermaid only "
                   "(apt-get install graphviz for SVG)")
@@ -51,13 +84,13 @@ def _diagrams(args) -> int:
 def _replay(args) -> int:
     from kvplane.app.checks import cmd_replay
 
-    return cmd_replay(args.log)
+    return cmd_replay(args.log, json_out=args.json)
 
 
 def _check_log(args) -> int:
     from kvplane.app.checks import cmd_check_log
 
-    return cmd_check_log(args.log, args.grace)
+    return cmd_check_log(args.log, args.grace, json_out=args.json)
 
 
 def _explore(args) -> int:
@@ -73,36 +106,51 @@ def _run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="kvplane", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("diagrams", help="render state diagrams from the machine tables")
-    d.add_argument("--out", help="output folder (default: the checkout's diagrams/ when run from a checkout, "
+    d = sub.add_parser("diagrams", help="render the state diagrams from the machine tables (--check: compare only)", formatter_class=HelpFormatter,
+                       description="Render the state diagrams (Mermaid, and SVG when graphviz is installed) "
+                                   "from the machine tables.")
+    d.add_argument("--out", metavar="DIR", help="output folder (default: the checkout's diagrams/ when run from a checkout, "
                                  "otherwise the current directory)")
     d.add_argument("--check", action="store_true",
                    help="write nothing; fail if the diagrams differ from the tables (those in --out; by default "
                         "the checkout's, or the ones installed with the package)")
     d.set_defaults(fn=_diagrams)
 
-    r = sub.add_parser("replay", help="replay an event log through fresh machines")
-    r.add_argument("log")
+    r = sub.add_parser("replay", help="replay an event log; exit 1 on a divergence or a leak", formatter_class=HelpFormatter,
+                       description="Replay an event log (JSONL) through fresh machines: the recorded states and "
+                                   "actions must be reproduced exactly, and nothing may be held at the end.")
+    r.add_argument("log", help="the event log, e.g. runs/latest/prefill.events.jsonl")
+    r.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
     r.set_defaults(fn=_replay)
 
-    c = sub.add_parser("check-log", help="run the liveness monitors over an event log")
-    c.add_argument("log")
+    c = sub.add_parser("check-log", help="liveness monitors over an event log; exit 1 on an obligation still hot", formatter_class=HelpFormatter,
+                       description="Run the liveness monitors over an event log: every obligation (a lease, a "
+                                   "recv, a transfer) must be discharged by its deadline.")
+    c.add_argument("log", help="the event log, e.g. runs/latest/decode.events.jsonl")
     c.add_argument("--grace", type=float, default=0.5, metavar="S",
-                   help="report an obligation only when still hot S seconds past its deadline (default 0.5)")
+                   help="report an obligation only when still hot S seconds past its deadline")
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
     c.set_defaults(fn=_check_log)
 
     from kvplane.app.checks import add_explore_arguments
 
-    e = sub.add_parser("explore", help="model-check the composed machines with faults")
+    e = sub.add_parser("explore", help="model-check the composed machines with faults (every interleaving up to a depth)", formatter_class=HelpFormatter,
+                       description="Explore every interleaving of the composed P and D machines, with faults, up "
+                                   "to a depth; report the shortest path to each violated property.")
     add_explore_arguments(e)
     e.set_defaults(fn=_explore)
 
     from kvplane.app.options import add_run_arguments
 
-    run = sub.add_parser("run", help="the main job: P and D processes exchanging KV over NIXL")
+    run = sub.add_parser("run", help="the main job: a prefill and a decode process exchanging KV over real NIXL",
+                         formatter_class=HelpFormatter,
+                         description="Start a prefill (P) and a decode (D) process, send a synthetic request "
+                                     "stream, move the KV over real NIXL, inject the requested faults, check "
+                                     "that nothing leaks, and write the event logs and summary.json under --out.")
     add_run_arguments(run)
     run.set_defaults(fn=_run)
     return p

@@ -130,30 +130,33 @@ class RunOptions:
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``kvplane run``; every default is RunOptions'."""
+    """The flags of ``kvplane run``; every default is RunOptions' (the help
+    formatter appends it)."""
     d = RunOptions()
-    p.add_argument("--requests", type=int, default=d.requests, help=f"synthetic requests to send (default {d.requests})")
-    p.add_argument("--out", default=d.out, help=f"folder for event logs and the summary (default {d.out})")
+    p.add_argument("--requests", type=int, default=d.requests, metavar="N",
+                   help="synthetic requests to send (the multi-turn ones also run a turn 2: P reads back what D held)")
+    p.add_argument("--out", default=d.out, metavar="DIR", help="folder for the event logs and summary.json")
     p.add_argument("--lease", type=float, default=d.lease, metavar="S",
-                   help=f"kv_lease_duration in seconds (>= {MIN_LEASE:g}; default {d.lease:g})")
+                   help=f"kv_lease_duration in seconds (>= {MIN_LEASE:g}; heartbeats every lease // 6)")
     p.add_argument("--push", action="store_true", help="push mode: P WRITEs into D's registered blocks")
     p.add_argument("--kill-decode-at", type=float, default=d.kill_decode_at, metavar="S",
-                   help="SIGKILL the decode process S seconds into the run")
+                   help="SIGKILL the decode process S seconds into the run (default: no kill)")
     p.add_argument("--hang-decode-at", type=float, default=d.hang_decode_at, metavar="S",
-                   help="SIGSTOP the decode process S seconds into the run")
+                   help="SIGSTOP the decode process S seconds into the run (default: no hang)")
     p.add_argument("--drop-notifications", type=float, default=d.drop_notifications, metavar="RATE",
                    help="drop this fraction of notifications (0..1) on receipt")
     p.add_argument("--clock-skew", type=float, default=d.clock_skew, metavar="S", help="skew D's clock by S seconds")
     p.add_argument("--overload", type=float, default=d.overload, metavar="S",
-                   help=f"hold each request in D's queue for S seconds before scheduling (default {d.overload:g}; "
-                        "heartbeats keep P's leases alive meanwhile)")
+                   help="hold each request in D's queue for S seconds before scheduling (heartbeats keep "
+                        "P's leases alive meanwhile)")
     p.add_argument("--hold-ttl", type=float, default=d.hold_ttl, metavar="S",
-                   help=f"decoder_kv_blocks_ttl: how long D holds blocks for turn 2 (default {d.hold_ttl:g})")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--timeout", type=float, default=d.timeout,
-                   help="stop sending work after this many seconds, abort what is in flight, release "
-                        f"everything held and report what was abandoned (exit 1; default {d.timeout:g})")
+                   help="decoder_kv_blocks_ttl: how long D holds blocks for turn 2")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the synthetic workload and of the dropped "
+                                                            "notifications")
+    p.add_argument("--timeout", type=float, default=d.timeout, metavar="S",
+                   help="stop sending work after this many seconds (start-up not counted), abort what is in "
+                        "flight, release everything held and report what was abandoned (exit 1)")
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout, metavar="S",
-                   help=f"how long the two engine processes may take to start (default {d.startup_timeout:g}; "
-                        "a loaded machine needs more than an idle one)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+                   help="how long the two engine processes may take to start (a loaded machine needs more "
+                        "than an idle one)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no start-up messages")

@@ -35,6 +35,11 @@ NO_NIXL = ("kvplane run: NIXL is not installed: pip install 'kvplane[nixl-cu12]'
            "or 'kvplane[nixl-cu13]' (CUDA 13)")
 
 
+# What an engine process does before it reports ready (node.py); D
+# handshakes with P over the side channel on its first request.
+STARTING = "spawn, import torch and NIXL, NIXL agent, side channel"
+
+
 class StartupFailed(RuntimeError):
     """An engine process did not come up (in time); the job stops them all."""
 
@@ -78,7 +83,7 @@ class Orchestrator:
         self.fault: dict[str, Any] = {}
         self.fault_at: float | None = None
         self.errors: list[str] = []
-        self.phase = "starting"
+        self.phase = f"starting P and D ({STARTING})"
         self.startup_s: float | None = None
         self.abandoning: str | None = None  # why the run is being given up (timeout, a crash)
         self.abandoned: dict | None = None
@@ -131,6 +136,7 @@ class Orchestrator:
         started = time.monotonic()
         deadline = started + self.o.startup_timeout
         while any(c.ready is None for c in self.children.values()):
+            self._startup_phase()
             if time.monotonic() > deadline:
                 late = [r for r, c in self.children.items() if c.ready is None]
                 raise StartupFailed(f"engine process {' and '.join(late)} did not start within "
@@ -142,6 +148,18 @@ class Orchestrator:
                 why = [e.strip().splitlines()[-1] if "crashed" in e else e for e in self.errors]
                 raise StartupFailed("an engine process failed to start: " + "; ".join(why or ["exited"]))
         self.startup_s = time.monotonic() - started
+
+    def _startup_phase(self) -> None:
+        """Say which engine processes are still starting (the progress bar's text)."""
+        waiting = [r for r, c in self.children.items() if c.ready is None]
+        ready = [r for r, c in self.children.items() if c.ready is not None]
+        phase = f"starting {' and '.join(waiting)} ({STARTING})"
+        if ready:
+            phase += f"; {' and '.join(ready)} ready"
+        if phase != self.phase:
+            self.phase = phase
+            if self.progress is not None:
+                self.progress(self)
 
     def stop_all(self) -> None:
         for c in self.children.values():
@@ -286,7 +304,9 @@ class Orchestrator:
         hard_deadline = self.t0 + o.timeout
         fault_kind = "kill" if o.kill_decode_at is not None else "hang" if o.hang_decode_at is not None else None
         fault_time = o.kill_decode_at if fault_kind == "kill" else o.hang_decode_at
-        self.phase = "streaming"
+        self.phase = "streaming requests (D handshakes with P on its first)"
+        if self.progress is not None:
+            self.progress(self)
         timed_out = False
         while True:
             now = time.monotonic()
@@ -472,27 +492,32 @@ def _last_counts(c: _Child) -> dict | None:
     return None if answer is None else answer.counts
 
 
+def progress_unit(opts: RunOptions, reqs: list[Req]) -> str:
+    """What the progress count counts: "48 turn-1 + 12 turn-2 requests"."""
+    turn2 = sum(r.hold for r in reqs)
+    return f"{opts.requests} turn-1 + {turn2} turn-2 requests" if turn2 else f"{opts.requests} requests"
+
+
 def run_job(opts: RunOptions, *, console=None) -> dict:
     """Run the job; returns the summary (also written under ``opts.out``)."""
     opts.validate()
     os.makedirs(opts.out, exist_ok=True)
     progress_cm = None
+    orch = Orchestrator(opts)
     if not opts.quiet:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         progress_cm = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                               TimeElapsedColumn(), console=console, transient=False)
-        orch = Orchestrator(opts)
+                               TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), console=console,
+                               transient=False)
         units = opts.requests + sum(r.hold for r in orch.reqs)
-        task = progress_cm.add_task("starting", total=units)
+        task = progress_cm.add_task(orch.phase, total=units, unit=progress_unit(opts, orch.reqs))
 
         def update(o: Orchestrator) -> None:
             n = sum((r.turn1 is not None) + (r.hold and r.turn2 is not None) for r in o.reqs)
             progress_cm.update(task, completed=n, description=o.phase)
 
         orch.progress = update
-    else:
-        orch = Orchestrator(opts)
     try:
         if progress_cm is not None:
             with progress_cm:
@@ -501,7 +526,7 @@ def run_job(opts: RunOptions, *, console=None) -> dict:
             summary = orch.run()
     finally:
         orch.stop_all()
-    path = os.path.join(opts.out, "summary.json")
+    path = os.path.abspath(os.path.join(opts.out, "summary.json"))
     with open(path, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1, default=str)
     summary["summary_path"] = path

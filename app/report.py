@@ -98,13 +98,76 @@ def build_summary(orch: RunRecord) -> dict:
         "loop": {role: _loop_brief(side) for role, side in (("P", P), ("D", D))},
         "expired_before_fault": expired_early,
         "sides": {"P": _slim(P), "D": _slim(D)},
+        # A side that sent no report (killed): the sums above lack its share.
+        "sides_without_report": [role for role, side in (("P", P), ("D", D)) if side is None],
         # Written by each side as it runs; a killed side's log ends where it died.
         "logs": {role: os.path.join(os.path.abspath(o.out), f"{name}.events.jsonl")
                  for role, name in (("P", "prefill"), ("D", "decode"))},
         "requests_detail": [attrs.asdict(r, filter=lambda a, v: a.name != "hold_params") for r in orch.reqs],
     }
+    summary["wall_with_startup_s"] = round(wall + (orch.startup_s or 0.0), 3)
     summary["ok"] = all(v is not False for v in checks.values())
+    summary["check_reasons"] = check_reasons(summary)
     return summary
+
+
+def check_reasons(summary: dict) -> dict[str, str]:
+    """Why each failed check failed, in words, from the summary's own data
+    (the console table shows it beside FAIL)."""
+    checks = summary["checks"]
+    t1, t2 = summary["requests"]["turn1"], summary["requests"]["turn2"]
+    detail = summary.get("requests_detail") or []
+    bh = summary["blocks_held"]
+    fault = summary.get("fault") or {}
+
+    def outcomes(rs: list) -> str:
+        counts: dict[str, int] = {}
+        for r in rs:
+            counts[str(r.get("turn2"))] = counts.get(str(r.get("turn2")), 0) + 1
+        return ", ".join(f"{n} {what}" for what, n in sorted(counts.items()))
+
+    def blocks(role: str) -> str:
+        return f"{role} sent no report" if bh[role] is None else f"{role} still holds {bh[role]} blocks"
+
+    def first_lines(items: list, n: int = 3) -> str:
+        shown = "; ".join((x.strip().splitlines() or [""])[-1] for x in items[:n])
+        return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+    done = ("skipped", "abandoned", None)
+    reasons = {
+        "no_errors": lambda: f"{len(summary['errors'])} error(s): {first_lines(summary['errors'])}",
+        "p_blocks_held_zero": lambda: blocks("P"),
+        "d_blocks_held_zero": lambda: blocks("D"),
+        "no_corrupt_bytes": lambda: f"{t1['corrupt']} turn-1 and {t2['corrupt']} turn-2 requests read corrupt bytes",
+        "all_requests_resolved": lambda: f"{t1['pending']} turn-1 and {t2['pending']} turn-2 requests never resolved",
+        "late_turn2_declined": lambda: "late turn 2s not declined: " + outcomes(
+            [r for r in detail if r.get("late") and r.get("turn2") not in done and r.get("turn2") != "recomputed"]),
+        "on_time_turn2_read": lambda: "on-time turn 2s not read: " + outcomes(
+            [r for r in detail if r.get("hold") and not r.get("late") and r.get("turn2") not in done
+             and r.get("turn2") != "ok"]),
+        "all_turn1_ok": lambda: f"{t1['ok']} of {summary['requests']['total']} ok: " + ", ".join(
+            f"{n} {what}" for what, n in t1.items() if what != "ok" and n),
+        "no_lease_expired_while_heartbeats_flowed": lambda: "expired while heartbeats flowed: " + ", ".join(
+            (summary.get("expired_before_fault") or [])[:5]),
+        "p_reclaimed_within_bound": lambda: _reclaim_reason(fault),
+    }
+    out = {}
+    for name, ok in checks.items():
+        if ok is False:
+            out[name] = reasons[name]() if name in reasons else "see summary.json"
+    return out
+
+
+def _reclaim_reason(fault: dict) -> str:
+    parts = []
+    if fault.get("leases_still_live"):
+        parts.append(f"{fault['leases_still_live']} leases never freed")
+    if fault.get("late_leases"):
+        parts.append(f"{len(fault['late_leases'])} freed past their due time + {fault.get('slack_s')} s slack")
+    if "reclaim_after_last_heartbeat_s" in fault:
+        parts.append(f"last freed {fault['reclaim_after_last_heartbeat_s']} s after the last heartbeat "
+                     f"(bound {fault.get('bound_s')} s + {fault.get('slack_s')} s slack)")
+    return "; ".join(parts) or "no lease freed after the fault"
 
 
 def _reclaim(orch: RunRecord, P: Summary) -> dict:
@@ -185,6 +248,7 @@ def _slim(s: Summary | None) -> dict | None:
 
 def summary_table(summary: dict):
     """The summary as a rich Table, for the console."""
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title="kvplane run", show_header=True, header_style="bold")
@@ -205,20 +269,26 @@ def summary_table(summary: dict):
             t.add_row(f"{turn.replace('turn', 'turn ')} recomputed because",
                       "; ".join(f"{why}: {n}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])))
     mib = summary["bytes_moved"] / 2**20
-    t.add_row("bytes moved (verified)", f"{mib:.1f} MiB ({summary['bytes_verified'] / 2**20:.1f} MiB)")
+    lost = _lost_sides(summary)
+    t.add_row("bytes moved (verified)", f"{mib:.1f} MiB ({summary['bytes_verified'] / 2**20:.1f} MiB)"
+              + (f": {' and '.join(sorted({'P', 'D'} - set(lost)))}'s share; "
+                 f"{' and '.join(lost)}'s {_or_na(summary, lost[0], None)}" if lost else ""))
     g = summary["gbps_in_flight"]
     t.add_row("GB/s while transfers in flight / over the run",
               f"{g if g is not None else '-'} / {summary['gbps_wall']}")
-    le = summary["leases"] or {}
+    le = summary["leases"]
     t.add_row("P leases granted / extended / expired / consumed",
+              _or_na(summary, "P", None) if le is None else
               f"{le.get('granted', '-')} / {le.get('extended', '-')} / {le.get('expired', '-')} / {le.get('consumed', '-')}")
-    ho = summary["holds"] or {}
+    ho = summary["holds"]
     t.add_row("D holds granted / consumed / expired",
+              _or_na(summary, "D", None) if ho is None else
               f"{ho.get('granted', 0)} / {ho.get('consumed', 0)} / {ho.get('expired', 0)}")
-    t.add_row("heartbeats sent / received", f"{summary['heartbeats_sent']} / {summary['heartbeats_received']}")
-    t.add_row("engines evicted", str(summary["engines_evicted"]))
+    t.add_row("heartbeats sent / received", f"{_total(summary, 'heartbeats_sent')} / "
+                                             f"{_total(summary, 'heartbeats_received')}")
+    t.add_row("engines evicted", _total(summary, "engines_evicted"))
     bh = summary["blocks_held"]
-    t.add_row("blocks still held P / D", f"{bh['P']} / {bh['D'] if bh['D'] is not None else 'n/a (killed)'}")
+    t.add_row("blocks still held P / D", " / ".join(_or_na(summary, role, bh[role]) for role in ("P", "D")))
     f = summary["fault"]
     if f:
         if "reclaim_after_last_heartbeat_s" in f:
@@ -242,8 +312,37 @@ def summary_table(summary: dict):
         for role in ("P", "D"):
             if ab.get(role):
                 t.add_row(f"  {role} gave up", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ab[role].items()))
-    t.add_row("wall time", f"{summary['wall_s']} s")
+    if summary.get("startup_s") is not None:
+        t.add_row("wall time: run / with start-up", f"{summary['wall_s']} s / {summary['wall_with_startup_s']} s "
+                                                    f"(start-up {summary['startup_s']} s)")
+    else:
+        t.add_row("wall time", f"{summary['wall_s']} s")
+    reasons = summary.get("check_reasons") or {}
     for name, v in summary["checks"].items():
         if v is not None:
-            t.add_row(f"check: {name}", "[green]pass[/green]" if v else "[red]FAIL[/red]")
+            why = reasons.get(name)
+            t.add_row(f"check: {name}", "[green]pass[/green]" if v else
+                      "[red]FAIL[/red]" + (f": {escape(why)}" if why else ""))
     return t
+
+
+def _lost_sides(summary: dict) -> list[str]:
+    """The sides whose report never came (a killed process): their counts are unknown, not 0."""
+    return [role for role in ("P", "D") if (summary.get("sides") or {}).get(role) is None]
+
+
+def _or_na(summary: dict, role: str, value: Any) -> str:
+    if role in _lost_sides(summary):
+        why = "killed" if role == "D" and (summary.get("fault") or {}).get("kind") == "kill" else "no report"
+        return f"n/a ({why})"
+    return str(value)
+
+
+def _total(summary: dict, field: str) -> str:
+    """A count summed over both sides: n/a when a side's share is unknown (its process died)."""
+    lost = _lost_sides(summary)
+    if not lost:
+        return str(summary[field])
+    known = {role: side[field] for role, side in summary["sides"].items() if side is not None}
+    shown = ", ".join(f"{role} {n}" for role, n in known.items())
+    return f"n/a ({shown}; {' and '.join(lost)} lost)" if shown else "n/a"

@@ -32,8 +32,11 @@ SECTIONS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="kvplane's benchmarks (run from a checkout; not part of the installed package): they compare "
+                    "implementations side by side in one run and report ratios. Nothing passes or fails on a "
+                    "timing; the exit status is non-zero only when a section crashes.")
     p.add_argument("sections", nargs="*", metavar="SECTION",
                    help=f"which to run (default: all): {', '.join(SECTIONS)}")
     p.add_argument("--quick", action="store_true", help="short smoke run (small sizes, few rounds)")

@@ -272,7 +272,8 @@ class PlaneDriver:
         key = self._server_keys.get(a.engine_id)
         if key is None and not self.insecure:
             self.counters["handshakes_refused_no_key"] += 1
-            log.warning("no CURVE public key known for engine %s: not handshaking (trust_peer it first)", a.engine_id)
+            log.warning("%s: no CURVE public key known for engine %s: not handshaking (trust_peer it first)",
+                        self.engine_id, a.engine_id)
             follow.append(E.HandshakeFailed(engine_id=a.engine_id, reason="no CURVE public key known for the engine"))
             return
         self.counters["handshakes_started"] += 1
@@ -281,7 +282,8 @@ class PlaneDriver:
     def _handshake_event(self, outcome) -> E.Event:
         if outcome.error is not None:
             self.counters["handshakes_failed"] += 1
-            log.warning("handshake with %s at %s failed: %s", outcome.engine_id, outcome.url, outcome.error)
+            log.warning("%s: handshake with %s at %s failed: %s; %s", self.engine_id, outcome.engine_id, outcome.url,
+                        outcome.error, self._retry_words(outcome.engine_id))
             return E.HandshakeFailed(engine_id=outcome.engine_id, reason=f"{type(outcome.error).__name__}: {outcome.error}")
         result = outcome.result
         try:
@@ -295,6 +297,16 @@ class PlaneDriver:
         self.counters["handshakes_ok"] += 1
         samples = [(s.offset, s.rtt) for s in (result.samples or (result.sample,))]
         return E.HandshakeOk(engine_id=outcome.engine_id, samples=samples)
+
+    def _retry_words(self, engine_id: str) -> str:
+        """Whether the remote_engine machine will retry the failed handshake
+        (its attempt count, before the failure is fed)."""
+        engine = self.plane.get("remote_engine", engine_id)
+        n = self.config.handshake_max_attempts
+        if engine is None:
+            return "no handshake in progress"
+        k = engine.attempts
+        return f"retrying (attempt {k + 1} of {n})" if k < n else f"giving up (attempt {k} of {n})"
 
     def _remove_agent(self, a: A.RemoveRemoteAgent, follow: list) -> None:
         self.counters["engines_evicted"] += 1

@@ -8,6 +8,8 @@ false.  A bad value raises ``ConfigError`` naming the field.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -85,3 +87,47 @@ class PlaneConfig:
     @property
     def lease_extension(self) -> float:
         return self.kv_lease_duration * 2 // 3
+
+    @classmethod
+    def from_kv_transfer_config(cls, kv_transfer_config: Mapping[str, Any]) -> FromKvTransferConfig:
+        """A PlaneConfig from a vLLM-style ``kv_transfer_config`` dict.
+
+        The plane's settings are the keys of ``kv_connector_extra_config``
+        named as PlaneConfig's fields (``kv_lease_duration``, vLLM's lease
+        key, ``decoder_kv_blocks_ttl``, ...); ``kv_load_failure_policy`` may
+        also be a top-level key, as in vLLM.  Other top-level keys are vLLM's
+        (``kv_connector``, ``kv_role``, ...) and are not looked at.  Keys of
+        the extra config that are no field are returned in ``unknown_keys``
+        for the caller to warn about (this module does no I/O).  A value of
+        the wrong type, out of range or not finite raises ``ConfigError``.
+        """
+        if not isinstance(kv_transfer_config, Mapping):
+            raise ConfigError("kv_transfer_config", f"must be a dict, got {type(kv_transfer_config).__name__}")
+        extra = kv_transfer_config.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, Mapping):
+            raise ConfigError("kv_connector_extra_config", f"must be a dict, got {type(extra).__name__}")
+        fields = {f.name for f in attrs.fields(cls)}
+        values = {}
+        policy = "kv_load_failure_policy"
+        if kv_transfer_config.get(policy) is not None:
+            values[policy] = kv_transfer_config[policy]
+        unknown = []
+        for key, value in extra.items():
+            if key not in fields:
+                unknown.append(str(key))
+            elif key == policy and policy in values and values[policy] != value:
+                raise ConfigError(policy, f"given twice with different values: {values[policy]!r} at the top "
+                                          f"level, {value!r} in kv_connector_extra_config")
+            else:
+                values[key] = value
+        return FromKvTransferConfig(config=cls(**values), unknown_keys=tuple(sorted(unknown)))
+
+
+@attrs.frozen
+class FromKvTransferConfig:
+    """What ``PlaneConfig.from_kv_transfer_config`` found."""
+
+    config: PlaneConfig
+    # Keys of kv_connector_extra_config that are no PlaneConfig field (a typo,
+    # or another component's setting): the caller warns about them.
+    unknown_keys: tuple[str, ...] = ()

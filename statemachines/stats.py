@@ -1,8 +1,9 @@
 """The keys of ``ControlPlane.stats``: one small record per kind of count.
 
-``str()`` of a key is its label for reports (``"ignored:lease:LEASED:
-LeaseAbort"``); nothing parses a label back: readers match the record's
-type and fields.  Event names are class names, so the keys serialize.
+``str()`` of a key is its compact, stable name (``"ignored:lease:LEASED:
+LeaseAbort"``, what summaries key their counts by); ``label`` is the same
+key in words for report tables (``"ignored LeaseAbort in lease LEASED"``).
+Nothing parses either back: readers match the record's type and fields.  Event names are class names, so the keys serialize.
 
 ``StatKeys`` interns the keys a plane counts under: counting then costs a
 tuple and a dict lookup, about what formatting a string label cost, and
@@ -20,6 +21,13 @@ UNKNOWN_KIND = "unknown_kind"  # addressed to no machine kind of the plane
 PROTOCOL_VIOLATION = "protocol_violation"  # declared an error in the current state
 NONFINITE_DEADLINE = "nonfinite_deadline"  # a deadline that is NaN or infinite
 SOURCE_NOT_HELD = "source_not_held"  # would create a machine whose source is gone
+_ANOMALY_LABELS = {
+    UNKNOWN_ID: "{event} for an unknown {kind} id",
+    UNKNOWN_KIND: "{event} for {kind}, a machine kind this plane does not have",
+    PROTOCOL_VIOLATION: "protocol violation: {event} in {kind}",
+    NONFINITE_DEADLINE: "non-finite deadline from {event} in {kind}",
+    SOURCE_NOT_HELD: "{event} would create a {kind} whose source is gone",
+}
 
 
 @attrs.frozen(order=True)
@@ -33,6 +41,10 @@ class Ignored:
     def __str__(self) -> str:
         return f"ignored:{self.kind}:{self.state}:{self.event}"
 
+    @property
+    def label(self) -> str:
+        return f"ignored {self.event} in {self.kind} {self.state}"
+
 
 @attrs.frozen(order=True)
 class Final:
@@ -44,6 +56,10 @@ class Final:
     def __str__(self) -> str:
         return f"final:{self.kind}:{self.state}"
 
+    @property
+    def label(self) -> str:
+        return f"{self.kind} ended {self.state}"
+
 
 @attrs.frozen(order=True)
 class FailClosed:
@@ -53,6 +69,10 @@ class FailClosed:
 
     def __str__(self) -> str:
         return f"fail_closed:{self.kind}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} failed closed on a protocol violation"
 
 
 @attrs.frozen(order=True)
@@ -66,6 +86,10 @@ class SourceEnded:
     def __str__(self) -> str:
         return f"source_ended:{self.kind}:{self.cause}"
 
+    @property
+    def label(self) -> str:
+        return f"{self.kind} ended with its source (instead of {self.cause})"
+
 
 @attrs.frozen(order=True)
 class Anomaly:
@@ -78,6 +102,11 @@ class Anomaly:
     def __str__(self) -> str:
         return f"{self.what}:{self.kind}:{self.event}"
 
+    @property
+    def label(self) -> str:
+        return _ANOMALY_LABELS.get(self.what, "{what}: {event} for {kind}").format(
+            what=self.what.replace("_", " "), kind=self.kind, event=self.event)
+
 
 @attrs.frozen(order=True)
 class HeartbeatEngine:
@@ -87,6 +116,10 @@ class HeartbeatEngine:
 
     def __str__(self) -> str:
         return f"heartbeat_engine:{self.event}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.event} for the heartbeat batcher (it needs none)"
 
 
 class StatKeys:

@@ -24,6 +24,58 @@ from .moves import (STEP_AT, Abort, AbortLease, Crash, Deliver, Inject, Late, Mo
                     Tick)
 from .world import ABORTED, ARRIVED, DEAD, FINISHED, LOADING, NEW, RUNNING, SENT, Clocks, World
 
+# Counterexample steps in words (``Model.describe``).
+STEP_WORDS = {
+    "arrive": "request {r} ({profile}) arrives: P grants lease p{r}, D gets the request",
+    "alloc": "D allocates blocks for request {r} ({profile})",
+    "start": "D starts loading request {r} ({profile})",
+    "run": "D runs request {r} ({profile})",
+    "finish": "D finishes request {r} ({profile})",
+    "arrive2": "turn 2 of request {r} ({profile}) arrives at P",
+    "alloc2": "P allocates blocks for turn 2 of request {r} ({profile})",
+    "start2": "P starts loading turn 2 of request {r} ({profile})",
+    "run2": "P runs turn 2 of request {r} ({profile})",
+    "finish2": "P finishes turn 2 of request {r} ({profile})",
+}
+FAULT_WORDS = {
+    "lose": "lose", "dup": "duplicate", "hs_fail": "fail", "hs_hang": "hang (never answer)",
+    "read_fail": "fail", "read_hang": "hang (the peer stops answering)", "write_fail": "fail",
+    "write_hang": "hang (the peer stops answering)",
+}
+
+
+def message_words(m: msg.Message) -> str:
+    """What is in flight, in words (a noun phrase)."""
+    if isinstance(m, msg.Handshake):
+        return f"reply to {m.plane}'s handshake with {m.engine}"
+    if isinstance(m, msg.Read):
+        return (f"READ {m.plane} posted of {m.engine}'s lease {m.remote_request_id} for {m.request_id} "
+                f"({m.consumers} consumer{'s' if m.consumers != 1 else ''})")
+    if isinstance(m, msg.ReadDone):
+        late = ", executed after the lease was gone" if m.stale else ""
+        return f"completion of {m.plane}'s READ for {m.request_id}{late}"
+    if isinstance(m, msg.ReadFailed):
+        return f"failure of {m.plane}'s READ for {m.request_id}"
+    if isinstance(m, msg.Notif):
+        return f"completion notification from {m.sender} to {m.plane} for lease {m.remote_request_id}"
+    if isinstance(m, msg.PushRegistration):
+        until = "" if m.deadline is None else f" until t={m.deadline:g} (D's clock)"
+        return f"push registration to {m.plane}: D's blocks for {m.remote_request_id} await {m.request_id}'s WRITE{until}"
+    if isinstance(m, msg.Write):
+        return f"WRITE {m.plane} posted for {m.request_id} into {m.engine}'s blocks for {m.remote_request_id}"
+    if isinstance(m, msg.WriteDone):
+        return f"completion of {m.plane}'s WRITE for {m.request_id}"
+    if isinstance(m, msg.WriteFailed):
+        return f"failure of {m.plane}'s WRITE for {m.request_id}"
+    if isinstance(m, msg.Pushed):
+        return f"WRITE notification to {m.plane} for {m.request_id}"
+    if isinstance(m, msg.Params):
+        return f"params P exported for {m.request_id}, waiting for {m.plane}"
+    if isinstance(m, msg.Disconnect):
+        return f"notice to {m.plane} that {m.engine} went away"
+    return str(m)
+
+
 # Actions the world of the model has nothing to do for.
 IGNORED_ACTIONS: frozenset[type] = frozenset({
     A.RemoveRemoteAgent,  # the abstract network has no NIXL agents to forget
@@ -186,26 +238,30 @@ class Model:
         return None
 
     def describe(self, w: World, move: Move) -> str:
-        """A counterexample step, as read before ``move`` is applied to ``w``."""
+        """A counterexample step in words, as read before ``move`` is applied to ``w``."""
+        at = f"(t={w.t:g})"
         if isinstance(move, Deliver):
-            return f"deliver {w.net[move.index]} @t={w.t:g}"
+            return f"deliver the {message_words(w.net[move.index])} {at}"
         if isinstance(move, Inject):
-            return f"{move.fault} {w.net[move.index]} @t={w.t:g}"
+            return f"{FAULT_WORDS.get(move.fault, move.fault)} the {message_words(w.net[move.index])} {at}"
         if isinstance(move, Late):
-            return f"late completion of hung {w.stalled[move.index]} @t={w.t:g}"
+            return f"late completion of the hung {message_words(w.stalled[move.index])} {at}"
         if isinstance(move, Tick):
             lost = ", losing the heartbeats it sends" if move.lose_heartbeats else ""
-            return f"tick to t={self._next_time(w):g}{lost}"
+            return f"tick to t={self._next_time(w):g}: due timers fire{lost}"
         if isinstance(move, Crash):
-            return f"crash P @t={w.t:g}"
+            return f"crash P {at}"
         if isinstance(move, Stall):
-            return f"D stalls @t={w.t:g} (for at most {self.cfg.stall:g} s)"
+            return f"D stalls for at most {self.cfg.stall:g} s {at}"
         if isinstance(move, Resume):
-            return f"D resumes @t={w.t:g}"
+            return f"D resumes {at}"
         if isinstance(move, AbortLease):
-            return f"P aborts lease p{move.request} @t={w.t:g}"
-        name = "abort" if isinstance(move, Abort) else move.step.name
-        return f"{name} request {move.request} ({self.profiles[move.request].name}) @t={w.t:g}"
+            return f"P aborts lease p{move.request} (its client went away) {at}"
+        profile = self.profiles[move.request].name
+        if isinstance(move, Abort):
+            return f"D's scheduler aborts request {move.request} ({profile}) {at}"
+        words = STEP_WORDS.get(move.step.name, move.step.name + " request {r} ({profile})")
+        return f"{words.format(r=move.request, profile=profile)} {at}"
 
     def _hb_due(self, w: World) -> bool:
         t = self._next_time(w)

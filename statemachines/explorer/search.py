@@ -2,7 +2,8 @@
 
 No I/O and no clock reads: writing a counterexample's logs is the caller's
 (``Violation.logs`` holds them), and so is timing, unless a ``clock`` is
-passed in.
+passed in; a ``progress`` callback gets counts only (``SearchProgress``),
+so the caller computes rates with its own clock.
 """
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ class Violation:
         return f"{self.kind}: {self.message}\n{steps}"
 
 
+@attrs.frozen
+class SearchProgress:
+    """Where the search is, for a progress display (counts, no times)."""
+
+    states: int  # distinct states found so far
+    expanded: int  # states taken off the frontier (their successors generated)
+    transitions: int
+    depth: int  # BFS depth of the state being expanded
+    frontier: int  # states waiting to be expanded
+    violations: int
+    max_depth: int  # the bounds (ExploreConfig's)
+    max_states: int
+
+
+# How many expansions between two progress callbacks (a few ms of search).
+PROGRESS_EVERY = 500
+
+
 @attrs.define
 class ExploreResult:
     config: ExploreConfig
@@ -53,12 +72,16 @@ class ExploreResult:
 
 
 def explore(config: ExploreConfig | None = None, *, machines: dict[str, Machine] | None = None,
-            clock: Callable[[], float] | None = None, **overrides: Any) -> ExploreResult:
+            clock: Callable[[], float] | None = None,
+            progress: Callable[[SearchProgress], None] | None = None, progress_every: int = PROGRESS_EVERY,
+            **overrides: Any) -> ExploreResult:
     """Breadth-first exploration of every interleaving up to ``max_depth``.
 
     ``overrides`` are ExploreConfig fields (``explore(requests=("read",))``).
     Violations carry the shortest move sequence and replayable logs.
     ``clock`` (e.g. ``time.perf_counter``) times the run into ``elapsed``.
+    ``progress`` is called every ``progress_every`` expanded states with a
+    ``SearchProgress``.
     """
     cfg = attrs.evolve(config or ExploreConfig(), **overrides)
     model = Model(cfg, machines)
@@ -88,9 +111,15 @@ def explore(config: ExploreConfig | None = None, *, machines: dict[str, Machine]
         return cfg.stop_at_first
 
     stop = False
+    expanded = 0
     while frontier and not stop:
         w, k = frontier.popleft()
         dk = depth[k]
+        expanded += 1
+        if progress is not None and expanded % progress_every == 0:
+            progress(SearchProgress(states=len(parent), expanded=expanded, transitions=res.transitions, depth=dk,
+                                    frontier=len(frontier), violations=len(res.violations),
+                                    max_depth=cfg.max_depth, max_states=cfg.max_states))
         if cfg.liveness and k not in drain_ok:
             bad = _drain(model, w, k, drain_ok, sym)
             res.drained += 1
