@@ -27,21 +27,22 @@ from .composition import (
     TargetField, Wire,
 )
 from .config import PlaneConfig
+from .base import Action, Event
 from .spec import MachineDefinitionError, Spec, Transition
 
 
-def creators(specs: dict[str, Spec]) -> dict[type, str]:
+def creators(specs: dict[str, Spec]) -> dict[type[Event], str]:
     """Event class -> the machine kind it creates."""
     return {ev: name for name, spec in specs.items() for ev in spec.created_by}
 
 
-def emitted(spec: Spec) -> set[type]:
+def emitted(spec: Spec) -> set[type[Action]]:
     """The action classes a machine's table emits."""
     return {a.action for t in spec.table if isinstance(t, Transition) for a in t.actions}
 
 
 def validate_composition(specs: dict[str, Spec], wires: Iterable[Wire] = WIRES,
-                         plane_executed: frozenset[type] = PLANE_EXECUTED) -> None:
+                         plane_executed: frozenset[type[Action]] = PLANE_EXECUTED) -> None:
     errors: list[str] = []
     err = errors.append
     wires = tuple(wires)
