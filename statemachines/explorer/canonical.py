@@ -61,7 +61,7 @@ def gate_signature(r, now: float, offset: float, plane: ControlPlane) -> tuple |
     sent = last is not None and last > r.arrived
     fixed = e > r.arrived + plane.config.heartbeat_interval
     chained = since is None or e > since
-    if sent and fixed and chained and e <= last + plane.heartbeats.max_gap:
+    if sent and fixed and chained and last is not None and e <= last + plane.heartbeats.max_gap:
         # The chain dominates E for good: while it lasts the gate reads
         # last' + extension > E, and a send that breaks it comes more
         # than max_gap after ``last``, past E, so E no longer counts and
@@ -91,7 +91,7 @@ class Canonical:
         for new, old in enumerate(order):
             for pre in "dpq":
                 rename[f"{pre}{old}"] = f"{pre}{new}"
-        shared = []
+        shared: list[tuple] = []
         for pname in ("D", "P"):
             plane = w.planes[pname]
             t = now(w, pname)
@@ -169,8 +169,10 @@ class Canonical:
     def _exported_sig(self, w: World, i: int, np_: float, D: ControlPlane) -> tuple:
         # D's NewRequest will set arrived >= now, after every send so far.
         since, _ = D.heartbeats.chain("P")
-        e = w.p_expiry[i] - self.clocks.offset("D", "P")
-        return (self._rel(w.p_expiry[i], np_), since is None or e > since)
+        expiry = w.p_expiry[i]
+        assert expiry is not None  # SENT: P exported it with the params
+        e = expiry - self.clocks.offset("D", "P")
+        return (self._rel(expiry, np_), since is None or e > since)
 
     def _push_sig(self, push, now) -> tuple | None:
         if push is None:
