@@ -86,7 +86,7 @@ class Machine:
             # Only reachable for an event type outside the spec's alphabet.
             raise ProtocolViolation(self.name, inst.key, inst.state, event, "event not in this machine's alphabet")
         if entry.__class__ is tuple:
-            for guard, dest, effect, builders in entry:
+            for guard, dest, effect, builders in entry:  # noqa: B007 (the row found is used after the break)
                 if guard is None or guard(inst, event, config, now):
                     break
             else:

@@ -1,4 +1,3 @@
-import string
 import zlib
 
 import msgpack
