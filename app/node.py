@@ -589,7 +589,7 @@ def node_main(role: str, conn, opts: NodeOptions) -> None:
             conn.send(Crashed(role=role, traceback=traceback.format_exc()))
         except Exception:
             pass
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         if node is not None:
             try:

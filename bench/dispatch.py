@@ -200,7 +200,7 @@ def profile_plane(quick: bool) -> Table:
     rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:14]
     tab = Table("dispatch.profile", "Profile of ControlPlane.handle (cProfile, decode + lease workload, tottime)",
                 ["function", "share of time", "calls per external event", "µs per call (profiled)"])
-    for (file, line, fn), (cc, nc, tt, ct, _) in rows:
+    for (file, line, fn), (_cc, nc, tt, _ct, _) in rows:
         where = f"{file.rsplit('/', 2)[-2]}/{file.rsplit('/', 1)[-1]}:{line}" if "/" in file else file
         tab.add(f"{fn} ({where})", f"{100 * tt / total:.1f}%", nc / events, tt / nc * 1e6,
                 function=fn, file=where, share=tt / total, calls_per_event=nc / events)

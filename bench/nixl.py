@@ -56,10 +56,10 @@ def notif_rtt(a, b, iters: int) -> list[float]:
         nb = got["b"]
         a.send_notif("bench-D", b"warm")
         try:
-            _spin(lambda: got["b"] > nb, [poll], timeout=0.5)
+            _spin(lambda nb=nb: got["b"] > nb, [poll], timeout=0.5)
             na = got["a"]
             b.send_notif("bench-P", b"warm")
-            _spin(lambda: got["a"] > na, [poll], timeout=0.5)
+            _spin(lambda na=na: got["a"] > na, [poll], timeout=0.5)
             break
         except TimeoutError:
             continue
@@ -68,9 +68,9 @@ def notif_rtt(a, b, iters: int) -> list[float]:
         na, nb = got["a"], got["b"]
         t0 = time.perf_counter()
         a.send_notif("bench-D", b"ping")
-        _spin(lambda: got["b"] > nb, [poll])
+        _spin(lambda nb=nb: got["b"] > nb, [poll])
         b.send_notif("bench-P", b"pong")
-        _spin(lambda: got["a"] > na, [poll])
+        _spin(lambda na=na: got["a"] > na, [poll])
         if i >= 5:
             out.append((time.perf_counter() - t0) * 1e6)
     return out
@@ -88,7 +88,7 @@ def read_bw(a, b, src, dst, blocks: int, reps: int) -> tuple[list[float], list[f
         dst[:blocks].zero_()
         t0 = time.perf_counter()
         h = b.post_read("bench-P", desc, ids, ids, b"done")
-        _spin(lambda: b.poll_transfer(h) == "DONE", [a.poll_notifs])
+        _spin(lambda h=h: b.poll_transfer(h) == "DONE", [a.poll_notifs])
         dt = time.perf_counter() - t0
         b.release(h)
         ok = ok and torch.equal(dst[:blocks], src[:blocks])
@@ -176,7 +176,7 @@ def hb_to_extension(iters: int) -> tuple[list[float], int]:
             off["P"] += cfg.kv_lease_duration - cfg.lease_extension + 1
             t0 = time.perf_counter()
             D.step()
-            _spin(lambda: lease.extensions > before, [P.step, D.step])
+            _spin(lambda before=before: lease.extensions > before, [P.step, D.step])
             if i >= 2:
                 out.append((time.perf_counter() - t0) * 1e6)
         return out, lease.extensions

@@ -97,7 +97,7 @@ def run_plane(n: int, steps: int, warm: int) -> dict:
         plane.handle(E.NewRequest(request_id=f"keep-{e}", engine_id=e, remote_request_id=f"pkeep-{e}"), t)
         plane.handle(E.HandshakeOk(engine_id=e, samples=[(0.0, 1e-4)]), t)
     t = _stagger(W.NUM_ENGINES, t0)
-    for i, r in enumerate(pipe.queued):
+    for r in pipe.queued:
         plane.handle(E.NewRequest(request_id=r, engine_id=pipe.engine[r], remote_request_id="p" + r,
                                   remote_block_ids=(1, 2, 3, 4)), t)
     events_us, timers_us, hb_ids, hb_sent = [], [], 0, 0

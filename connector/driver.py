@@ -484,8 +484,8 @@ class PlaneDriver:
             event = E.PushRegistered(request_id=reg.request_id, engine_id=reg.engine_id,
                                      remote_request_id=reg.decode_request_id, remote_block_ids=reg.block_ids,
                                      remote_deadline=reg.deadline)
-            event = self._admit_push_reg(sender, event, reg.side_channel)
-            return [] if event is None else [event]
+            admitted = self._admit_push_reg(sender, event, reg.side_channel)
+            return [] if admitted is None else [admitted]
         return []
 
     def _admit_push_reg(self, sender: str, event: E.PushRegistered, url: str) -> E.PushRegistered | None:
@@ -497,13 +497,14 @@ class PlaneDriver:
         lease = self.plane.get("lease", rid) if rid is not None else None
         if event.engine_id != sender:
             why = "names another engine"
-        elif lease is None or lease.state not in LEASE_HELD:
+        elif rid is None or lease is None or lease.state not in LEASE_HELD:
             why = "names no lease we hold"
         elif not admits(lease, sender):
             why = "the lease is bound to other consumers"
         if why is not None:
             self._count_and_warn("push_regs_refused", "ignored PUSH_REG from %.64r: %s", sender, why)
             return None
+        assert rid is not None  # no lease: refused above
         self.learn_engine(sender, url)
         return attrs.evolve(event, request_id=rid)
 

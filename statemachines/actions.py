@@ -217,4 +217,4 @@ class RefuseWrongCount(RefuseNotification):
 
 # Every action the machines' tables name, by name (the event log resolves
 # names here; ArmTimer/CancelTimer, the framework's, are added there).
-ALL_ACTIONS: dict[str, type] = declared(Action, __name__)
+ALL_ACTIONS: dict[str, type[Action]] = declared(Action, __name__)

@@ -13,13 +13,15 @@ A class that is never an event or action itself (a common base) says
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 
 
 # base class -> module -> class name -> class, in definition order.
-_DECLARED: dict[type, dict[str, dict[str, type]]] = {}
+_DECLARED: dict[type, dict[str, dict[str, type[Any]]]] = {}
+
+_T = TypeVar("_T")
 
 
 def _register(base: type, cls: type) -> None:
@@ -29,7 +31,7 @@ def _register(base: type, cls: type) -> None:
         _DECLARED.setdefault(base, {}).setdefault(cls.__module__, {})[cls.__name__] = cls
 
 
-def declared(base: type, *modules: str) -> dict[str, type]:
+def declared(base: type[_T], *modules: str) -> dict[str, type[_T]]:
     """Name -> class of every non-abstract subclass of ``base`` (``Event`` or
     ``Action``) defined in ``modules``."""
     by_module = _DECLARED.get(base, {})

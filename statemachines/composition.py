@@ -16,6 +16,7 @@ import attrs
 
 from . import actions as A
 from . import events as E
+from .base import Action, Event
 
 
 # ------------------------------------------------------- where a field comes from
@@ -74,16 +75,16 @@ class Requesters:
     whose tables emit ``acquired_by`` (a reference to the engine)."""
 
     field: str
-    acquired_by: type
+    acquired_by: type[Action]
 
 
 @attrs.frozen
 class Wire:
     """An internal ``action`` of one machine becomes ``event`` of ``target``."""
 
-    action: type
+    action: type[Action]
     target: str | Requesters
-    event: type
+    event: type[Event]
     fields: tuple[tuple[str, FieldSource], ...]
     # Dropped unless the target instance is live (a release or activity for an
     # engine already evicted; a push completing after its lease ended).
@@ -135,4 +136,4 @@ WIRES: tuple[Wire, ...] = (
 )
 
 # Internal actions the plane executes itself, not through a wire.
-PLANE_EXECUTED: frozenset[type] = frozenset()
+PLANE_EXECUTED: frozenset[type[Action]] = frozenset()

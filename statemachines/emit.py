@@ -24,7 +24,7 @@ Builder = Callable[[Any, Any, Any, float], Action]
 
 @attrs.frozen
 class Emit:
-    action: type
+    action: type[Action]
     build: Builder = attrs.field(repr=False)
 
     @property
@@ -42,7 +42,7 @@ class Emit:
         return self.action.releases
 
 
-def emits(action: type) -> Callable[[Builder], Emit]:
+def emits(action: type[Action]) -> Callable[[Builder], Emit]:
     """Decorate a builder function as the row entry that emits ``action``."""
 
     def wrap(build: Builder) -> Emit:

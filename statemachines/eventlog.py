@@ -31,7 +31,7 @@ import io
 import json
 import math
 import os
-from typing import Any, Iterable, Iterator, TextIO
+from typing import Any, Iterable, Iterator, TextIO, TypeGuard
 
 import attrs
 
@@ -181,11 +181,12 @@ class MemoryLog(EventLogWriter):
     """A writer into memory, for tests and the explorer's counterexamples."""
 
     def __init__(self, **kw):
-        super().__init__(io.StringIO(), **kw)
+        self._text = io.StringIO()
+        super().__init__(self._text, **kw)
 
     def lines(self) -> list[str]:
         self.flush()
-        return self.stream.getvalue().splitlines()
+        return self._text.getvalue().splitlines()
 
 
 # ------------------------------------------------------------------ decoding
@@ -272,7 +273,7 @@ _TUPLE_ELEMENTS = {
 _MAX_VALUE_DEPTH = 4  # lists in lists in a field: a (kind, key) requester is two deep
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 

@@ -335,4 +335,4 @@ class PeerDisconnected(Event):
 
 
 # Every event of the machines, by name (the event log resolves names here).
-ALL_EVENTS: dict[str, type] = declared(Event, TimerFired.__module__, __name__)
+ALL_EVENTS: dict[str, type[Event]] = declared(Event, TimerFired.__module__, __name__)

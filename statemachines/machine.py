@@ -62,7 +62,7 @@ class Machine:
     def is_terminal(self, inst: Instance) -> bool:
         return inst.state in self.terminal_states
 
-    def handle(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action]:
+    def handle(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action] | tuple[()]:
         """Apply ``event`` to ``inst`` at time ``now`` and return the actions,
         ending with ArmTimer / CancelTimer when the deadline moved.
 
@@ -71,13 +71,13 @@ class Machine:
         """
         old = inst.deadline
         actions = self.apply(inst, event, config, now)
-        if actions is not IGNORED:
+        if isinstance(actions, list):  # not IGNORED
             timer = timer_action(self.name, inst.key, old, inst.deadline)
             if timer is not None:
                 actions.append(timer)
         return actions
 
-    def apply(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action]:
+    def apply(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action] | tuple[()]:
         """``handle`` without the timer actions: the new deadline is left in
         ``inst.deadline`` for the ControlPlane, which owns the timer heap and
         so need not build and then consume an ArmTimer per transition."""
@@ -86,7 +86,7 @@ class Machine:
             # Only reachable for an event type outside the spec's alphabet.
             raise ProtocolViolation(self.name, inst.key, inst.state, event, "event not in this machine's alphabet")
         if entry.__class__ is tuple:
-            for guard, dest, effect, builders in entry:
+            for guard, dest, effect, builders in entry:  # noqa: B007 (the row found is used after the break)
                 if guard is None or guard(inst, event, config, now):
                     break
             else:
@@ -111,7 +111,7 @@ class Machine:
 
 
 # Returned by identity for a declared ignore, so the plane can count it.
-IGNORED: tuple = ()
+IGNORED: tuple[()] = ()
 
 
 def timer_action(kind: str, key: Any, old: float | None, new: float | None) -> Action | None:

@@ -70,5 +70,7 @@ class ObservedMachine:
         return getattr(self.inner, name)
 
 
-def observed(machines: dict[str, Any], observer: Observer) -> dict[str, ObservedMachine]:
+def observed(machines: dict[str, Any], observer: Observer) -> dict[str, Any]:
+    # Any: an ObservedMachine stands in for the Machine it wraps (the plane's
+    # ``machines``), forwarding what it does not observe.
     return {kind: ObservedMachine(m, observer) for kind, m in machines.items()}

@@ -28,7 +28,7 @@ import heapq
 import math
 import operator
 from collections import Counter, deque
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -100,7 +100,7 @@ class ControlPlane:
         while i < len(queue):
             self._dispatch(queue[i], now, out, queue, False)
             i += 1
-        if self._top is not None:
+        if self._top is not None and self.recorder is not None:  # _top is only set while recording
             # The log line of this stimulus: the addressed machine's own
             # actions, then the external effects of the internal events they
             # set off, so replay also checks what other machines did.
@@ -168,7 +168,7 @@ class ControlPlane:
         # Route: the event class names its machine kind (internal wake-ups
         # carry it as ``kind``) and which field holds the instance id.
         cls = type(event)
-        kind = cls.machine or event.kind
+        kind = cls.machine or event.kind  # type: ignore[attr-defined]  # an event routed by kind has one
         key = getattr(event, cls.key_field)
         insts = self.instances.get(kind)
         if insts is None:
@@ -179,7 +179,7 @@ class ControlPlane:
         machine = self.machines[kind]
         inst = insts.get(key)
         created = inst is None
-        if created:
+        if inst is None:
             if self._creators.get(cls) != kind:
                 self._refuse_uncreated(event, kind, key, UNKNOWN_ID, "", now, out, top)
                 return
@@ -257,7 +257,7 @@ class ControlPlane:
             # Logged too, so a log holds every stimulus; no instance: no states.
             self.recorder(Step(event, now, kind, key, None, None, acts))
 
-    def _fail_closed(self, machine: Machine, inst, now: float) -> list:
+    def _fail_closed(self, machine: Machine, inst, now: float) -> list[Action] | tuple[()]:
         fc = machine.spec.fail_closed_event
         if fc is None or machine.is_terminal(inst) or inst.state == machine.spec.initial:
             return []
@@ -271,7 +271,9 @@ class ControlPlane:
     def _source_ended(self, source: Source, kind: str, key: Any, cause: type) -> Event:
         inst = self.instances[source.kind].get(key)
         self.stats[self._stat_key(SourceEnded, kind, cause.__name__)] += 1
-        return source.ended(kind=kind, request_id=key, source_state=None if inst is None else inst.state)
+        # ``Source.ended`` has these fields by its contract (see Source).
+        return source.ended(kind=kind, request_id=key,  # type: ignore[call-arg]
+                            source_state=None if inst is None else inst.state)
 
     def _anomaly(self, what: str, kind: str, key: Any, event: Event, detail: str = "") -> None:
         self.stats[self._stat_key(Anomaly, what, kind, type(event).__name__)] += 1
@@ -309,7 +311,8 @@ def _source_wiring(machines: tuple) -> tuple[dict, dict]:
     explorer builds a plane per explored move)."""
     specs = {kind: m.spec for kind, m in machines}
     validate_sources(specs)
-    sources, users = {}, {}
+    sources: dict[str, tuple[Source, frozenset[tuple[str, type[Event]]]]] = {}
+    users: dict[str, tuple[tuple[str, Source], ...]] = {}
     for kind, spec in specs.items():
         src = spec.source
         if src is None:
@@ -418,6 +421,6 @@ def _copy_instance(inst):
     return copy
 
 
-def _fail_closed_event(cls: type, kind: str, key: Any) -> Event:
+def _fail_closed_event(cls: type[Event], kind: str, key: Any) -> Event:
     field = cls.key_field
     return cls(**{field: key})

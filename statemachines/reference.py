@@ -8,7 +8,7 @@ benchmarks.  Neither is on the hot path.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from transitions import Machine as TMachine
 from transitions import MachineError
@@ -51,7 +51,7 @@ def _named_guard(doc: str):
     return cond
 
 
-def graph_machine(spec: Spec, engine: str = "mermaid") -> Any:
+def graph_machine(spec: Spec, engine: Literal["graphviz", "mermaid"] = "mermaid") -> Any:
     """A GraphMachine of the spec; ``model.get_graph()`` renders it."""
 
     class Model:
@@ -119,7 +119,9 @@ class ReferenceMachine:
 
     @staticmethod
     def _guard(t: Transition):
-        return lambda m: t.guard(m.inst, m.event, m.config, m.now)
+        guard = t.guard
+        assert guard is not None  # only a guarded row gets a condition
+        return lambda m: guard(m.inst, m.event, m.config, m.now)
 
     @staticmethod
     def _after(t: Transition):

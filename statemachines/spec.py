@@ -16,11 +16,20 @@ from typing import Any, Callable, Iterable
 
 import attrs
 
-from .base import TimerFired
+from .base import Action, Event, TimerFired
 
 Guard = Callable[[Any, Any, Any, float], bool]
 Effect = Callable[[Any, Any, Any, float], None]
 DeadlineFn = Callable[[Any, Any, float], float]
+
+
+# Typed converters: ``converter=frozenset`` leaves the element type unsolved for mypy.
+def _names(items: Iterable[str]) -> frozenset[str]:
+    return frozenset(items)
+
+
+def _action_classes(items: Iterable[type[Action]]) -> frozenset[type[Action]]:
+    return frozenset(items)
 
 
 @attrs.frozen
@@ -28,7 +37,7 @@ class State:
     name: str
     terminal: bool = False
     # Resources held while in this state (e.g. "blocks", "xfer", "engine_ref").
-    holds: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    holds: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
     # True when the state waits on a remote party; such a state needs a deadline.
     waits_on_remote: bool = False
     # deadline(instance, config, now) -> absolute time; evaluated on every
@@ -40,7 +49,7 @@ class State:
 @attrs.frozen
 class Transition:
     src: str
-    event: type
+    event: type[Event]
     dest: str
     guard: Guard | None = None
     guard_doc: str = ""
@@ -50,20 +59,20 @@ class Transition:
     actions: tuple = ()
     # Resources the transition takes on beyond what its event and actions
     # declare (e.g. the duty to report a recv that the scheduler awaits).
-    acquires: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    acquires: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
 
 
 @attrs.frozen
 class Ignore:
     src: str
-    event: type
+    event: type[Event]
     reason: str
 
 
 @attrs.frozen
 class ProtocolError:
     src: str
-    event: type
+    event: type[Event]
     reason: str
 
 
@@ -90,10 +99,10 @@ class Source:
     """
 
     kind: str
-    held: frozenset[str] = attrs.field(converter=frozenset)
-    needs: frozenset[str] = attrs.field(converter=frozenset)
-    ended: type
-    uses: frozenset[type] = attrs.field(default=frozenset(), converter=frozenset)
+    held: frozenset[str] = attrs.field(converter=_names)
+    needs: frozenset[str] = attrs.field(converter=_names)
+    ended: type[Event]
+    uses: frozenset[type[Action]] = attrs.field(default=frozenset(), converter=_action_classes)
 
 
 @attrs.frozen
@@ -104,16 +113,16 @@ class Spec:
     instance_type: type
     initial: str
     states: tuple[State, ...]
-    events: tuple[type, ...]
+    events: tuple[type[Event], ...]
     table: tuple[Transition | Ignore | ProtocolError, ...]
     # Event fed by the plane after a protocol violation so that the machine
     # fails closed through its ordinary release path.
-    fail_closed_event: type | None = None
+    fail_closed_event: type[Event] | None = None
     # Another machine's resource this one uses (see Source); None: none.
     source: Source | None = None
     # Events that create an instance when none with their id exists (the
     # plane routes from these; ``validate_composition`` checks them).
-    created_by: tuple[type, ...] = ()
+    created_by: tuple[type[Event], ...] = ()
     doc: str = ""
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict, deque
 
 from .base import Event, TimerFired
-from .spec import Ignore, MachineDefinitionError, ProtocolError, Spec, Transition
+from .spec import Ignore, MachineDefinitionError, ProtocolError, Source, Spec, Transition
 
 
 def _name(cls: type) -> str:
@@ -183,14 +183,13 @@ def validate(spec: Spec) -> None:
                 err(f"{s.name} x {_name(fc)}: the fail-closed event must be a transition in every state")
 
     if spec.source is not None:
-        _check_source(spec, states, entries, err)
+        _check_source(spec, spec.source, states, entries, err)
 
     if errors:
         raise MachineDefinitionError(f"machine {spec.name!r} is invalid:\n  " + "\n  ".join(errors))
 
 
-def _check_source(spec: Spec, states: dict, entries: dict, err) -> None:
-    src = spec.source
+def _check_source(spec: Spec, src: Source, states: dict, entries: dict, err) -> None:
     ended = src.ended
     if ended not in spec.events:
         err(f"source.ended {_name(ended)} is not in the machine's events")

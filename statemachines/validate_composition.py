@@ -27,21 +27,22 @@ from .composition import (
     TargetField, Wire,
 )
 from .config import PlaneConfig
+from .base import Action, Event
 from .spec import MachineDefinitionError, Spec, Transition
 
 
-def creators(specs: dict[str, Spec]) -> dict[type, str]:
+def creators(specs: dict[str, Spec]) -> dict[type[Event], str]:
     """Event class -> the machine kind it creates."""
     return {ev: name for name, spec in specs.items() for ev in spec.created_by}
 
 
-def emitted(spec: Spec) -> set[type]:
+def emitted(spec: Spec) -> set[type[Action]]:
     """The action classes a machine's table emits."""
     return {a.action for t in spec.table if isinstance(t, Transition) for a in t.actions}
 
 
 def validate_composition(specs: dict[str, Spec], wires: Iterable[Wire] = WIRES,
-                         plane_executed: frozenset[type] = PLANE_EXECUTED) -> None:
+                         plane_executed: frozenset[type[Action]] = PLANE_EXECUTED) -> None:
     errors: list[str] = []
     err = errors.append
     wires = tuple(wires)
@@ -73,8 +74,14 @@ def validate_composition(specs: dict[str, Spec], wires: Iterable[Wire] = WIRES,
         raise MachineDefinitionError("machine composition is invalid:\n  " + "\n  ".join(errors))
 
 
+def _fields(cls: type) -> tuple[attrs.Attribute, ...]:
+    # Plain ``type``: event and action classes are attrs classes, which their
+    # static types (type[Event], type[Action]) cannot say.
+    return attrs.fields(cls)
+
+
 def _field_names(cls: type) -> set[str]:
-    return {f.name for f in attrs.fields(cls)}
+    return {f.name for f in _fields(cls)}
 
 
 def _check_addresses(name: str, spec: Spec, err) -> None:
@@ -108,22 +115,23 @@ def _check_wire(w: Wire, specs: dict[str, Spec], err) -> None:
     if not w.action.internal:
         err(f"{where}: {w.action.__name__} is not an internal action")
     action_fields, event_fields = _field_names(w.action), _field_names(w.event)
-    fanout = isinstance(w.target, Requesters)
-    if fanout:
+    target = w.target
+    fanout = isinstance(target, Requesters)
+    if isinstance(target, Requesters):
         if w.event.machine:
             err(f"{where}: a fan-out to requesters needs an event routed by kind, not one for {w.event.machine!r}")
-        if w.target.field not in action_fields:
-            err(f"{where}: the action has no requesters field {w.target.field!r}")
-        targets = sorted(name for name, spec in specs.items() if w.target.acquired_by in emitted(spec))
+        if target.field not in action_fields:
+            err(f"{where}: the action has no requesters field {target.field!r}")
+        targets = sorted(name for name, spec in specs.items() if target.acquired_by in emitted(spec))
         if not targets:
-            err(f"{where}: no machine emits {w.target.acquired_by.__name__}, so nobody is a requester")
+            err(f"{where}: no machine emits {target.acquired_by.__name__}, so nobody is a requester")
     else:
-        targets = [w.target]
-        if w.target not in specs:
-            err(f"{where}: target {w.target!r} is not a machine of this plane")
+        targets = [target]
+        if target not in specs:
+            err(f"{where}: target {target!r} is not a machine of this plane")
             targets = []
-        elif w.event.machine != w.target:
-            err(f"{where}: the event is addressed to {w.event.machine!r}, not to {w.target!r}")
+        elif w.event.machine != target:
+            err(f"{where}: the event is addressed to {w.event.machine!r}, not to {target!r}")
     for target in targets:
         if w.event not in specs[target].events:
             err(f"{where}: {w.event.__name__} is not in {target}'s events")
@@ -134,7 +142,7 @@ def _check_wire(w: Wire, specs: dict[str, Spec], err) -> None:
             err(f"{where}: field {field!r} given {n} times")
     for field in sorted(set(names) - event_fields):
         err(f"{where}: {w.event.__name__} has no field {field!r}")
-    required = {f.name for f in attrs.fields(w.event) if f.default is attrs.NOTHING}
+    required = {f.name for f in _fields(w.event) if f.default is attrs.NOTHING}
     for field in sorted(required - set(names)):
         err(f"{where}: required field {field!r} is not given")
     config_fields = _field_names(PlaneConfig)

@@ -1,5 +1,80 @@
 import os
 
+import pytest
+
 # Must happen before anything imports NIXL/UCX: keep UCX on loopback and NIXL quiet.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+
+# The kind of each test file (the markers are registered in pyproject.toml):
+#   core  in-process and fast (seconds): the state machines, event log,
+#         replay, monitors, the loopback transport and the driver over it;
+#   nixl  needs a real NIXL agent (UCX over loopback on a CPU machine);
+#   e2e   runs the main job, the CLI or the benchmarks as processes;
+#   vllm  needs vLLM (no such tests yet);
+#   None  in-process but slower, so only in the full suite: the explorer's
+#         exhaustive runs, the hypothesis fuzzers, the ZMQ side channel.
+# A test that differs from its file says so with its own marker
+# (``@pytest.mark.nixl``), which wins.  Every test file must be listed, so
+# that ``-m core`` never silently misses a new one.
+FILE_KINDS: dict[str, str | None] = {
+    "test_bench_smoke.py": "e2e",
+    "test_composition.py": "core",
+    "test_connector_loopback.py": None,
+    "test_core_nonfinite.py": "core",
+    "test_core_plane.py": "core",
+    "test_core_scenarios.py": "core",
+    "test_core_transitions.py": "core",
+    "test_core_validation.py": "core",
+    "test_diagrams.py": "core",
+    "test_driver_loop.py": "core",
+    "test_e2e_mainjob.py": "e2e",
+    "test_e2e_replay.py": "e2e",
+    "test_eventlog.py": "core",
+    "test_explorer.py": None,
+    "test_fuzz_decoders.py": None,
+    "test_fuzz_handshake.py": None,
+    "test_layering.py": "core",
+    "test_monitors.py": "core",
+    "test_params.py": "core",
+    "test_plane_properties.py": "core",
+    "test_read_gate_property.py": "core",
+    "test_reference_interpreter.py": "core",
+    "test_replay.py": "core",
+    "test_security_nixl.py": "nixl",
+    "test_sequence.py": "core",
+    "test_transport_endpoint.py": "core",
+    "test_transport_gpu_check.py": "nixl",
+    "test_transport_handshake.py": None,
+    "test_transport_loopback.py": "core",
+    "test_transport_multiprocess.py": "nixl",
+    "test_transport_nixl.py": "nixl",
+    "test_transport_wire.py": "core",
+}
+KINDS = ("core", "nixl", "e2e", "vllm")
+
+
+def pytest_collection_modifyitems(config, items):
+    unlisted = sorted({item.path.name for item in items if item.path.name not in FILE_KINDS})
+    if unlisted:
+        raise pytest.UsageError(f"tests/conftest.py: give {', '.join(unlisted)} a kind in FILE_KINDS")
+    for item in items:
+        kind = FILE_KINDS[item.path.name]
+        if kind is not None and not any(item.get_closest_marker(k) for k in KINDS):
+            item.add_marker(kind)
+
+
+# CI sets KVPLANE_NO_SKIPS=1: there every dependency is installed, so a
+# skipped test means a check silently did not run.
+_skipped: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _skipped.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("KVPLANE_NO_SKIPS") == "1" and _skipped:
+        print(f"\nKVPLANE_NO_SKIPS=1 but {len(_skipped)} test(s) skipped: " + ", ".join(_skipped))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -13,7 +13,7 @@ from kvplane.statemachines.events import EngineActivity, EngineReady
 from kvplane.statemachines.explorer import EXPLORER_PLANE_CONFIG, STALL_FAULTS, ExploreConfig, clone_plane, explore
 from kvplane.statemachines.explorer.messages import Read
 from kvplane.statemachines.explorer.moves import Deliver, Resume, Stall, Tick, schedule
-from kvplane.statemachines.machines import MACHINES, SPECS, decode_request, lease, push_write, remote_engine
+from kvplane.statemachines.machines import MACHINES, decode_request, lease, push_write, remote_engine
 from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.replay import replay
 from kvplane.statemachines.machine import compile_machine

@@ -49,7 +49,7 @@ def simulate(s, machines=None) -> list[str]:
                 expiry[rid] = p.get("lease", "p" + rid).expiry
         if not stalled(t):
             out = d.fire_due(t)
-            for rid, (arr, alloc) in reqs.items():
+            for rid, (_arr, alloc) in reqs.items():
                 if rid in expiry and rid not in arrived:
                     # The params reach D when its loop runs.
                     arrived.add(rid)

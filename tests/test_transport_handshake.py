@@ -16,7 +16,6 @@ from kvplane.transport.handshake import (
     CompatHashMismatch,
     EngineIdMismatch,
     HandshakeAuthError,
-    HandshakeError,
     HandshakeProtocolError,
     HandshakeRefused,
     HandshakeServer,

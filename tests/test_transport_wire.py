@@ -1,4 +1,3 @@
-import string
 import zlib
 
 import msgpack
@@ -401,6 +400,7 @@ def test_unframe_refuses_non_bytes_and_oversized_claims(data, err, why):
         unframe_metadata(data)
 
 
+@pytest.mark.nixl
 def test_huge_notifications_over_real_nixl_leave_the_plane_running_and_holding_only_its_lease():
     """The issue's crash end to end on real NIXL (UCX, DRAM): a stranger
     agent sends the notifications that crashed P; P counts them and steps on."""

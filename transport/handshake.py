@@ -427,7 +427,7 @@ class HandshakeServer:
             self._sock.curve_publickey = public_key(public)
             self._sock.curve_secretkey = secret
         self._sock.bind(bind)
-        self.url: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.url: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.public_key: bytes | None = public_key(curve_keypair[0]) if curve_keypair is not None else None
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -490,7 +490,7 @@ class HandshakeServer:
         if self._auth is None:
             return None
         try:
-            return frame.get("User-Id")
+            return str(frame.get("User-Id"))  # a string property (pyzmq types get() as int | str)
         except zmq.ZMQError:
             return ""
 

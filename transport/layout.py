@@ -8,12 +8,16 @@ region, so descriptor index = ``region * num_blocks + block``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import attrs
 
 LAYOUT_VERSION = 1
 MEM_TYPES = ("DRAM", "VRAM")
+
+
+def _addresses(addrs: Iterable[int]) -> tuple[int, ...]:
+    return tuple(addrs)  # typed: ``converter=tuple`` leaves the item type unsolved for mypy
 
 
 def _positive(_inst: Any, attr: attrs.Attribute, value: int) -> None:
@@ -27,7 +31,7 @@ class CacheLayout:
     device_id: int = attrs.field(validator=attrs.validators.instance_of(int))
     block_size: int = attrs.field(validator=_positive)
     num_blocks: int = attrs.field(validator=_positive)
-    base_addrs: tuple[int, ...] = attrs.field(converter=tuple)
+    base_addrs: tuple[int, ...] = attrs.field(converter=_addresses)
 
     @base_addrs.validator
     def _check_addrs(self, _attr: attrs.Attribute, value: tuple[int, ...]) -> None:

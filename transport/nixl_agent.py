@@ -18,12 +18,12 @@ from typing import Iterator, Sequence
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 
 try:  # plain `nixl` meta package
-    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+    from nixl._api import nixl_agent, nixl_agent_config
 except ImportError:
     try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
 
 import attrs
 import torch

@@ -26,7 +26,7 @@ import math
 import re
 import struct
 import zlib
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import attrs
 import msgpack
@@ -87,11 +87,15 @@ class CompletionNotif:
     expected_consumers: int
 
 
+def _ids(ids: Iterable[str]) -> tuple[str, ...]:
+    return tuple(ids)  # typed: ``converter=tuple`` leaves the item type unsolved for mypy
+
+
 @attrs.frozen
 class HeartbeatNotif:
     """Keeps the prefill-side leases of ``request_ids`` alive."""
 
-    request_ids: tuple[str, ...] = attrs.field(converter=tuple)
+    request_ids: tuple[str, ...] = attrs.field(converter=_ids)
 
 
 _RESERVED_IDS = frozenset({"HB", "PUSH_REG"})

@@ -73,7 +73,7 @@ class Canonical:
         for new, old in enumerate(order):
             for pre in "dpq":
                 rename[f"{pre}{old}"] = f"{pre}{new}"
-        shared = []
+        shared: list[tuple] = []
         for pname in ("D", "P"):
             plane = w.planes[pname]
             t = now(w, pname)
@@ -151,8 +151,10 @@ class Canonical:
     def _exported_sig(self, w: World, i: int, np_: float, D: ControlPlane) -> tuple:
         # D's NewRequest will set arrived >= now, after every send so far.
         since, _ = D.heartbeats.chain("P")
-        e = w.p_expiry[i] - self.clocks.offset("D", "P")
-        return (self._rel(w.p_expiry[i], np_), since is None or e > since)
+        expiry = w.p_expiry[i]
+        assert expiry is not None  # SENT: P exported it with the params
+        e = expiry - self.clocks.offset("D", "P")
+        return (self._rel(expiry, np_), since is None or e > since)
 
     def _push_sig(self, push, now) -> tuple | None:
         if push is None:

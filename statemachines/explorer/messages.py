@@ -7,7 +7,7 @@ a loop, so it may execute while its poster is stalled.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
@@ -20,6 +20,10 @@ class Message:
     FAULTS: ClassVar[tuple[str, ...]] = ()
     # False for transfers: the fabric executes them, no loop needs to run.
     NEEDS_LOOP: ClassVar[bool] = True
+    # Declared for the type checker only (no slot, no value here): every
+    # message is an attrs class whose loop handles it in ``plane``.
+    __attrs_attrs__: ClassVar[tuple[attrs.Attribute[Any], ...]]
+    plane: str
 
     def fields(self) -> tuple:
         """The field values in declaration order."""

@@ -6,7 +6,7 @@ action class the machines may emit is handled here, declared ignored
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 
@@ -194,7 +194,7 @@ class Model:
             out.append(Late(j))
         if faults_left and not w.crashed and "crash" in allowed:
             out.append(Crash())
-        if stalled:
+        if w.stall is not None:  # stalled
             if not urgent:
                 out.append(Tick())  # P's next deadline, or the end of the stall
             if w.t > w.stall[0]:
@@ -289,7 +289,9 @@ class Model:
     def _tick(self, w: World, move: Tick) -> None:
         if move.lose_heartbeats:
             w.faults += 1
-        w.t = self._next_time(w)
+        t = self._next_time(w)
+        assert t is not None  # Tick is offered only when something is due
+        w.t = t
         for pname in ("D", "P"):
             if (pname == "P" and w.crashed) or (pname == "D" and w.stall is not None):
                 continue
@@ -317,7 +319,7 @@ class Model:
     def _inject(self, w: World, move: Inject) -> None:
         w.faults += 1
         j, fault = move.index, move.fault
-        m = w.net[j]
+        m: Any = w.net[j]  # a message whose FAULTS name ``fault``: its fields follow from it
         w.net = w.net[:j] + w.net[j + 1:]
         if fault == "dup":
             self._deliver(w, m)
@@ -439,7 +441,7 @@ class Model:
         # The process is gone, and its memory with it: nothing it held leaks.
         w.planes["P"] = ControlPlane(self.cfg.plane, machines=self.machines)
         w.owned.add("P")
-        net = []
+        net: list[msg.Message] = []
         for m in w.net + w.stalled:
             if isinstance(m, msg.Read) and m.engine == "P":
                 net.append(msg.ReadFailed(m.plane, m.request_id))  # the transport sees the peer die

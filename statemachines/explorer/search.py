@@ -8,10 +8,11 @@ so the caller computes rates with its own clock.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import attrs
 
+from ..eventlog import MemoryLog
 from ..machine import Machine
 from .checks import Found
 from .config import ExploreConfig
@@ -187,7 +188,7 @@ def _drain(model: Model, w: World, k, drain_ok: set, sym: bool):
 def _counterexample(model: Model, kind: str, message: str, moves: list[Move]) -> Violation:
     """Re-execute the moves on fresh planes with recorders: readable steps and logs."""
     w = model.initial(record=True)
-    recorders = {n: p.recorder for n, p in w.planes.items()}
+    recorders = {n: cast(MemoryLog, p.recorder) for n, p in w.planes.items()}  # record=True gave each one
     labels = []
     for m in moves:
         labels.append(model.describe(w, m))

@@ -3,6 +3,7 @@ the bookkeeping the checks need."""
 from __future__ import annotations
 
 from ..plane import ControlPlane
+from .messages import Message
 
 # A request's phase in each turn's scheduler.  Plain ints: they enter the
 # canonical state, whose order (symmetry reduction sorts by repr) must not
@@ -38,6 +39,23 @@ class World:
 
     __slots__ = ("t", "planes", "owned", "net", "stalled", "phase", "phase2", "faults", "aborts", "crashed",
                  "awaited", "reported", "freed", "activity", "hold_expiry", "stall", "p_expiry")
+    t: float
+    planes: dict[str, ControlPlane]
+    owned: set[str]  # the planes this world no longer shares with the one it was cloned from
+    net: tuple[Message, ...]
+    stalled: tuple[Message, ...]
+    phase: list[int]
+    phase2: list[int]
+    faults: int
+    aborts: int
+    crashed: bool
+    awaited: frozenset[tuple[str, str]]  # (plane, request id)
+    reported: frozenset[tuple[str, str]]
+    freed: frozenset[tuple[str, str]]
+    activity: dict[tuple[str, str], float]  # (plane, engine) -> time
+    hold_expiry: list[float | None]
+    stall: tuple[float, float] | None
+    p_expiry: list[float | None]
 
     def clone(self) -> "World":
         w = World.__new__(World)

@@ -1,0 +1,1 @@
+../../kvplane/__init__.py
