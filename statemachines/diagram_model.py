@@ -93,7 +93,8 @@ class MachineDiagram:
         return [(f"A{n}", ", ".join(by_number[n])) for n in used]
 
     def timers_for(self, part: DiagramPart) -> list[str]:
-        read = {f for s in part.states if self.states[s].timer is not None for f in self.states[s].timer.fields}
+        timers = [self.states[s].timer for s in part.states]
+        read = {f for timer in timers if timer is not None for f in timer.fields}
         own = [s.describe() + (f" — {s.doc}" if s.doc else "") for s in self.setters if s.field in read]
         return own + list(self.wired_settings) if part.shows_initial else own
 
@@ -133,6 +134,7 @@ def machine_diagram(spec: Spec, config, wires: tuple[Wire, ...] = WIRES) -> Mach
     }
     edges = _edges(spec)
     plain = [e for e, _ in edges]
+    parts: tuple[DiagramPart, ...]
     if len(plain) > SPLIT_ABOVE and spec.fail_closed_event is not None:
         abort = spec.fail_closed_event
         rest = [e for e, first in edges if first is not abort]

@@ -142,14 +142,19 @@ def _run(effect, inst, config: Any, now: float) -> bool:
     return False
 
 
-def _apply(t: Transition, spec: Spec, config: Any, now: float, bump: str = ""):
-    """A probe instance in ``t.src`` (after the effect that entered it) after
-    ``t``'s effect, and the config names read; None when the effect needs
-    event data the stubs cannot give."""
+def _in_source(t: Transition, spec: Spec, config: Any):
+    """A probe instance in ``t.src`` as the effect that entered it left it."""
     inst = _probe(spec, t.src)
     before = _entering(spec, t.src)
     if before is not None:
         _run(before.effect, inst, config, 0.0)
+    return inst
+
+
+def _apply(t: Transition, spec: Spec, config: Any, now: float, bump: str = ""):
+    """(instance, config names read) after ``t``'s effect on a probe in its
+    source state; None when the effect needs event data the stubs cannot give."""
+    inst = _in_source(t, spec, config)
     traced = _TracedConfig(config, bump)
     if not _run(t.effect, inst, traced, now):
         return None
@@ -160,6 +165,16 @@ def _settings(config: Any, names: list[str]) -> tuple[Setting, ...]:
     values = {n: getattr(config, n) for n in names}
     return tuple(Setting(n, float(v)) for n, v in values.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _depends_on(t: Transition, spec: Spec, config: Any, field: str, value: float, read: list[str]) -> list[str]:
+    """The config names (of those read) whose doubling changes what ``t`` sets ``field`` to."""
+    used = []
+    for name in read:
+        bumped = _apply(t, spec, config, 0.0, bump=name)
+        if bumped is not None and getattr(bumped[0], field) != value:
+            used.append(name)
+    return used
 
 
 def field_setters(spec: Spec, config: Any) -> list[FieldSetter]:
@@ -173,23 +188,20 @@ def field_setters(spec: Spec, config: Any) -> list[FieldSetter]:
         if at0 is None or at_later is None:
             continue
         (inst, read), (later, _) = at0, at_later
-        start = _probe(spec, t.src)
-        if _entering(spec, t.src) is not None:
-            _run(_entering(spec, t.src).effect, start, config, 0.0)
+        start = _in_source(t, spec, config)
         for name in fields:
             v0, v1 = getattr(inst, name), getattr(later, name)
             if not (isinstance(v0, float) and isinstance(v1, float)) or v1 == getattr(start, name):
-                continue
-            relative = math.isclose(v1 - v0, _LATER)
-            used = [n for n in read if getattr((_apply(t, spec, config, 0.0, bump=n) or (inst,))[0], name) != v0]
+                continue  # not a time, or not set by this effect
+            # Set relative to now when it moves with now.
+            offset = v0 if math.isclose(v1 - v0, _LATER) else None
             key = (t.effect.__name__, name)
-            old = found.get(key)
-            events = old.events if old else ()
+            events = found[key].events if key in found else ()
             if event_name(t.event) not in events:
                 events += (event_name(t.event),)
-            doc = " ".join((t.effect.__doc__ or "").split())
-            found[key] = FieldSetter(name, t.effect.__name__, events, v0 if relative else None,
-                                     _settings(config, used), doc)
+            settings = _settings(config, _depends_on(t, spec, config, name, v0, read))
+            found[key] = FieldSetter(name, t.effect.__name__, events, offset, settings,
+                                     " ".join((t.effect.__doc__ or "").split()))
     return list(found.values())
 
 
@@ -199,20 +211,26 @@ def state_timers(spec: Spec, config: Any) -> dict[str, StateTimer]:
     fields = _time_fields(spec)
     timers = {}
     for state in spec.states:
-        if state.deadline is None:
+        deadline = state.deadline
+        if deadline is None:
             continue
         # Each field as the effect entering the state sets it, else as the
         # first effect that sets it does.
         entering = _entering(spec, state.name)
         values = {f: 0.0 for f in fields}
-        own = [s for s in setters if entering is not None and s.effect == entering.effect.__name__]
+        entered_by = getattr(entering.effect, "__name__", None) if entering is not None else None
+        own = [s for s in setters if s.effect == entered_by]
         for s in [*reversed(setters), *own]:
             if s.offset is not None:
                 values[s.field] = s.offset
         traced = _TracedConfig(config)
-        default = state.deadline(_probe(spec, state.name, **values), traced, 0.0)
-        read = [f for f in fields
-                if any(state.deadline(_probe(spec, state.name, **{**values, f: values[f] + d}), config, 0.0) != default
-                       for d in (_FAR, -_FAR))]
+        default = deadline(_probe(spec, state.name, **values), traced, 0.0)
+
+        def moves(field: str) -> bool:
+            # Far either way, so that a field read through min or max shows.
+            return any(deadline(_probe(spec, state.name, **{**values, field: values[field] + d}), config, 0.0)
+                       != default for d in (_FAR, -_FAR))
+
+        read = [f for f in fields if moves(f)]
         timers[state.name] = StateTimer(state.name, tuple(read), _settings(config, traced.read), float(default))
     return timers

@@ -75,10 +75,10 @@ def edges(specs: dict[str, Spec], wires: tuple[Wire, ...] = WIRES) -> Iterator[E
         if own:
             yield Edge(name, HEARTBEATS, " / ".join(own))
     for name, spec in specs.items():
-        src = spec.source
-        if src is not None:
-            held = ", ".join(sorted(src.held))
-            yield Edge(src.kind, name, f"source: held in {held}; else {src.ended.__name__}", dashed=True)
+        source = spec.source
+        if source is not None:
+            held = ", ".join(sorted(source.held))
+            yield Edge(source.kind, name, f"source: held in {held}, else {source.ended.__name__}", dashed=True)
 
 
 def _nodes(specs: dict[str, Spec], newline: str, config: PlaneConfig) -> dict[str, str]:
