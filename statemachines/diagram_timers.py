@@ -225,12 +225,10 @@ def state_timers(spec: Spec, config: Any) -> dict[str, StateTimer]:
                 values[s.field] = s.offset
         traced = _TracedConfig(config)
         default = deadline(_probe(spec, state.name, **values), traced, 0.0)
-
-        def moves(field: str) -> bool:
-            # Far either way, so that a field read through min or max shows.
-            return any(deadline(_probe(spec, state.name, **{**values, field: values[field] + d}), config, 0.0)
-                       != default for d in (_FAR, -_FAR))
-
-        read = [f for f in fields if moves(f)]
+        # A field the deadline reads moves it when moved far either way (so
+        # that one read through min or max shows too).
+        read = [f for f in fields
+                if any(deadline(_probe(spec, state.name, **{**values, f: values[f] + d}), config, 0.0) != default
+                       for d in (_FAR, -_FAR))]
         timers[state.name] = StateTimer(state.name, tuple(read), _settings(config, traced.read), float(default))
     return timers
