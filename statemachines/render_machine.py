@@ -19,6 +19,8 @@ from .spec import Spec
 
 INITIAL_FILL = "#dbeafe"
 TERMINAL_FILL = "#e5e7eb"
+# Edge labels wrap at this many characters: a long label widens every rank it crosses.
+EDGE_LABEL_WIDTH = 36
 
 
 @attrs.frozen
@@ -93,8 +95,8 @@ def _initial(d: MachineDiagram) -> str:
 
 
 def _q(text: str) -> str:
-    """A DOT double-quoted string."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A DOT double-quoted string (a newline becomes DOT's centred line break)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def _state_label(d: MachineDiagram, part: DiagramPart, name: str) -> str:
@@ -138,7 +140,7 @@ def to_dot(d: MachineDiagram, part: DiagramPart) -> str:
     lines = [
         f"digraph {_q(part.stem)} {{",
         (f"  graph [rankdir={part.rankdir}, labelloc=t, fontname=Helvetica, fontsize=14, nodesep=0.3, "
-         f"ranksep=0.75, concentrate=true, label={_q(part.title)}];"),
+         f"ranksep=0.75, label={_q(part.title)}];"),
         "  node [shape=box, style=\"rounded,filled\", fillcolor=white, fontname=Helvetica, fontsize=11];",
         "  edge [fontname=Helvetica, fontsize=9];",
     ]
@@ -156,7 +158,8 @@ def to_dot(d: MachineDiagram, part: DiagramPart) -> str:
         lines.append(f"  {_q(name)} [label={_state_label(d, part, name)}{extra}{tip}];")
     for e in _arrows(part):
         tip = ", ".join(e.actions) if e.actions else e.trigger()
-        lines.append(f"  {_q(e.src)} -> {_q(e.dest)} [label={_q(_edge_text(d, e))}, tooltip={_q(tip)}];")
+        label = "\n".join(textwrap.wrap(_edge_text(d, e), EDGE_LABEL_WIDTH))
+        lines.append(f"  {_q(e.src)} -> {_q(e.dest)} [label={_q(label)}, tooltip={_q(tip)}];")
     legend = _legend_label(d, part)
     if legend is not None:
         lines.append(f'  "__legend" [shape=note, fillcolor="#fffbeb", label={legend}];')
