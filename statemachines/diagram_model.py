@@ -140,8 +140,8 @@ def machine_diagram(spec: Spec, config, wires: tuple[Wire, ...] = WIRES) -> Mach
         rest = [e for e, first in edges if first is not abort]
         aborts = [e for e, first in edges if first is abort]
         parts = (
-            _part(spec.name, f"{spec.name} (without {abort.__name__}: see {spec.name}-abort)", spec, rest, False),
-            _part(f"{spec.name}-abort", f"{spec.name}: {abort.__name__} from every live state", spec, aborts, False,
+            _part(spec.name, f"{spec.name} without {abort.__name__} (drawn in {spec.name}-abort)", spec, rest, False),
+            _part(f"{spec.name}-abort", f"{spec.name}, {abort.__name__} from every live state", spec, aborts, False,
                   "LR"),
         )
     else:

@@ -106,6 +106,8 @@ def test_mermaid_is_plain_state_diagram_text():
         if path.stem == "composition":
             continue
         assert "stateDiagram-v2" in text
+        title = text.splitlines()[1]
+        assert title.startswith("title: ") and ":" not in title[len("title: "):], title  # YAML front matter
         lines = text.splitlines()[4:]
         labels, in_note = [], False
         for line in lines:
