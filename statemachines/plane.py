@@ -33,7 +33,6 @@ from typing import Any, Callable
 import attrs
 
 from . import actions as A
-from . import events as E
 from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
 from .composition import (
     WIRES, ActionField, ConfigField, Const, HeartbeatChain, Requesters, RequesterKey, RequesterKind, TargetField,
@@ -45,7 +44,7 @@ from .machines import MACHINES
 from .observe import Observer, Step
 from .stats import (
     NONFINITE_DEADLINE, PROTOCOL_VIOLATION, SOURCE_NOT_HELD, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed, Final,
-    HeartbeatEngine, Ignored, SourceEnded, StatKeys,
+    Ignored, SourceEnded, StatKeys,
 )
 from .machine import IGNORED, Machine, ProtocolViolation, timer_action
 from .spec import Source, transitions_of

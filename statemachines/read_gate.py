@@ -122,6 +122,7 @@ def signature(g: GateInputs, cfg, now: float) -> tuple | None:
         return None
     if until == NOT_VALID or not math.isfinite(now):
         return ("not_valid",)
+    assert g.expiry is not None  # valid_until is None without an expiry
     e = g.expiry - g.clock_offset
     # An expiry already past only ever loses a comparison (the margin is
     # >= 0, later first sends are >= now): all alike.
@@ -133,7 +134,7 @@ def signature(g: GateInputs, cfg, now: float) -> tuple | None:
     sent = last is not None and last > g.arrived
     fixed = e > g.arrived + cfg.heartbeat_interval
     chained = g.chain_since is None or e > g.chain_since
-    if sent and fixed and chained and e <= last + max_gap(cfg):
+    if sent and fixed and chained and last is not None and e <= last + max_gap(cfg):
         # The chain dominates E for good: while it lasts the gate reads
         # L' + extension > E, and a send that breaks it comes more than
         # max_gap after L, past E, so E no longer counts and is already

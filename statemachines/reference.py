@@ -1,92 +1,19 @@
 """The same tables, interpreted by the ``transitions`` library.
 
-Two uses: ``graph_machine`` builds a GraphMachine that renders the diagrams
-(Mermaid or graphviz), and ``ReferenceMachine`` is a second, independent
-interpreter of a Spec (one ``transitions.Machine`` per instance), used to
-cross-check the compiled dispatch and as the slow baseline in the
-benchmarks.  Neither is on the hot path.
+``ReferenceMachine`` is a second, independent interpreter of a Spec (one
+``transitions.Machine`` per instance), used to cross-check the compiled
+dispatch and as the slow baseline in the benchmarks; it is not on the hot
+path.  (The diagrams are drawn from the tables by ``render_machine``.)
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from transitions import Machine as TMachine
 from transitions import MachineError
-from transitions.extensions import GraphMachine
-from transitions.extensions.states import Tags, add_state_features
 
-from .base import TimerFired
 from .machine import IGNORED, NoGuardMatched, ProtocolViolation, closing_errors, timer_action
 from .spec import Ignore, ProtocolError, Spec, Transition, with_timer_ignores
-
-
-@add_state_features(Tags)
-class _TaggedGraphMachine(GraphMachine):
-    pass
-
-
-def state_tags(state) -> list[str]:
-    tags = []
-    if state.holds:
-        tags.append("holds: " + ", ".join(sorted(state.holds)))
-    if state.deadline is not None:
-        tags.append("deadline")
-    if state.terminal:
-        tags.append("terminal")
-    return tags
-
-
-def edge_label(t: Transition) -> str:
-    event = "timeout" if t.event is TimerFired else t.event.__name__
-    acts = ", ".join(a.action.__name__ for a in t.actions)
-    return f"{event} / {acts}" if acts else event
-
-
-def _named_guard(doc: str):
-    # transitions labels a condition by its callable's name: use the guard's doc.
-    def cond(*_a, **_k):  # never evaluated when rendering
-        return True
-
-    cond.__name__ = doc
-    return cond
-
-
-def graph_machine(spec: Spec, engine: Literal["graphviz", "mermaid"] = "mermaid") -> Any:
-    """A GraphMachine of the spec; ``model.get_graph()`` renders it."""
-
-    class Model:
-        pass
-
-    model = Model()
-    states = [{"name": s.name, "tags": state_tags(s)} for s in spec.states]
-    trans = [
-        {
-            "trigger": t.event.__name__,
-            "source": t.src,
-            "dest": t.dest,
-            "label": edge_label(t),
-            **({"conditions": [_named_guard(t.guard_doc)]} if t.guard is not None else {}),
-        }
-        for t in spec.table
-        if isinstance(t, Transition)
-    ]
-    _TaggedGraphMachine(
-        model=model, states=states, transitions=trans, initial=spec.initial, graph_engine=engine,
-        show_conditions=True, show_state_attributes=True, auto_transitions=False, title=spec.name,
-    )
-    return model
-
-
-def render_mermaid(spec: Spec) -> str:
-    text = graph_machine(spec, "mermaid").get_graph().draw(None)
-    # Mermaid has a native end marker; transitions does not emit it.
-    finals = [f"  {s.name} --> [*]" for s in spec.states if s.terminal]
-    return text.rstrip("\n") + "\n" + "\n".join(finals) + "\n"
-
-
-def render_dot(spec: Spec):
-    """A graphviz.Digraph (``.pipe(format='svg')`` needs the ``dot`` binary)."""
-    return graph_machine(spec, "graphviz").get_graph()
 
 
 class RefModel:

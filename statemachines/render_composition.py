@@ -8,6 +8,7 @@ actions the plane executes itself; every ``Spec.source`` (dashed).
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Iterator
 
 import attrs
@@ -15,6 +16,9 @@ import attrs
 from .composition import (
     PLANE_EXECUTED, WIRES, ActionField, ConfigField, Const, HeartbeatChain, Requesters, TargetField, Wire,
 )
+from .config import PlaneConfig
+from .diagram_timers import seconds
+from .render_machine import DiagramText
 from .spec import Spec
 from .validate_composition import emitted
 
@@ -74,21 +78,26 @@ def edges(specs: dict[str, Spec], wires: tuple[Wire, ...] = WIRES) -> Iterator[E
         source = spec.source
         if source is not None:
             held = ", ".join(sorted(source.held))
-            yield Edge(source.kind, name, f"source: held in {held}; else {source.ended.__name__}", dashed=True)
+            yield Edge(source.kind, name, f"source: held in {held}, else {source.ended.__name__}", dashed=True)
 
 
-def _nodes(specs: dict[str, Spec], newline: str) -> dict[str, str]:
+def _nodes(specs: dict[str, Spec], newline: str, config: PlaneConfig) -> dict[str, str]:
     """Node id -> label lines joined by ``newline``."""
     nodes = {n: newline.join([n, "created by " + ", ".join(ev.__name__ for ev in spec.created_by)])
              for n, spec in specs.items()}
-    if PLANE_EXECUTED:  # actions the plane runs by hand (none today)
-        nodes[HEARTBEATS] = "plane"
+    if PLANE_EXECUTED:  # actions the plane runs by hand (none today: heartbeats are a machine)
+        nodes[HEARTBEATS] = newline.join([
+            "heartbeat batcher (plane)",
+            "one HB per engine every",
+            f"heartbeat_interval {seconds(config.heartbeat_interval)}, each extends",
+            f"a lease to now + lease_extension {seconds(config.lease_extension)}",
+        ])
     return nodes
 
 
-def render_composition_mermaid(specs: dict[str, Spec]) -> str:
-    lines = ["---", "title: composition", "---", "flowchart LR"]
-    for node, label in _nodes(specs, "<br/>").items():
+def render_composition_mermaid(specs: dict[str, Spec], config: PlaneConfig | None = None) -> str:
+    lines = ["---", "title: composition", "---", "flowchart TB"]
+    for node, label in _nodes(specs, "<br/>", config or PlaneConfig()).items():
         lines.append(f'  {node}["{label}"]')
     for e in edges(specs):
         arrow = "-.->" if e.dashed else "-->"
@@ -96,23 +105,36 @@ def render_composition_mermaid(specs: dict[str, Spec]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_composition_dot(specs: dict[str, Spec]):
-    """A graphviz.Digraph (``.pipe(format='svg')`` needs the ``dot`` binary)."""
-    import graphviz
+def _q(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
-    g = graphviz.Digraph("composition", graph_attr={"rankdir": "LR", "label": "composition"},
-                         node_attr={"shape": "box", "fontname": "Helvetica"},
-                         edge_attr={"fontname": "Helvetica", "fontsize": "10"})
-    for node, label in _nodes(specs, "\n").items():
-        g.node(node, label, **({"shape": "ellipse"} if node == HEARTBEATS else {}))
+
+def render_composition_dot(specs: dict[str, Spec], config: PlaneConfig | None = None) -> str:
+    """DOT text (``app.diagrams`` runs ``dot`` on it for the SVG)."""
+    lines = ['digraph "composition" {',
+             '  graph [rankdir=TB, label="composition", labelloc=t, fontname=Helvetica, nodesep=0.3, ranksep=1.2];',
+             '  node [shape=box, style="rounded", fontname=Helvetica];',
+             '  edge [fontname=Helvetica, fontsize=10];']
+    for node, label in _nodes(specs, "\n", config or PlaneConfig()).items():
+        shape = ", shape=ellipse" if node == HEARTBEATS else ""
+        lines.append(f"  {_q(node)} [label={_q(label)}{shape}];")
+    # One arrow per pair of machines, each wire a line of its label: parallel
+    # arrows with long labels would make the drawing many times wider than tall.
+    merged: dict[tuple[str, str, bool], list[str]] = {}
     for e in edges(specs):
-        g.edge(e.src, e.dest, label=e.label, **({"style": "dashed"} if e.dashed else {}))
-    return g
+        merged.setdefault((e.src, e.dest, e.dashed), []).append(_wrap(e.label))
+    for (src, dest, dashed), labels in merged.items():
+        style = ", style=dashed" if dashed else ""
+        lines.append(f"  {_q(src)} -> {_q(dest)} [label={_q(chr(10).join(labels))}{style}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
 
 
-def composition_files(specs: dict[str, Spec], svg: bool) -> dict[str, bytes]:
-    """The composition diagram's files, for the diagrams writer."""
-    files = {"composition.mmd": render_composition_mermaid(specs).encode()}
-    if svg:
-        files["composition.svg"] = render_composition_dot(specs).pipe(format="svg")
-    return files
+def _wrap(label: str, width: int = 32) -> str:
+    """An edge label over a few short lines, so that edges stay narrow."""
+    return "\n".join(textwrap.wrap(label, width))
+
+
+def composition_text(specs: dict[str, Spec]) -> DiagramText:
+    """The composition diagram's sources, for the diagrams writer."""
+    return DiagramText(render_composition_mermaid(specs), render_composition_dot(specs))

@@ -163,7 +163,7 @@ def _old_batcher_reference(rec: LogRecord) -> bool:
     """A line of a log from before the heartbeat batcher was a machine: it
     took and dropped its engine reference through lines of their own, which
     the heartbeat line (matched without states, see _compare) now covers."""
-    return (type(rec.event) in (EngineAcquire, EngineRelease) and rec.event.requester_kind == HEARTBEAT
+    return (isinstance(rec.event, (EngineAcquire, EngineRelease)) and rec.event.requester_kind == HEARTBEAT
             and rec.state_before is not None)
 
 

@@ -108,20 +108,6 @@ class Anomaly:
             what=self.what.replace("_", " "), kind=self.kind, event=self.event)
 
 
-@attrs.frozen(order=True)
-class HeartbeatEngine:
-    """An engine event addressed to the heartbeat batcher's reference (it needs none)."""
-
-    event: str
-
-    def __str__(self) -> str:
-        return f"heartbeat_engine:{self.event}"
-
-    @property
-    def label(self) -> str:
-        return f"{self.event} for the heartbeat batcher (it needs none)"
-
-
 class StatKeys:
     """One key object per distinct key (see the module docstring)."""
 

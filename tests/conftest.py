@@ -19,7 +19,9 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 # that ``-m core`` never silently misses a new one.
 FILE_KINDS: dict[str, str | None] = {
     "test_bench_smoke.py": "e2e",
+    "test_cli.py": None,
     "test_composition.py": "core",
+    "test_config_kv_transfer.py": "core",
     "test_connector_loopback.py": None,
     "test_core_nonfinite.py": "core",
     "test_core_plane.py": "core",
@@ -41,6 +43,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_read_gate_property.py": "core",
     "test_reference_interpreter.py": "core",
     "test_replay.py": "core",
+    "test_replay_old_logs.py": "core",
     "test_security_nixl.py": "nixl",
     "test_sequence.py": "core",
     "test_transport_endpoint.py": "core",

@@ -35,7 +35,8 @@ def simulate(s, machines=None) -> list[str]:
     """Run one schedule; asserts the property at every READ; returns the reads."""
     d, p = ControlPlane(CFG, machines), ControlPlane(CFG, machines)
     off = s["offset"]
-    stalled = lambda t: any(a <= t < a + n for a, n in s["stalls"])
+    def stalled(t):
+        return any(a <= t < a + n for a, n in s["stalls"])
     reqs = {f"r{i}": (arr, arr + q) for i, (arr, q) in enumerate(s["requests"])}
     expiry, arrived, allocated = {}, set(), set()
     posted = []

@@ -28,7 +28,7 @@ GATE_STATES = ("NEW", "HEARTBEATING", "WAITING_FOR_REMOTE_KVS", "FULL_PREFIX_HIT
 
 
 # ------------------------------------------- seam: heartbeat batcher, READ gate
-def heartbeat_schedule(plane: ControlPlane) -> Iterator[tuple[str, float, tuple, float | None]]:
+def heartbeat_schedule(plane: ControlPlane) -> Iterator[tuple[str, float | None, tuple, float | None]]:
     """(engine, next send, ranks, last send) per scheduled engine, by engine."""
     hb = plane.heartbeats
     for eng in sorted(hb.scheduled()):

@@ -11,7 +11,6 @@ awaited recv is reported exactly once and a notify-only one never is.
 """
 from __future__ import annotations
 
-import math
 from enum import StrEnum
 from typing import ClassVar
 
@@ -22,7 +21,7 @@ from ..actions import (
     AcquireEngine, GrantHold, NoteActivity, PostRead, ReleaseEngine, ReleaseXfer, ReportRecv, SendNotif,
     SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
-from ..base import Instance, TimerFired, is_finite_number
+from ..base import Instance, TimerFired
 from ..emit import emits
 from ..events import (
     Abort, BlocksAllocated, EngineLost, EngineReady, NewRequest, PushDone, ReadDone, ReadFailed,
@@ -60,6 +59,7 @@ class DecodeRequest(Instance):
 
 # ----------------------------------------------------------------- effects
 def _accept(r: DecodeRequest, ev: NewRequest, cfg, now) -> None:
+    """Keep what on_new_request says about the remote blocks; note the arrival time."""
     r.engine_id = ev.engine_id
     r.remote_request_id = ev.remote_request_id
     r.remote_block_ids = ev.remote_block_ids
@@ -72,12 +72,15 @@ def _accept(r: DecodeRequest, ev: NewRequest, cfg, now) -> None:
 
 
 def _allocated(r: DecodeRequest, ev: BlocksAllocated, cfg, now) -> None:
+    """Keep the allocation; the whole recv must end by now + recv_timeout."""
     r.block_ids = ev.block_ids
     r.num_remote_tokens = ev.num_remote_tokens
     r.recv_deadline = now + cfg.recv_timeout
 
 
 def _connected(r: DecodeRequest, ev: EngineReady, cfg, now) -> None:
+    """Keep the clock offset; a READ must end by now + transfer_timeout (and
+    before the remote blocks may go), a push by now + push_registration_timeout."""
     r.clock_offset = ev.clock_offset
     r.transfer_deadline = now + cfg.transfer_timeout
     # A READ must also end before the remote blocks may be gone: otherwise a

@@ -47,6 +47,7 @@ class Lease(Instance):
 
 
 def _grant(lease: Lease, ev: LeaseGranted, cfg, now) -> None:
+    """Lease the blocks until now + the grant's duration (default kv_lease_duration)."""
     lease.block_ids = ev.block_ids
     lease.expected_consumers = ev.expected_consumers
     lease.renewable = ev.renewable
@@ -54,6 +55,7 @@ def _grant(lease: Lease, ev: LeaseGranted, cfg, now) -> None:
 
 
 def _regrant(lease: Lease, ev: LeaseGranted, cfg, now) -> None:
+    """Add the new grant's blocks; expiry = max(old, now + duration)."""
     # A second grant for the same request adds its blocks (a retransmitted
     # grant adds nothing): one lease then frees every block exactly once.
     lease.block_ids = lease.block_ids + tuple(b for b in ev.block_ids if b not in lease.block_ids)
@@ -61,11 +63,13 @@ def _regrant(lease: Lease, ev: LeaseGranted, cfg, now) -> None:
 
 
 def _bind(lease: Lease, ev, cfg, now) -> None:
+    """Bind the sender as a consumer (a free slot admitted it); the expiry stays."""
     if ev.sender is not None and ev.sender not in lease.bound:
         lease.bound = lease.bound | {ev.sender}
 
 
 def _extend(lease: Lease, ev, cfg, now) -> None:
+    """Bind the sender; expiry = max(old, now + lease_extension)."""
     _bind(lease, ev, cfg, now)
     new = now + cfg.lease_extension
     if new > lease.expiry:
@@ -74,6 +78,7 @@ def _extend(lease: Lease, ev, cfg, now) -> None:
 
 
 def _consumed(lease: Lease, ev: ConsumerDone, cfg, now) -> None:
+    """Bind the sender and count it as a consumer that has read."""
     _bind(lease, ev, cfg, now)
     lease.consumers = lease.consumers | {ev.consumer}
 

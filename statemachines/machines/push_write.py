@@ -54,6 +54,7 @@ class PushWrite(Instance):
 
 
 def _registered(p: PushWrite, ev: PushRegistered, cfg, now) -> None:
+    """Keep D's registration; wait for our prefill until now + push_registration_timeout."""
     p.engine_id = ev.engine_id
     p.remote_request_id = ev.remote_request_id
     p.remote_block_ids = ev.remote_block_ids
@@ -62,11 +63,13 @@ def _registered(p: PushWrite, ev: PushRegistered, cfg, now) -> None:
 
 
 def _ready(p: PushWrite, ev: PushReady, cfg, now) -> None:
+    """Keep our leased blocks; wait for D's registration until now + push_registration_timeout."""
     p.block_ids = ev.block_ids
     p.wait_deadline = now + cfg.push_registration_timeout
 
 
 def _writing(p: PushWrite, ev: EngineReady, cfg, now) -> None:
+    """The WRITE must end by now + transfer_timeout, and before D gives up (less the margin)."""
     p.transfer_deadline = now + cfg.transfer_timeout
     write_until = remote_write_until(p, ev, cfg)
     if write_until is not None:

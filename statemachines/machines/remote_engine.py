@@ -43,20 +43,24 @@ def _requester(ev) -> tuple:
 
 
 def _first_acquire(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> None:
+    """Add the first requester as a waiter and start the first handshake attempt."""
     _add_waiter(e, ev, cfg, now)
     _attempt(e, ev, cfg, now)
 
 
 def _add_waiter(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> None:
+    """Add the requester as a reference that waits for the handshake."""
     e.refs.add(_requester(ev))
     e.waiters.append(_requester(ev))
 
 
 def _add_ref(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> None:
+    """Add the requester as a reference (it is woken at once)."""
     e.refs.add(_requester(ev))
 
 
 def _drop_ref(e: RemoteEngine, ev: EngineRelease, cfg, now) -> None:
+    """Drop the requester's reference (and its wait, if any)."""
     r = _requester(ev)
     e.refs.discard(r)
     if r in e.waiters:
@@ -64,21 +68,25 @@ def _drop_ref(e: RemoteEngine, ev: EngineRelease, cfg, now) -> None:
 
 
 def _attempt(e: RemoteEngine, ev, cfg, now) -> None:
+    """Count an attempt; it times out at now + handshake_timeout."""
     e.attempts += 1
     e.retry_at = now + cfg.handshake_timeout
 
 
 def _backoff(e: RemoteEngine, ev, cfg, now) -> None:
+    """Retry at now + handshake_backoff, doubled per attempt so far."""
     e.retry_at = now + cfg.handshake_backoff * (2 ** (e.attempts - 1))
 
 
 def _connected(e: RemoteEngine, ev: HandshakeOk, cfg, now) -> None:
+    """Take the clock samples, the notify-only flag, and wake the waiters."""
     _resampled(e, ev, cfg, now)
     e.notify_only = ev.notify_only
     e.woken, e.waiters = tuple(e.waiters), []
 
 
 def _resampled(e: RemoteEngine, ev: HandshakeOk, cfg, now) -> None:
+    """Keep the offset of the lowest-RTT usable clock sample; last activity = now."""
     usable = False
     for sample in ev.samples:
         offset, rtt = _sample(sample)
@@ -110,10 +118,12 @@ def _sample(sample) -> tuple[float | None, float]:
 
 
 def _touch(e: RemoteEngine, ev, cfg, now) -> None:
+    """Last activity = now: the STALE timer restarts."""
     e.last_activity = now
 
 
 def _recheck_later(e: RemoteEngine, ev, cfg, now) -> None:
+    """Referenced: last activity = now - engine_ttl, so STALE looks again one TTL later."""
     # Never evict a referenced engine: look again one TTL from now.
     e.last_activity = now - cfg.engine_ttl
 
