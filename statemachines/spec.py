@@ -12,6 +12,7 @@ waiting state therefore cannot forget its timer.
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Callable, Iterable
 
 import attrs
@@ -28,13 +29,25 @@ def _names(items: Iterable[str]) -> frozenset[str]:
     return frozenset(items)
 
 
+def _state(name: str) -> str:
+    """A state name as a plain str.  Tables name states through each
+    machine's StrEnum; the compiled machine and every instance keep the plain
+    value, which compares and hashes the same but without Enum's Python-level
+    ``__hash__`` on every dispatch."""
+    return name.value if isinstance(name, Enum) else name
+
+
+def _state_names(items: Iterable[str]) -> frozenset[str]:
+    return frozenset(_state(s) for s in items)
+
+
 def _action_classes(items: Iterable[type[Action]]) -> frozenset[type[Action]]:
     return frozenset(items)
 
 
 @attrs.frozen
 class State:
-    name: str
+    name: str = attrs.field(converter=_state)
     terminal: bool = False
     # Resources held while in this state (e.g. "blocks", "xfer", "engine_ref").
     holds: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
@@ -48,9 +61,9 @@ class State:
 
 @attrs.frozen
 class Transition:
-    src: str
-    event: type[Event]
-    dest: str
+    src: str = attrs.field(converter=_state)
+    event: type[Event] = attrs.field()
+    dest: str = attrs.field(converter=_state)
     guard: Guard | None = None
     guard_doc: str = ""
     effect: Effect | None = None
@@ -64,14 +77,14 @@ class Transition:
 
 @attrs.frozen
 class Ignore:
-    src: str
+    src: str = attrs.field(converter=_state)
     event: type[Event]
     reason: str
 
 
 @attrs.frozen
 class ProtocolError:
-    src: str
+    src: str = attrs.field(converter=_state)
     event: type[Event]
     reason: str
 
@@ -99,8 +112,8 @@ class Source:
     """
 
     kind: str
-    held: frozenset[str] = attrs.field(converter=_names)
-    needs: frozenset[str] = attrs.field(converter=_names)
+    held: frozenset[str] = attrs.field(converter=_state_names)
+    needs: frozenset[str] = attrs.field(converter=_state_names)
     ended: type[Event]
     uses: frozenset[type[Action]] = attrs.field(default=frozenset(), converter=_action_classes)
 
@@ -111,7 +124,7 @@ class Spec:
 
     name: str
     instance_type: type
-    initial: str
+    initial: str = attrs.field(converter=_state)
     states: tuple[State, ...]
     events: tuple[type[Event], ...]
     table: tuple[Transition | Ignore | ProtocolError, ...]
