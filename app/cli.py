@@ -71,7 +71,7 @@ def _diagrams(args) -> int:
             return 0
         out = (Path(args.out) if args.out else folders.default_out()).resolve()
         if not diagrams.have_dot():
-            print("note: graphviz `dot` (or the graphviz package) not found; writing Mermaid only "
+            print("note: graphviz `dot` not found; writing Mermaid only "
                   "(apt-get install graphviz for SVG)")
         for path in diagrams.write_all(out):
             print(f"wrote {path}")
