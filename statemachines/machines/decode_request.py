@@ -18,7 +18,7 @@ import attrs
 
 from .. import read_gate
 from ..actions import (
-    AcquireEngine, GrantHold, NoteActivity, PostRead, ReleaseEngine, ReleaseXfer, ReportRecv, SendNotif,
+    GrantHold, PostRead, ReleaseXfer, ReportRecv, SendNotif,
     SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
 from ..base import Instance, TimerFired
@@ -29,6 +29,7 @@ from ..events import (
 )
 from ..spec import Spec, State
 from ..table import error, ignore, on, rows
+from .engine_refs import acquire_engine, note_activity, release_engine
 
 
 @attrs.define(slots=True)
@@ -145,21 +146,6 @@ def start_heartbeat(r: DecodeRequest, ev, cfg, now) -> StartHeartbeat:
 @emits(StopHeartbeat)
 def stop_heartbeat(r: DecodeRequest, ev, cfg, now) -> StopHeartbeat:
     return StopHeartbeat(r.engine_id, r.remote_request_id)
-
-
-@emits(AcquireEngine)
-def acquire_engine(r: DecodeRequest, ev, cfg, now) -> AcquireEngine:
-    return AcquireEngine(r.engine_id, r.KIND, r.key)
-
-
-@emits(ReleaseEngine)
-def release_engine(r: DecodeRequest, ev, cfg, now) -> ReleaseEngine:
-    return ReleaseEngine(r.engine_id, r.KIND, r.key)
-
-
-@emits(NoteActivity)
-def note_activity(r: DecodeRequest, ev, cfg, now) -> NoteActivity:
-    return NoteActivity(r.engine_id)
 
 
 @emits(PostRead)

@@ -27,12 +27,13 @@ from typing import ClassVar
 import attrs
 
 from .. import read_gate
-from ..actions import AcquireEngine, ReleaseEngine, SendHeartbeat
+from ..actions import SendHeartbeat
 from ..base import Instance, TimerFired
 from ..emit import emits
 from ..events import EngineLost, EngineReady, HeartbeatRegister, HeartbeatUnregister
 from ..spec import Spec, State
 from ..table import error, ignore, on, rows
+from .engine_refs import acquire_engine, release_engine
 
 KIND = "heartbeat"
 
@@ -90,16 +91,6 @@ def ids_left(b: HeartbeatBatch, ev, cfg, now) -> bool:
 def send_batch(b: HeartbeatBatch, ev, cfg, now) -> SendHeartbeat:
     """One HB: to every rank of the engine, naming every registered id."""
     return SendHeartbeat(b.engine_id, tuple(sorted(b.ranks)), tuple(b.ids))
-
-
-@emits(AcquireEngine)
-def acquire_engine(b: HeartbeatBatch, ev, cfg, now) -> AcquireEngine:
-    return AcquireEngine(b.engine_id, b.KIND, b.key)
-
-
-@emits(ReleaseEngine)
-def release_engine(b: HeartbeatBatch, ev, cfg, now) -> ReleaseEngine:
-    return ReleaseEngine(b.engine_id, b.KIND, b.key)
 
 
 # --------------------------------------------------------------- states

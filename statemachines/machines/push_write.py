@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import attrs
 
-from ..actions import AcquireEngine, ConsumeLease, NoteActivity, PostWrite, ReleaseEngine, ReleaseXfer
+from ..actions import ConsumeLease, PostWrite, ReleaseXfer
 from ..base import Instance, TimerFired
 from ..emit import emits
 from ..events import (
@@ -38,6 +38,7 @@ from ..events import (
 )
 from ..spec import Source, Spec, State
 from ..table import error, ignore, on, rows
+from .engine_refs import acquire_engine, note_activity, release_engine
 from .lease import HELD as LEASE_HELD
 
 
@@ -111,21 +112,6 @@ def decoder_gives_up_first(p: PushWrite, ev: EngineReady, cfg, now) -> bool:
 
 
 # ----------------------------------------------------------------- actions
-@emits(AcquireEngine)
-def acquire_engine(p: PushWrite, ev, cfg, now) -> AcquireEngine:
-    return AcquireEngine(p.engine_id, p.KIND, p.key)
-
-
-@emits(ReleaseEngine)
-def release_engine(p: PushWrite, ev, cfg, now) -> ReleaseEngine:
-    return ReleaseEngine(p.engine_id, p.KIND, p.key)
-
-
-@emits(NoteActivity)
-def note_activity(p: PushWrite, ev, cfg, now) -> NoteActivity:
-    return NoteActivity(p.engine_id)
-
-
 @emits(PostWrite)
 def post_write(p: PushWrite, ev, cfg, now) -> PostWrite:
     # The transport attaches the completion notif "<remote_request_id>:1".
