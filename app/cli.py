@@ -72,6 +72,12 @@ def _run(args) -> int:
     return cmd_run(args)
 
 
+def _sequence(args) -> int:
+    from kvplane.app.sequence import cmd_sequence
+
+    return cmd_sequence(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -105,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="the main job: P and D processes exchanging KV over NIXL")
     add_run_arguments(run)
     run.set_defaults(fn=_run)
+
+    from kvplane.app.sequence import add_sequence_arguments
+
+    sq = sub.add_parser("sequence", help="both sides' event logs as one Mermaid sequence diagram")
+    add_sequence_arguments(sq)
+    sq.set_defaults(fn=_sequence)
     return p
 
 
