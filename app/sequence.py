@@ -7,11 +7,13 @@ files (an SVG too when the Mermaid CLI ``mmdc`` is on PATH).
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 import sys
-from typing import Iterable, Sequence, TextIO
+from collections.abc import Iterable, Sequence
+from typing import TextIO
 
 from kvplane.statemachines.eventlog import EmptyLog, EventLogError, read_log
 
@@ -47,9 +49,9 @@ def _lines(source: str | Sequence[str]) -> list:
     return list(source)
 
 
-def diagram(p: str | Sequence[str], d: str | Sequence[str], selection: Selection = Selection()) -> SequenceDiagram:
+def diagram(p: str | Sequence[str], d: str | Sequence[str], selection: Selection | None = None) -> SequenceDiagram:
     """The model of two logs (paths, or their lines)."""
-    return model.build({P: read_side(P, p), D: read_side(D, d)}, selection)
+    return model.build({P: read_side(P, p), D: read_side(D, d)}, selection or Selection())
 
 
 def write(d: SequenceDiagram, path: str, *, svg: bool = True, say: TextIO | None = None) -> list[str]:
@@ -83,7 +85,7 @@ def cmd_sequence(args) -> int:
         return BAD_INPUT
     for name in ("start", "end"):
         v = getattr(args, name)
-        if v is not None and not (v == v and abs(v) != float("inf")):
+        if v is not None and not math.isfinite(v):
             print(f"kvplane sequence: --{'from' if name == 'start' else 'to'} must be a finite number", file=err)
             return BAD_INPUT
     try:
@@ -146,7 +148,7 @@ def sample_requests(logs: dict[str, SideLog]) -> tuple[tuple[str, ...], tuple[st
         if type(r.event).__name__ == "LeaseGranted" and r.event.renewable and r.event.request_id not in first:
             first.append(r.event.request_id)
     failed: list[str] = []
-    for side, log in logs.items():
+    for log in logs.values():
         for r in log.records:
             name = type(r.event).__name__
             if name == "TimerFired" and r.event.kind == "lease" and r.state_after == "EXPIRED":

@@ -9,9 +9,9 @@ start an entity, a ``%%`` a comment, a quote or ``<`` be taken as markup.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
-from .sequence_model import Arrow, Line, Note, SequenceDiagram
+from .sequence_model import Arrow, Line, SequenceDiagram
 
 INDENT = "    "
 _SAFE = re.compile(r"[A-Za-z0-9 _.,+\-()\[\]/=*'@~|!?^$]")

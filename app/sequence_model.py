@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from enum import StrEnum
-from typing import Iterable, Sequence
 
 import attrs
-
 from kvplane.statemachines.eventlog import EventLog, LogRecord
 
 P, D = "P", "D"
@@ -189,9 +188,9 @@ def best_offset(records: Iterable[LogRecord], engine: str | None = None) -> floa
         if type(r.event).__name__ != "HandshakeOk" or (engine is not None and r.event.engine_id != engine):
             continue
         for sample in r.event.samples:
-            if len(sample) == 2 and all(_finite(x) for x in sample) and sample[1] >= 0:
-                if best is None or sample[1] < best[1]:
-                    best = (float(sample[0]), float(sample[1]))
+            usable = len(sample) == 2 and all(_finite(x) for x in sample) and sample[1] >= 0
+            if usable and (best is None or sample[1] < best[1]):
+                best = (float(sample[0]), float(sample[1]))
     return None if best is None else best[0]
 
 
@@ -508,8 +507,9 @@ def _log_ends(logs: dict[str, SideLog], shift: dict[str, float], b: _Builder) ->
             for side, t in ends.items() if t < last - LOG_END_GAP]
 
 
-def build(logs: dict[str, SideLog], selection: Selection = Selection()) -> SequenceDiagram:
+def build(logs: dict[str, SideLog], selection: Selection | None = None) -> SequenceDiagram:
     """The diagram model of the logs (``{"P": SideLog, "D": SideLog}``; either may be missing)."""
+    selection = selection or Selection()
     engines = engine_ids(logs)
     clock = clock_correction(logs, engines)
     ranks = _ranks(logs)
