@@ -87,6 +87,8 @@ class Arrow:
     line: Line = Line.SEND
     request_ids: tuple[str, ...] = ()
     side: str = P  # whose log recorded it
+    # Caused by something the peer sent (a receipt): at equal times it goes after the peer's items.
+    received: bool = False
 
 
 @attrs.frozen
@@ -97,6 +99,7 @@ class Note:
     kind: Kind
     request_ids: tuple[str, ...] = ()
     side: str = P
+    received: bool = False
 
 
 Item = Arrow | Note
@@ -294,6 +297,11 @@ def _link(logs: dict[str, SideLog]) -> _Links:
 
 
 # ------------------------------------------------------------------ records -> items
+# Stimuli that something the peer did brings (its message, or the completion
+# of a transfer with it).
+FROM_PEER = frozenset({"ConsumerDone", "LeaseHeartbeat", "ReadDone", "ReadFailed", "WriteDone", "WriteFailed",
+                       "PushDone", "PushRegistered", "HandshakeOk", "HandshakeFailed", "PeerDisconnected"})
+
 class _Builder:
     def __init__(self, logs: dict[str, SideLog], ranks: dict[str, list[int]], proxy: bool):
         self.logs = logs
@@ -338,10 +346,14 @@ class _Builder:
                 while (j + 1 < len(records) and type(records[j + 1].event).__name__ == "LeaseHeartbeat"
                        and records[j + 1].event.sender == r.event.sender and records[j + 1].t - r.t < 0.05):
                     j += 1
-                out += self.heartbeat_receipt(side, records[i:j + 1], r.t + shift)
+                out += [attrs.evolve(x, received=True)
+                        for x in self.heartbeat_receipt(side, records[i:j + 1], r.t + shift)]
                 i = j + 1
                 continue
-            out += self.record(side, r, r.t + shift)
+            items = self.record(side, r, r.t + shift)
+            if type(r.event).__name__ in FROM_PEER:
+                items = [attrs.evolve(x, received=True) for x in items]
+            out += items
             i += 1
         return out
 
@@ -498,13 +510,30 @@ def sides_of(p: EventLog | None, d: EventLog | None, p_source: str = "", d_sourc
 LOG_END_GAP = 1.0
 
 
-def _log_ends(logs: dict[str, SideLog], shift: dict[str, float], b: _Builder) -> list:
+def _log_ends(logs: dict[str, SideLog], shift: dict[str, float], b: _Builder) -> dict[str, Note]:
     ends = {side: log.records[-1].t + shift[side] for side, log in logs.items() if log.records}
     if len(ends) < 2:
         return []
     last = max(ends.values())
-    return [((t, 2, 0), Note(t, b.span(side), f"no more records in {side}'s log", Kind.LOG_END, (), side))
-            for side, t in ends.items() if t < last - LOG_END_GAP]
+    return {side: Note(t, b.span(side), f"no more records in {side}'s log", Kind.LOG_END, (), side)
+            for side, t in ends.items() if t < last - LOG_END_GAP}
+
+
+def merge(p_items: Sequence[Item], d_items: Sequence[Item]) -> list[Item]:
+    """One time line of two, each kept in its log's order.  At equal times
+    a receipt waits for the other side's items (a hand-driven or coarse
+    clock gives a READ and its completion notification one time)."""
+    out: list[Item] = []
+    i = j = 0
+    while i < len(p_items) and j < len(d_items):
+        a, b = p_items[i], d_items[j]
+        if a.t < b.t or (a.t == b.t and not (a.received and not b.received)):
+            out.append(a)
+            i += 1
+        else:
+            out.append(b)
+            j += 1
+    return out + list(p_items[i:]) + list(d_items[j:])
 
 
 def build(logs: dict[str, SideLog], selection: Selection | None = None) -> SequenceDiagram:
@@ -515,15 +544,12 @@ def build(logs: dict[str, SideLog], selection: Selection | None = None) -> Seque
     ranks = _ranks(logs)
     b = _Builder(logs, ranks, selection.proxy)
     shift = {P: 0.0, D: clock.shift or 0.0}
-    order = {P: 0, D: 1}
-    keyed = []
-    for side, log in logs.items():
-        for n, item in enumerate(b.items(side, log.records, shift[side])):
-            keyed.append(((item.t, order[side], n), item))
-    keyed += _log_ends(logs, shift, b)
-    keyed.sort(key=lambda k: k[0])
-    t0 = keyed[0][1].t if keyed else 0.0
-    items = [attrs.evolve(item, t=item.t - t0) for _, item in keyed]
+    per_side = {side: b.items(side, logs[side].records, shift[side]) if side in logs else [] for side in SIDES}
+    for side, end in _log_ends(logs, shift, b).items():
+        per_side[side].append(end)
+    merged = merge(per_side[P], per_side[D])
+    t0 = merged[0].t if merged else 0.0
+    items = [attrs.evolve(item, t=item.t - t0) for item in merged]
     if selection.request_ids:
         group = _link(logs).group(selection.request_ids)
         items = [i for i in items if not i.request_ids or group.intersection(i.request_ids)]
