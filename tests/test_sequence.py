@@ -69,7 +69,7 @@ def test_grant_read_completion_free_in_order(diagram):
     grant = kinds(items, Kind.GRANT, "r1")[0]
     read = kinds(items, Kind.READ, "d1")[0]
     done = kinds(items, Kind.READ_DONE, "d1")[0]
-    notif = [a for a in kinds(items, Kind.NOTIF) if a.text.startswith("notif r1:")][0]
+    notif = next(a for a in kinds(items, Kind.NOTIF) if a.text.startswith("notif r1:"))
     free = kinds(items, Kind.FREE, "r1")[0]
     assert index(diagram, grant) < index(diagram, read) < index(diagram, notif) < index(diagram, free)
     assert index(diagram, read) < index(diagram, done)
