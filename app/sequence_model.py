@@ -303,8 +303,9 @@ FROM_PEER = frozenset({"ConsumerDone", "LeaseHeartbeat", "ReadDone", "ReadFailed
                        "PushDone", "PushRegistered", "HandshakeOk", "HandshakeFailed", "PeerDisconnected"})
 
 class _Builder:
-    def __init__(self, logs: dict[str, SideLog], ranks: dict[str, list[int]], proxy: bool):
+    def __init__(self, logs: dict[str, SideLog], ranks: dict[str, list[int]], proxy: bool, shift: float | None):
         self.logs = logs
+        self.shift = shift  # D's clock onto P's; None: unknown
         self.ranks = ranks
         self.proxy = proxy
         # Messages a sender's log records: drawn at the send, so the receipt is not drawn again.
@@ -408,7 +409,7 @@ class _Builder:
             if self.proxy:
                 arrow(me, PROXY, f"kv_transfer_params of {rid}", Kind.PARAMS)
         elif name == "NewRequest":
-            text = f"request {rid} (reads {short_id(ev.remote_request_id)})"
+            text = f"request {rid} (reads {short_id(ev.remote_request_id)}{self.valid_for(side, ev, r.t)})"
             ids = (rid, ev.remote_request_id)
             if self.proxy:
                 arrow(PROXY, me, text, Kind.REQUEST, request_ids=ids)
@@ -453,10 +454,18 @@ class _Builder:
             elif r.state_before != r.state_after:
                 note(f"timer {ev.kind} {key}: from {r.state_before} to {r.state_after}", Kind.TIMER, tid)
         for aname, a in _actions(r):
-            out += self.action(side, aname, a, t)
+            out += self.action(side, aname, a, t, f"{name} in {r.state_before}")
         return out
 
-    def action(self, side: str, name: str, a: dict, t: float) -> list[Item]:
+    def valid_for(self, side: str, ev, t: float) -> str:
+        """How long the remote blocks stay valid, in words: their expiry is
+        in the remote's clock, moved onto ours with the known offset."""
+        if not _finite(ev.remote_expiry) or self.shift is None:
+            return ""
+        local = ev.remote_expiry + (self.shift if side == P else -self.shift)
+        return f", valid for {local - t:.2f} s" + ("" if ev.remote_renewable else " (fixed TTL)")
+
+    def action(self, side: str, name: str, a: dict, t: float, cause: str = "") -> list[Item]:
         peer = _peer(side)
         me = self.pid(side)
         rid = a.get("request_id")
@@ -487,7 +496,10 @@ class _Builder:
             return [Note(t, self.span(side), f"free {rid}: {len(a['block_ids'])} block(s){reason}", Kind.FREE, ids,
                          side)]
         if name == "ReportRecv" and not a.get("ok", True):
-            return [Note(t, self.span(side), f"recv {rid} failed: recompute", Kind.RECV_FAILED, ids, side)]
+            return [Note(t, self.span(side), f"recv {rid} failed ({cause}): recompute", Kind.RECV_FAILED, ids, side)]
+        if name == "GrantHold":
+            return [Note(t, self.span(side), f"hold {rid} for turn 2: {len(a['block_ids'])} block(s) (fixed TTL)",
+                         Kind.GRANT, ids, side)]
         if name.startswith("Refuse"):
             return [Note(t, self.span(side), f"refused {a.get('sender')} for {rid}: {a.get('reason')}",
                          Kind.REFUSED, ids, side)]
@@ -542,7 +554,7 @@ def build(logs: dict[str, SideLog], selection: Selection | None = None) -> Seque
     engines = engine_ids(logs)
     clock = clock_correction(logs, engines)
     ranks = _ranks(logs)
-    b = _Builder(logs, ranks, selection.proxy)
+    b = _Builder(logs, ranks, selection.proxy, clock.shift)
     shift = {P: 0.0, D: clock.shift or 0.0}
     per_side = {side: b.items(side, logs[side].records, shift[side]) if side in logs else [] for side in SIDES}
     for side, end in _log_ends(logs, shift, b).items():
