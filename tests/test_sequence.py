@@ -221,3 +221,28 @@ def test_run_writes_sample_diagrams_that_parse(tmp_path):
     d = S.diagram(summary["logs"]["P"], summary["logs"]["D"])
     check(render(d))
     assert d.clock.shift is not None and kinds(d.items, Kind.READ) and kinds(d.items, Kind.FREE)
+
+
+def _two_ranks(lines: list[str]) -> list[str]:
+    """D's log as if P ran two TP ranks: requests and heartbeats address both."""
+    out = []
+    for text in lines:
+        obj = json.loads(text)
+        if obj.get("event") == "NewRequest":
+            obj["data"]["remote_ranks"] = [0, 1]
+        for name, a in obj.get("actions", []):
+            if name in ("SendHeartbeat", "StartHeartbeat"):
+                a["ranks"] = [0, 1]
+        out.append(json.dumps(obj))
+    return out
+
+
+def test_a_participant_per_rank_when_the_log_shows_several(logs, diagram):
+    d = S.diagram(logs["P"], _two_ranks(logs["D"]))
+    assert [p.id for p in d.participants] == ["P_r0", "P_r1", "D"]
+    hb = kinds(d.items, Kind.HEARTBEAT)
+    assert len(hb) == 2 * len(kinds(diagram.items, Kind.HEARTBEAT))
+    assert {a.dst for a in hb} == {"P_r0", "P_r1"}
+    assert {a.dst for a in kinds(d.items, Kind.READ, "d1")} == {"P_r0", "P_r1"}
+    assert all(n.over == ("P_r0", "P_r1") for n in kinds(d.items, Kind.GRANT))
+    check(render(d))
