@@ -501,13 +501,13 @@ def run_job(opts: RunOptions, *, console=None) -> dict:
             summary = orch.run()
     finally:
         orch.stop_all()
-    # Sequence diagrams of a few requests, from the two event logs.
-    from .sequence import write_run_samples
-    summary["sequence_diagrams"] = write_run_samples(opts.out, summary["logs"]["P"], summary["logs"]["D"])
     path = os.path.join(opts.out, "summary.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1, default=str)
     summary["summary_path"] = path
+    # Sequence diagrams of a few requests, drawn from the finished event logs.
+    from .sequence import write_run_samples
+    summary["sequence_diagrams"] = write_run_samples(opts.out, summary["logs"]["P"], summary["logs"]["D"])
     return summary
 
 

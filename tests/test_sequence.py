@@ -203,6 +203,7 @@ def test_counterexample_is_written_as_a_sequence_diagram(tmp_path):
     assert "Note over P" in text and "D->>P" in text
 
 
+@pytest.mark.e2e
 def test_run_writes_sample_diagrams_that_parse(tmp_path):
     """A short real run (two processes, NIXL): sequence.mmd for the first
     requests, and ``kvplane sequence`` on its logs prints a diagram that parses."""
