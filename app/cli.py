@@ -114,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvplane.app.sequence import add_sequence_arguments
 
-    sq = sub.add_parser("sequence", help="both sides' event logs as one Mermaid sequence diagram")
+    sq = sub.add_parser("sequence", help="both sides' event logs as one Mermaid sequence diagram",
+                        formatter_class=p.formatter_class,
+                        description="Merge a prefill and a decode event log on one time line (D's clock corrected "
+                                    "with the handshake's clock offset) and draw it as a Mermaid sequenceDiagram.")
     add_sequence_arguments(sq)
     sq.set_defaults(fn=_sequence)
     return p

@@ -130,8 +130,7 @@ def add_sequence_arguments(p) -> None:
     p.add_argument("--to", dest="end", type=float, default=None, metavar="T",
                    help="only events up to T seconds after the first event")
     p.add_argument("--max-events", type=int, default=model.DEFAULT_MAX_EVENTS, metavar="N",
-                   help=f"draw at most N arrows and notes, saying how many were left out "
-                        f"(default {model.DEFAULT_MAX_EVENTS})")
+                   help="draw at most N arrows and notes, saying how many were left out")
     p.add_argument("--proxy", action="store_true",
                    help="draw the proxy that forwarded kv_transfer_params (as kvplane run's parent does)")
 
