@@ -247,3 +247,8 @@ def test_a_participant_per_rank_when_the_log_shows_several(logs, diagram):
     assert {a.dst for a in kinds(d.items, Kind.READ, "d1")} == {"P_r0", "P_r1"}
     assert all(n.over == ("P_r0", "P_r1") for n in kinds(d.items, Kind.GRANT))
     check(render(d))
+
+
+def test_every_sequence_option_has_help():
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "cmd").choices["sequence"]
+    assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
