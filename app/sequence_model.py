@@ -564,7 +564,7 @@ def build(logs: dict[str, SideLog], selection: Selection | None = None) -> Seque
     items = [attrs.evolve(item, t=item.t - t0) for item in merged]
     if selection.request_ids:
         group = _link(logs).group(selection.request_ids)
-        items = [i for i in items if not i.request_ids or group.intersection(i.request_ids)]
+        items = [_for_group(i, group) for i in items if not i.request_ids or group.intersection(i.request_ids)]
     if selection.start is not None:
         items = [i for i in items if i.t >= selection.start]
     if selection.end is not None:
@@ -583,6 +583,14 @@ def build(logs: dict[str, SideLog], selection: Selection | None = None) -> Seque
             participants += [Participant(b.pid(side, k), f"{label} rank {k}", side) for k in ranks[side]]
     return SequenceDiagram(tuple(participants), tuple(items), clock, t0, left_out, tuple(logs.values()),
                            selection, engines)
+
+
+def _for_group(item: Item, group: set[str]) -> Item:
+    """A batch (heartbeats) that carries other requests too names the selected ones."""
+    if item.kind not in (Kind.HEARTBEAT, Kind.EXTEND) or len(item.request_ids) < 2:
+        return item
+    mine = [i for i in item.request_ids if i in group]
+    return attrs.evolve(item, text=f"{item.text} (incl. {_ids_text(mine)})")
 
 
 def link_group(logs: dict[str, SideLog], request_ids: Iterable[str]) -> set[str]:

@@ -120,6 +120,7 @@ def test_request_filter_keeps_a_request_and_its_peer(logs, diagram):
         assert not kinds(d.items, Kind.READ, "d2") and not kinds(d.items, Kind.GRANT, ODD_ID) and "d2" not in ids
         # Engine-wide items (the handshake) stay; heartbeat batches carrying r1 stay.
         assert kinds(d.items, Kind.HANDSHAKE) and kinds(d.items, Kind.HEARTBEAT)
+        assert all(a.text.endswith("(incl. r1)") for a in kinds(d.items, Kind.HEARTBEAT))
         assert len(d.items) < len(diagram.items)
 
 
