@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
-from kvplane.statemachines.eventlog import EmptyLog, EventLogError, read_log
+from kvplane.statemachines.eventlog import EmptyLog, EventLogError, MalformedLine, read_log
 
 from . import sequence_model as model
 from .sequence_mermaid import check, render
@@ -35,9 +35,10 @@ def read_side(side: str, source: str | Sequence[str]) -> SideLog:
     except EmptyLog:
         # A side killed before its first line: nothing to draw from it.
         return SideLog(side, (), name)
-    except EventLogError as exc:
+    except MalformedLine as exc:
         last = max((n for n, text in enumerate(lines, 1) if text.strip()), default=0)
-        if exc.line != last or last < 2:
+        torn = exc.message.startswith(("not JSON", "not UTF-8"))
+        if not torn or exc.line != last or last < 2:
             raise
         return SideLog(side, read_log(lines[:last - 1]).records, name, torn_tail=last)
 
@@ -162,16 +163,18 @@ def write_run_samples(out_dir: str, p_log: str, d_log: str) -> list[str]:
     """``kvplane run``'s diagrams under ``out_dir``: ``sequence.mmd`` for the
     first requests, ``sequence-failed.mmd`` for a failed one if any.  Never
     fails the run: an unreadable log writes nothing."""
+    written: list[str] = []
     try:
         logs = {P: read_side(P, p_log), D: read_side(D, d_log)}
-    except (EventLogError, OSError):
-        return []
-    first, failed = sample_requests(logs)
-    written = []
-    for name, ids in (("sequence.mmd", first), ("sequence-failed.mmd", failed)):
-        if ids:
-            d = model.build(logs, Selection(request_ids=ids, proxy=True))
-            written += write(d, os.path.join(out_dir, name), svg=False)
+        first, failed = sample_requests(logs)
+        for name, ids in (("sequence.mmd", first), ("sequence-failed.mmd", failed)):
+            if ids:
+                d = model.build(logs, Selection(request_ids=ids, proxy=True))
+                written += write(d, os.path.join(out_dir, name), svg=False)
+    except (OSError, ValueError, KeyError, TypeError):
+        # An unreadable log (EventLogError is a ValueError) or a diagram bug
+        # must not fail the job that produced the logs.
+        pass
     return written
 
 
