@@ -212,13 +212,19 @@ def _explore_args(args: Any) -> argparse.Namespace:
 
 
 def write_violation(v: Violation, prefix: str) -> list[str]:
-    """Write ``<prefix>.<plane>.jsonl`` per plane (replayable); returns the paths."""
+    """Write ``<prefix>.<plane>.jsonl`` per plane (replayable); returns those
+    paths.  Also writes the counterexample as a sequence diagram,
+    ``<prefix>.mmd`` (not in the list: the list is what replays)."""
+    from kvplane.app.sequence import violation_diagram
+
     paths = []
     for name, lines in v.logs.items():
         path = f"{prefix}.{name}.jsonl"
         with open(path, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
         paths.append(path)
+    with open(f"{prefix}.mmd", "w", encoding="utf-8") as f:
+        f.write(violation_diagram(v.logs, str(v).splitlines()))
     return paths
 
 

@@ -105,6 +105,12 @@ def _run(args) -> int:
     return cmd_run(args)
 
 
+def _sequence(args) -> int:
+    from kvplane.app.sequence import cmd_sequence
+
+    return cmd_sequence(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvplane", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
@@ -153,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      "that nothing leaks, and write the event logs and summary.json under --out.")
     add_run_arguments(run)
     run.set_defaults(fn=_run)
+
+    from kvplane.app.sequence import add_sequence_arguments
+
+    sq = sub.add_parser("sequence", help="both sides' event logs as one Mermaid sequence diagram",
+                        formatter_class=p.formatter_class,
+                        description="Merge a prefill and a decode event log on one time line (D's clock corrected "
+                                    "with the handshake's clock offset) and draw it as a Mermaid sequenceDiagram.")
+    add_sequence_arguments(sq)
+    sq.set_defaults(fn=_sequence)
     return p
 
 

@@ -530,6 +530,9 @@ def run_job(opts: RunOptions, *, console=None) -> dict:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1, default=str)
     summary["summary_path"] = path
+    # Sequence diagrams of a few requests, drawn from the finished event logs.
+    from .sequence import write_run_samples
+    summary["sequence_diagrams"] = write_run_samples(opts.out, summary["logs"]["P"], summary["logs"]["D"])
     return summary
 
 

@@ -1,0 +1,187 @@
+"""``kvplane sequence``: both sides' event logs as one Mermaid sequence
+diagram, plus the diagrams ``kvplane run`` and ``kvplane explore`` write.
+
+The model (records -> arrows and notes) is ``sequence_model``, the text
+``sequence_mermaid``; this module reads logs, picks requests and writes
+files (an SVG too when the Mermaid CLI ``mmdc`` is on PATH).
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from typing import TextIO
+
+from kvplane.statemachines.eventlog import EmptyLog, EventLogError, MalformedLine, read_log
+
+from . import sequence_model as model
+from .sequence_mermaid import check, render
+from .sequence_model import D, P, Selection, SequenceDiagram, SideLog
+
+OK, FAILED, BAD_INPUT = 0, 1, 2
+NO_MMDC = "note: Mermaid CLI `mmdc` not found on PATH; wrote Mermaid only (npm install -g @mermaid-js/mermaid-cli for SVG)"
+
+
+def read_side(side: str, source: str | Sequence[str]) -> SideLog:
+    """One side's log.  A killed writer can leave a torn last line: that line
+    is left out (and said so in the diagram); any other bad line is an error."""
+    lines = _lines(source)
+    name = source if isinstance(source, str) else ""
+    try:
+        return SideLog(side, read_log(lines).records, name)
+    except EmptyLog:
+        # A side killed before its first line: nothing to draw from it.
+        return SideLog(side, (), name)
+    except MalformedLine as exc:
+        last = max((n for n, text in enumerate(lines, 1) if text.strip()), default=0)
+        torn = exc.message.startswith(("not JSON", "not UTF-8"))
+        if not torn or exc.line != last or last < 2:
+            raise
+        return SideLog(side, read_log(lines[:last - 1]).records, name, torn_tail=last)
+
+
+def _lines(source: str | Sequence[str]) -> list:
+    if isinstance(source, str):
+        with open(source, "rb") as f:
+            return f.read().split(b"\n")
+    return list(source)
+
+
+def diagram(p: str | Sequence[str], d: str | Sequence[str], selection: Selection | None = None) -> SequenceDiagram:
+    """The model of two logs (paths, or their lines)."""
+    return model.build({P: read_side(P, p), D: read_side(D, d)}, selection or Selection())
+
+
+def write(d: SequenceDiagram, path: str, *, svg: bool = True, say: TextIO | None = None) -> list[str]:
+    """Write ``path`` (Mermaid) and, when ``mmdc`` is on PATH, the SVG beside it; returns what was written."""
+    text = render(d)
+    check(text)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    written = [path]
+    if svg:
+        mmdc = shutil.which("mmdc")
+        if mmdc is None:
+            if say is not None:
+                print(NO_MMDC, file=say)
+        else:
+            out = os.path.splitext(path)[0] + ".svg"
+            try:
+                subprocess.run([mmdc, "-i", path, "-o", out], check=True, capture_output=True, timeout=120)
+                written.append(out)
+            except (OSError, subprocess.SubprocessError) as exc:
+                if say is not None:
+                    print(f"note: mmdc failed ({exc}); wrote Mermaid only", file=say)
+    return written
+
+
+def cmd_sequence(args) -> int:
+    err = sys.stderr
+    if args.max_events < 1:
+        print(f"kvplane sequence: --max-events must be >= 1, got {args.max_events}", file=err)
+        return BAD_INPUT
+    for name in ("start", "end"):
+        v = getattr(args, name)
+        if v is not None and not math.isfinite(v):
+            print(f"kvplane sequence: --{'from' if name == 'start' else 'to'} must be a finite number", file=err)
+            return BAD_INPUT
+    try:
+        logs = {P: read_side(P, args.p_log), D: read_side(D, args.d_log)}
+    except (EventLogError, OSError) as exc:
+        print(f"kvplane sequence: cannot read the logs: {exc}", file=err)
+        return BAD_INPUT
+    if not any(log.records for log in logs.values()):
+        print("kvplane sequence: both logs are empty", file=err)
+        return BAD_INPUT
+    requests = tuple(args.request or ())
+    unknown = [r for r in requests if r not in model.known_ids(logs)]
+    if unknown:
+        print(f"kvplane sequence: request(s) {', '.join(map(repr, unknown))} appear in neither log", file=err)
+        return BAD_INPUT
+    sel = Selection(request_ids=requests, start=args.start, end=args.end, max_events=args.max_events,
+                    proxy=args.proxy)
+    d = model.build(logs, sel)
+    if args.out:
+        for path in write(d, args.out, say=err):
+            print(f"wrote {os.path.abspath(path)}", file=err)
+    else:
+        text = render(d)
+        check(text)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    if d.left_out:
+        print(f"note: {d.left_out} event(s) left out past --max-events {args.max_events}", file=err)
+    return OK
+
+
+def add_sequence_arguments(p) -> None:
+    p.add_argument("p_log", metavar="P.jsonl", help="the prefill side's event log")
+    p.add_argument("d_log", metavar="D.jsonl", help="the decode side's event log")
+    p.add_argument("-o", "--out", default=None, help="write this .mmd file (and an .svg when mmdc is on PATH) "
+                                                     "instead of printing to stdout")
+    p.add_argument("--request", action="append", metavar="ID",
+                   help="only this request (either side's id; its peer on the other side comes with it); "
+                        "repeatable")
+    p.add_argument("--from", dest="start", type=float, default=None, metavar="T",
+                   help="only events T seconds or later after the first event")
+    p.add_argument("--to", dest="end", type=float, default=None, metavar="T",
+                   help="only events up to T seconds after the first event")
+    p.add_argument("--max-events", type=int, default=model.DEFAULT_MAX_EVENTS, metavar="N",
+                   help="draw at most N arrows and notes, saying how many were left out")
+    p.add_argument("--proxy", action="store_true",
+                   help="draw the proxy that forwarded kv_transfer_params (as kvplane run's parent does)")
+
+
+# ------------------------------------------------------------------ kvplane run / explore
+SAMPLE_REQUESTS = 2
+
+
+def sample_requests(logs: dict[str, SideLog]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The first few P requests, and one that failed (a failed recv, or a lease
+    that expired instead of being read), if any."""
+    first: list[str] = []
+    for r in logs[P].records if P in logs else ():
+        if type(r.event).__name__ == "LeaseGranted" and r.event.renewable and r.event.request_id not in first:
+            first.append(r.event.request_id)
+    failed: list[str] = []
+    for log in logs.values():
+        for r in log.records:
+            name = type(r.event).__name__
+            if name == "TimerFired" and r.event.kind == "lease" and r.state_after == "EXPIRED":
+                failed.append(str(r.event.key))
+            for a_name, a in r.actions or ():
+                if a_name == "ReportRecv" and not a.get("ok", True):
+                    failed.append(a["request_id"])
+    return tuple(first[:SAMPLE_REQUESTS]), tuple(failed[:1])
+
+
+def write_run_samples(out_dir: str, p_log: str, d_log: str) -> list[str]:
+    """``kvplane run``'s diagrams under ``out_dir``: ``sequence.mmd`` for the
+    first requests, ``sequence-failed.mmd`` for a failed one if any.  Never
+    fails the run: an unreadable log writes nothing."""
+    written: list[str] = []
+    try:
+        logs = {P: read_side(P, p_log), D: read_side(D, d_log)}
+        first, failed = sample_requests(logs)
+        for name, ids in (("sequence.mmd", first), ("sequence-failed.mmd", failed)):
+            if ids:
+                d = model.build(logs, Selection(request_ids=ids, proxy=True))
+                written += write(d, os.path.join(out_dir, name), svg=False)
+    except (OSError, ValueError, KeyError, TypeError):
+        # An unreadable log (EventLogError is a ValueError) or a diagram bug
+        # must not fail the job that produced the logs.
+        pass
+    return written
+
+
+def violation_diagram(logs: dict[str, Iterable[str]], title: Sequence[str] = ()) -> str:
+    """The explorer's counterexample (its planes' in-memory JSONL lines) as
+    Mermaid text; ``title``: the violation, one comment line each."""
+    sides = {side: read_side(side, list(lines)) for side, lines in logs.items() if side in (P, D)}
+    text = render(model.build(sides, Selection(max_events=10_000)), title)
+    check(text)
+    return text
