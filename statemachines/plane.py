@@ -370,30 +370,56 @@ def _tuple_getter(names: tuple[str, ...]) -> Callable:
     return lambda obj: ()
 
 
+def _keyword_maker(cls: type, names: tuple[str, ...]) -> Callable:
+    """make(v0, v1, ...) -> cls(name0=v0, name1=v1, ...).
+
+    Events take keyword arguments only; building the keyword dict per call
+    (``cls(**dict(zip(names, values)))``) cost about as much as the event.
+    The maker is compiled once per wire from the event's own field names,
+    the way attrs compiles ``__init__``."""
+    for name in names:
+        if not name.isidentifier():
+            raise ValueError(f"{cls.__name__}: field name {name!r} is not an identifier")
+    params = ", ".join(f"v{i}" for i in range(len(names)))
+    call = ", ".join(f"{name}=v{i}" for i, name in enumerate(names))
+    return eval(f"lambda {params}: cls({call})", {"cls": cls})  # noqa: S307 (names checked above)
+
+
 def _wire_executor(w: Wire) -> Callable:
     """The internal-action handler that carries out one wire."""
     cls = w.event
-    # Fields copied from the action are read directly (the common case, and
-    # this runs for most internal actions); the rest through their getters.
+    # Fields copied from the action are read in one C call (the common case,
+    # and this runs for most internal actions); the rest through getters.
     copied = tuple((field, source.name) for field, source in w.fields if isinstance(source, ActionField))
-    copied_fields = tuple(field for field, _ in copied)
     read_copied = _tuple_getter(tuple(name for _, name in copied))
-    getters = tuple((field, _field_getter(source)) for field, source in w.fields
-                    if not isinstance(source, ActionField))
+    others = tuple((field, _field_getter(source)) for field, source in w.fields
+                   if not isinstance(source, ActionField))
+    getters = tuple(get for _, get in others)
+    make = _keyword_maker(cls, tuple(field for field, _ in copied) + tuple(field for field, _ in others))
     if isinstance(w.target, Requesters):
         requesters = w.target.field
 
         def fan_out(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
+            values = read_copied(a)
             for req in getattr(a, requesters):
-                kw = dict(zip(copied_fields, read_copied(a)))
-                for field, get in getters:
-                    kw[field] = get(plane, a, None, req)
-                queue.append(cls(**kw))
+                queue.append(make(*values, *[get(plane, a, None, req) for get in getters]))
 
         return fan_out
     kind = w.target
     key_of = _field_getter(dict(w.fields)[cls.key_field])
     needs_target = w.only_if_live or any(isinstance(source, TargetField) for _, source in w.fields)
+    if not needs_target and not getters:
+        def copy(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
+            queue.append(make(*read_copied(a)))
+
+        return copy
+
+    if not getters:  # only if the target is live: e.g. releasing an engine
+        def copy_if_live(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
+            if key_of(plane, a, None, None) in plane.instances[kind]:
+                queue.append(make(*read_copied(a)))
+
+        return copy_if_live
 
     def deliver(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
         inst = None
@@ -401,10 +427,7 @@ def _wire_executor(w: Wire) -> Callable:
             inst = plane.instances[kind].get(key_of(plane, a, None, None))
             if inst is None:
                 return
-        kw = dict(zip(copied_fields, read_copied(a)))
-        for field, get in getters:
-            kw[field] = get(plane, a, inst, None)
-        queue.append(cls(**kw))
+        queue.append(make(*read_copied(a), *[get(plane, a, inst, None) for get in getters]))
 
     return deliver
 
