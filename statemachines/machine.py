@@ -96,7 +96,9 @@ class Machine:
                 raise ProtocolViolation(self.name, inst.key, inst.state, event, reason)
             if effect is not None:
                 effect(inst, event, config, now)
-            actions = [b(inst, event, config, now) for b in builders]
+            # (A comprehension is a call of its own before Python 3.12: skip it
+            # for the many rows that emit nothing.)
+            actions = [b(inst, event, config, now) for b in builders] if builders else []
             inst.state = dest
             dl = self._deadlines.get(dest)
             inst.deadline = None if dl is None else dl(inst, config, now)
