@@ -18,7 +18,7 @@ import attrs
 
 from .. import read_gate
 from ..actions import (
-    GrantHold, PostRead, ReleaseXfer, ReportRecv, SendNotif,
+    GrantHold, PostRead, ReportRecv, SendNotif,
     SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
 from ..base import Instance, TimerFired
@@ -30,6 +30,7 @@ from ..events import (
 from ..spec import Spec, State
 from ..table import error, ignore, on, rows
 from .engine_refs import acquire_engine, note_activity, release_engine
+from .transfers import cancel_xfer, release_xfer
 
 
 @attrs.define(slots=True)
@@ -151,18 +152,6 @@ def stop_heartbeat(r: DecodeRequest, ev, cfg, now) -> StopHeartbeat:
 @emits(PostRead)
 def post_read(r: DecodeRequest, ev, cfg, now) -> PostRead:
     return PostRead(r.key, r.engine_id, r.remote_request_id, r.block_ids, r.remote_block_ids, r.expected_consumers)
-
-
-@emits(ReleaseXfer)
-def release_xfer(r: DecodeRequest, ev, cfg, now) -> ReleaseXfer:
-    """The READ completed or failed: nothing is in flight."""
-    return ReleaseXfer(r.key, cancel=False)
-
-
-@emits(ReleaseXfer)
-def cancel_xfer(r: DecodeRequest, ev, cfg, now) -> ReleaseXfer:
-    """The READ may still be in flight (deadline, abort, engine lost)."""
-    return ReleaseXfer(r.key, cancel=True)
 
 
 @emits(SendNotif)

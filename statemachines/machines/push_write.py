@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import attrs
 
-from ..actions import ConsumeLease, PostWrite, ReleaseXfer
+from ..actions import ConsumeLease, PostWrite
 from ..base import Instance, TimerFired
 from ..emit import emits
 from ..events import (
@@ -39,6 +39,7 @@ from ..events import (
 from ..spec import Source, Spec, State
 from ..table import error, ignore, on, rows
 from .engine_refs import acquire_engine, note_activity, release_engine
+from .transfers import cancel_xfer, release_xfer
 from .lease import HELD as LEASE_HELD
 
 
@@ -116,18 +117,6 @@ def decoder_gives_up_first(p: PushWrite, ev: EngineReady, cfg, now) -> bool:
 def post_write(p: PushWrite, ev, cfg, now) -> PostWrite:
     # The transport attaches the completion notif "<remote_request_id>:1".
     return PostWrite(p.key, p.engine_id, p.remote_request_id, p.block_ids, p.remote_block_ids)
-
-
-@emits(ReleaseXfer)
-def release_xfer(p: PushWrite, ev, cfg, now) -> ReleaseXfer:
-    """The WRITE completed or failed: nothing is in flight."""
-    return ReleaseXfer(p.key, cancel=False)
-
-
-@emits(ReleaseXfer)
-def cancel_xfer(p: PushWrite, ev, cfg, now) -> ReleaseXfer:
-    """The WRITE may still be in flight (deadline, abort, engine or lease lost)."""
-    return ReleaseXfer(p.key, cancel=True)
 
 
 @emits(ConsumeLease)
