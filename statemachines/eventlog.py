@@ -449,10 +449,6 @@ def _schema(cls: type) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
     return schema
 
 
-def _always_checked(name: str, options: tuple[str, ...]) -> Callable[[Any], bool]:
-    return lambda v: _value_problem(name, options, v) is None
-
-
 def _all_indices(v: Any) -> bool:
     return v.__class__ is list and all(x.__class__ is int and x >= 0 for x in v)
 
@@ -461,32 +457,44 @@ def _all_strings(v: Any) -> bool:
     return v.__class__ is list and all(x.__class__ is str for x in v)
 
 
-# Fast sufficient checks for the common declared types: each accepts only
-# values ``_value_problem`` accepts (exact JSON types, no subclasses); a
-# value one refuses goes through ``_value_problem`` for the verdict.
-_FAST_CHECKS: dict[tuple[str, ...], Callable[[Any], bool]] = {
-    ("str",): lambda v: v.__class__ is str,
-    ("str", "None"): lambda v: v is None or v.__class__ is str,
-    ("int",): lambda v: v.__class__ is int,
-    ("bool",): lambda v: v.__class__ is bool,
-    ("float",): lambda v: v.__class__ is float or v.__class__ is int,
-    ("float", "None"): lambda v: v is None or v.__class__ is float or v.__class__ is int,
+# Fast sufficient checks of a JSON value ``v`` for the common declared types,
+# as expressions: each accepts only values ``_value_problem`` accepts (exact
+# JSON types, no subclasses).  A value one refuses sends the whole object
+# through ``_build_reporting``, which decides and names the problem.
+_FAST_CHECKS: dict[tuple[str, ...], str] = {
+    ("str",): "v.__class__ is str",
+    ("str", "None"): "(v is None or v.__class__ is str)",
+    ("int",): "v.__class__ is int",
+    ("bool",): "v.__class__ is bool",
+    ("float",): "(v.__class__ is float or v.__class__ is int)",
+    ("float", "None"): "(v is None or v.__class__ is float or v.__class__ is int)",
+    ("Any",): "v.__class__ is str",  # timer keys: mostly string ids
 }
-_FAST_SCHEMAS: dict[type, tuple[tuple[str, Callable[[Any], bool], bool], ...]] = {}
+_FAST_BUILDS: dict[type, Callable[[dict], dict | None]] = {}
 
 
-def _fast_schema(cls: type) -> tuple[tuple[str, Callable[[Any], bool], bool], ...]:
-    """(field name, a check of its JSON value, has a converter) for each field."""
-    fast = _FAST_SCHEMAS.get(cls)
+def _fast_kwargs(cls: type) -> Callable[[dict], dict | None]:
+    """A function from an object's JSON fields to the keyword arguments of
+    ``cls``, or None where a value needs the full check (or a key is not a
+    field): generated from the schema, one straight line per field."""
+    fast = _FAST_BUILDS.get(cls)
     if fast is None:
-        rows = []
+        body = ["def kwargs(data):", "    kw = {}"]
         for name, options, converts in _schema(cls):
             check = _FAST_CHECKS.get(options)
             if check is None and options == ("tuple",):
                 kind = _TUPLE_ELEMENTS.get(name)
-                check = _all_indices if kind is _INDEX else _all_strings if kind is _STR else None
-            rows.append((name, check or _always_checked(name, options), converts))
-        fast = _FAST_SCHEMAS[cls] = tuple(rows)
+                check = "_all_indices(v)" if kind is _INDEX else "_all_strings(v)" if kind is _STR else None
+            if check is None:
+                check = "False"  # no fast rule: the full check
+            # A converter restores its own tuples; elsewhere lists were tuples.
+            value = "v" if converts else "(v if v.__class__ is not list else _tuplify(v))"
+            body += [f"    if {name!r} in data:", f"        v = data[{name!r}]",
+                     f"        if not {check}:", "            return None", f"        kw[{name!r}] = {value}"]
+        body.append("    return kw if len(kw) == len(data) else None")
+        scope = {"_all_indices": _all_indices, "_all_strings": _all_strings, "_tuplify": _tuplify}
+        exec("\n".join(body), scope)
+        fast = _FAST_BUILDS[cls] = scope["kwargs"]
     return fast
 
 
@@ -496,15 +504,8 @@ def build(registry: dict[str, type], name: str, data: Any, line: int, what: str)
         raise UnknownEvent(line, f"unknown {what} {_short(name)}")
     if not isinstance(data, dict):
         raise MalformedLine(line, f"{what} data must be an object, got {_json_type(data)}")
-    kwargs = {}
-    for field, ok, converts in _FAST_SCHEMAS.get(cls) or _fast_schema(cls):
-        if field in data:
-            v = data[field]
-            if not ok(v):
-                return _build_reporting(cls, name, data, line, what)
-            # A converter restores its own tuples; elsewhere lists were tuples.
-            kwargs[field] = v if converts or v.__class__ is not list else _tuplify(v)
-    if len(kwargs) != len(data):
+    kwargs = (_FAST_BUILDS.get(cls) or _fast_kwargs(cls))(data)
+    if kwargs is None:
         return _build_reporting(cls, name, data, line, what)
     try:
         return cls(**kwargs)
@@ -622,6 +623,18 @@ def _optional_str(obj: dict, key: str, line: int) -> str | None:
     return value
 
 
+def _str_or_none(v: Any) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def _action_shapes(actions: list) -> bool:
+    """Every action is ``[name, {fields}]``."""
+    for a in actions:
+        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], dict)):
+            return False
+    return True
+
+
 def read_log(source) -> EventLog:
     """Parse a log from a path, an open file or an iterable of lines (str or bytes).
 
@@ -636,7 +649,7 @@ def read_log(source) -> EventLog:
     last_seq: int | None = None
     n = 0
     for n, text in enumerate(_iter_lines(source), start=1):
-        if isinstance(text, (str, bytes, bytearray)) and not text.strip():
+        if isinstance(text, (str, bytes, bytearray)) and (not text or text.isspace()):  # as strip(), no copy
             continue
         obj = parse_line(text, n)
         if "config" in obj and "event" not in obj:
@@ -667,15 +680,14 @@ def read_log(source) -> EventLog:
         recorded = "state_after" in obj or "actions" in obj
         actions = obj.get("actions")
         if recorded:
-            if not isinstance(actions, list) or not all(
-                isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], dict)
-                for a in actions
-            ):
+            if not isinstance(actions, list) or not _action_shapes(actions):
                 raise MalformedLine(n, "'actions' must be a list of [name, {fields}]")
             for a_name, a_data in actions:
                 build(ACTION_TYPES, a_name, a_data, n, "action")  # validates names and fields
-        machine = _optional_str(obj, "machine", n)
-        before, after = _optional_str(obj, "state_before", n), _optional_str(obj, "state_after", n)
+        machine, before, after = obj.get("machine"), obj.get("state_before"), obj.get("state_after")
+        if not (_str_or_none(machine) and _str_or_none(before) and _str_or_none(after)):
+            machine = _optional_str(obj, "machine", n)  # raises, naming the first bad one
+            before, after = _optional_str(obj, "state_before", n), _optional_str(obj, "state_after", n)
         records.append(LogRecord(n, seq, float(t), machine, event, data, recorded, before, after, actions))
     if not records:
         raise EmptyLog(n, "no event line")
