@@ -31,7 +31,7 @@ import io
 import json
 import math
 import os
-from typing import Any, Callable, Iterable, Iterator, TextIO, TypeGuard
+from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO, TypeGuard
 
 import attrs
 import orjson
@@ -141,6 +141,19 @@ def action_json(actions: Iterable) -> list:
     """Actions as ``[[name, {fields}], ...]`` with JSON types (tuples as lists)."""
     plains = _PLAINS
     return [[a.__class__.__name__, (plains.get(a.__class__) or _plain_getter(a.__class__))(a)] for a in actions]
+
+
+def same_actions(recorded: list, actions: Sequence) -> bool:
+    """``recorded == action_json(actions)``, without building the lists."""
+    if len(recorded) != len(actions):
+        return False
+    plains = _PLAINS
+    for entry, a in zip(recorded, actions):
+        cls = a.__class__
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == cls.__name__
+                and entry[1] == (plains.get(cls) or _plain_getter(cls))(a)):
+            return False
+    return True
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
