@@ -6,7 +6,6 @@ leases with heartbeats, on one plane.
 """
 from __future__ import annotations
 
-import gc
 import importlib.util
 import io
 import time
@@ -56,14 +55,9 @@ def run(quick: bool) -> list[Table]:
     rounds = 3 if quick else 5
     rec = Table("eventlog.record", f"Event log: recording cost (µs per top-level event, median of {rounds})",
                 ["configuration", "µs / event", "vs no recorder"])
-    res: dict[str, list[float]] = {"none": [], "buffer": [], "jsonl": [], "stimuli": []}
-    modes = list(res)
+    res = {"none": [], "buffer": [], "jsonl": [], "stimuli": []}
     for r in range(rounds):
-        # Each round starts with another mode, and every measurement with no
-        # garbage left by the previous one: neither the order nor a collection
-        # of another mode's objects lands on one configuration.
-        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-            gc.collect()
+        for mode in res:
             plane = ControlPlane(CFG)
             W.connect_plane(plane, 1000.0)
             events = _events(n, f"{mode}{r}")
@@ -104,7 +98,6 @@ def run(quick: bool) -> list[Table]:
     times = []
     result = None
     for _ in range(rounds):
-        gc.collect()
         t0 = time.perf_counter()
         result = replay(lines)
         times.append(time.perf_counter() - t0)
@@ -112,13 +105,9 @@ def run(quick: bool) -> list[Table]:
             len(lines) / median(times), lines=len(lines), seconds=median(times), lines_per_s=len(lines) / median(times))
     from kvplane.statemachines.eventlog import read_log
 
-    parses = []
-    for _ in range(rounds):
-        gc.collect()
-        t0 = time.perf_counter()
-        read_log(lines)
-        parses.append(time.perf_counter() - t0)
-    parse = median(parses)
+    t0 = time.perf_counter()
+    read_log(lines)
+    parse = time.perf_counter() - t0
     rep.add("of which: read_log (JSON parse, build events)", len(lines), parse, len(lines) / parse,
             lines=len(lines), seconds=parse)
     speed = len(lines) / median(times)
