@@ -22,8 +22,12 @@ Format (ARCHITECTURE.md, "Event log")::
 
 Recording is cheap enough to leave on: the recorder only appends the
 (immutable) event, the states and the action list to a buffer; ``flush``
-serializes.  All file I/O of ``statemachines`` lives in this module and
-takes paths or streams explicitly.
+serializes, with orjson (``json`` where the two would differ, see
+"encoding").  Lines are the same JSON objects as ever; only the text may
+differ from what ``json.dumps`` wrote (non-ASCII characters as UTF-8, not
+``\\u`` escapes; floats in orjson's shortest form), which every JSON reader,
+this one included, reads as the same values.  All file I/O of
+``statemachines`` lives in this module and takes paths or streams explicitly.
 """
 from __future__ import annotations
 
