@@ -22,8 +22,12 @@ Format (ARCHITECTURE.md, "Event log")::
 
 Recording is cheap enough to leave on: the recorder only appends the
 (immutable) event, the states and the action list to a buffer; ``flush``
-serializes.  All file I/O of ``statemachines`` lives in this module and
-takes paths or streams explicitly.
+serializes, with orjson (``json`` where the two would differ, see
+"encoding").  Lines are the same JSON objects as ever; only the text may
+differ from what ``json.dumps`` wrote (non-ASCII characters as UTF-8, not
+``\\u`` escapes; floats in orjson's shortest form), which every JSON reader,
+this one included, reads as the same values.  All file I/O of
+``statemachines`` lives in this module and takes paths or streams explicitly.
 """
 from __future__ import annotations
 
@@ -31,9 +35,10 @@ import io
 import json
 import math
 import os
-from typing import Any, Iterable, Iterator, TextIO, TypeGuard
+from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO, TypeGuard
 
 import attrs
+import orjson
 
 from .actions import ALL_ACTIONS
 from .base import ArmTimer, CancelTimer, Event
@@ -69,7 +74,17 @@ class UnsupportedVersion(EventLogError):
 
 
 # ------------------------------------------------------------------ encoding
+# orjson writes the same JSON objects as ``json.dumps`` (same keys in the same
+# order, tuples as lists) several times faster.  Where the two would differ
+# a line is written by ``json`` as before: orjson turns NaN and infinities
+# into null (json writes NaN, which the reader refuses: a log keeps saying
+# what was recorded) and refuses integers past 64 bits.
 _FIELDS: dict[type, tuple[str, ...]] = {}
+_GETTERS: dict[type, Callable[[Any], dict]] = {}
+# Per class: None, or a check that every field which may hold a float
+# (declared float or Any, or a tuple of anything but indices and strings)
+# is finite.
+_CHECKS: dict[type, Callable[[Any], bool] | None] = {}
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -79,9 +94,45 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return names
 
 
+def _getter(cls: type) -> Callable[[Any], dict]:
+    """A function building the fields dict of an instance of ``cls``: a dict
+    display over the field names (attribute names are identifiers), about
+    three times faster than looping over them.  Also prepares its check."""
+    get = _GETTERS.get(cls)
+    if get is None:
+        names = _field_names(cls)
+        assert all(n.isidentifier() for n in names)
+        get = _GETTERS[cls] = eval("lambda o: {" + ", ".join(f"{n!r}: o.{n}" for n in names) + "}")
+        checks = [_check_expr(n, options) for n, options, _ in _schema(cls)]
+        floaty = [c for c in checks if c is not None]
+        _CHECKS[cls] = eval("lambda o: " + " and ".join(floaty), {"_finite": _finite}) if floaty else None
+    return get
+
+
+def _check_expr(name: str, options: tuple[str, ...]) -> str | None:
+    """The finiteness check of field ``name`` as an expression over ``o``, or
+    None for a field that cannot hold a float (indices, strings, bools)."""
+    if "tuple" in options:
+        return None if _TUPLE_ELEMENTS.get(name) in (_INDEX, _STR) else f"_finite(o.{name})"
+    if set(options) <= {"str", "int", "bool", "None"}:
+        return None
+    if set(options) <= {"float", "int", "None"}:  # inline: x - x is 0.0 for a finite float only
+        return f"(o.{name}.__class__ is not float or o.{name} - o.{name} == 0.0)"
+    return f"(o.{name}.__class__ is str or _finite(o.{name}))"  # Any: mostly string ids
+
+
+def _finite(v: Any) -> bool:
+    if v.__class__ is float:
+        return math.isfinite(v)
+    if isinstance(v, (tuple, list)):
+        return all(_finite(x) for x in v)
+    return True
+
+
 def fields_of(obj: Any) -> dict:
     """The attrs fields of an event or action as a dict (values not copied)."""
-    return {n: getattr(obj, n) for n in _field_names(type(obj))}
+    cls = type(obj)
+    return (_GETTERS.get(cls) or _getter(cls))(obj)
 
 
 def _json_default(value: Any) -> Any:
@@ -92,11 +143,47 @@ def _json_default(value: Any) -> Any:
 
 def action_json(actions: Iterable) -> list:
     """Actions as ``[[name, {fields}], ...]`` with JSON types (tuples as lists)."""
-    return [[type(a).__name__, _plain(fields_of(a))] for a in actions]
+    plains = _PLAINS
+    return [[a.__class__.__name__, (plains.get(a.__class__) or _plain_getter(a.__class__))(a)] for a in actions]
+
+
+def same_actions(recorded: list, actions: Sequence) -> bool:
+    """``recorded == action_json(actions)``, without building the lists."""
+    if len(recorded) != len(actions):
+        return False
+    plains = _PLAINS
+    for entry, a in zip(recorded, actions):
+        cls = a.__class__
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == cls.__name__
+                and entry[1] == (plains.get(cls) or _plain_getter(cls))(a)):
+            return False
+    return True
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_PLAINS: dict[type, Callable[[Any], dict]] = {}
+
+
+def _plain_getter(cls: type) -> Callable[[Any], dict]:
+    """``_plain(fields_of(obj))`` for an instance of ``cls``, generated like
+    ``_getter``: scalars are taken as they are, anything else made plain."""
+    get = _PLAINS.get(cls)
+    if get is None:
+        names = _field_names(cls)
+        assert all(n.isidentifier() for n in names)
+        get = _PLAINS[cls] = eval(
+            "lambda o: {" + ", ".join(f"{n!r}: o.{n} if o.{n}.__class__ in S else _plain(o.{n})" for n in names) + "}",
+            {"S": _SCALARS, "_plain": _plain})
+    return get
 
 
 def _plain(value: Any) -> Any:
     # The JSON round trip, without the string: what a loaded line compares equal to.
+    cls = value.__class__
+    if cls in _SCALARS:
+        return value
+    if cls is tuple or cls is list:
+        return [v if v.__class__ in _SCALARS else _plain(v) for v in value]
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -106,16 +193,39 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def encode(seq: int, event: Event, now: float, label: str, before: str | None, after: str | None,
-           actions: Iterable | None) -> str:
-    """One log line (no newline).  ``actions`` None writes a stimuli-only line."""
-    rec = {"v": LOG_VERSION, "seq": seq, "t": now, "machine": label, "event": type(event).__name__,
-           "data": fields_of(event)}
+def _line_bytes(seq: int, event: Event, now: float, label: str, before: str | None, after: str | None,
+                actions: Iterable | None) -> bytes:
+    # One line; the hot loop of ``flush``, hence the locals.  ``now`` needs
+    # no check: the plane refuses a non-finite time.
+    getters, checks = _GETTERS, _CHECKS
+    cls = event.__class__
+    rec = {"v": LOG_VERSION, "seq": seq, "t": now, "machine": label, "event": cls.__name__,
+           "data": (getters.get(cls) or _getter(cls))(event)}
+    check = checks[cls]
+    finite = check is None or check(event)
     if actions is not None:
         rec["state_before"] = before
         rec["state_after"] = after
-        rec["actions"] = [[type(a).__name__, fields_of(a)] for a in actions]
-    return json.dumps(rec, separators=(",", ":"), default=_json_default)
+        acts = []
+        for a in actions:
+            cls = a.__class__
+            acts.append([cls.__name__, (getters.get(cls) or _getter(cls))(a)])
+            check = checks[cls]
+            if check is not None and not check(a):
+                finite = False
+        rec["actions"] = acts
+    if finite:
+        try:
+            return orjson.dumps(rec, default=_json_default)
+        except orjson.JSONEncodeError:  # an integer past 64 bits: json writes it (the reader refuses it)
+            pass
+    return json.dumps(rec, separators=(",", ":"), default=_json_default).encode("utf-8")
+
+
+def encode(seq: int, event: Event, now: float, label: str, before: str | None, after: str | None,
+           actions: Iterable | None) -> str:
+    """One log line (no newline).  ``actions`` None writes a stimuli-only line."""
+    return _line_bytes(seq, event, now, label, before, after, actions).decode("utf-8")
 
 
 def header(config: PlaneConfig) -> str:
@@ -157,14 +267,16 @@ class EventLogWriter:
         buf, self._buf = self._buf, []
         seq = self.seq
         only = self.stimuli_only
+        line = _line_bytes
         lines = []
         for step in buf:
             seq += 1
-            lines.append(encode(seq, step.event, step.now, step.machine, step.state_before, step.state_after,
-                                None if only else step.actions))
+            lines.append(line(seq, step.event, step.now, f"{step.kind}:{step.key}", step.state_before,
+                              step.state_after, None if only else step.actions))
         self.seq = seq
         if lines:
-            self.stream.write("\n".join(lines) + "\n")
+            lines.append(b"")
+            self.stream.write(b"\n".join(lines).decode("utf-8"))
         self.stream.flush() if hasattr(self.stream, "flush") else None
 
     def close(self) -> None:
@@ -354,12 +466,72 @@ def _schema(cls: type) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
     return schema
 
 
+def _all_indices(v: Any) -> bool:
+    return v.__class__ is list and all(x.__class__ is int and x >= 0 for x in v)
+
+
+def _all_strings(v: Any) -> bool:
+    return v.__class__ is list and all(x.__class__ is str for x in v)
+
+
+# Fast sufficient checks of a JSON value ``v`` for the common declared types,
+# as expressions: each accepts only values ``_value_problem`` accepts (exact
+# JSON types, no subclasses).  A value one refuses sends the whole object
+# through ``_build_reporting``, which decides and names the problem.
+_FAST_CHECKS: dict[tuple[str, ...], str] = {
+    ("str",): "v.__class__ is str",
+    ("str", "None"): "(v is None or v.__class__ is str)",
+    ("int",): "v.__class__ is int",
+    ("bool",): "v.__class__ is bool",
+    ("float",): "(v.__class__ is float or v.__class__ is int)",
+    ("float", "None"): "(v is None or v.__class__ is float or v.__class__ is int)",
+    ("Any",): "v.__class__ is str",  # timer keys: mostly string ids
+}
+_FAST_BUILDS: dict[type, Callable[[dict], dict | None]] = {}
+
+
+def _fast_kwargs(cls: type) -> Callable[[dict], dict | None]:
+    """A function from an object's JSON fields to the keyword arguments of
+    ``cls``, or None where a value needs the full check (or a key is not a
+    field): generated from the schema, one straight line per field."""
+    fast = _FAST_BUILDS.get(cls)
+    if fast is None:
+        body = ["def kwargs(data):", "    kw = {}"]
+        for name, options, converts in _schema(cls):
+            check = _FAST_CHECKS.get(options)
+            if check is None and options == ("tuple",):
+                kind = _TUPLE_ELEMENTS.get(name)
+                check = "_all_indices(v)" if kind is _INDEX else "_all_strings(v)" if kind is _STR else None
+            if check is None:
+                check = "False"  # no fast rule: the full check
+            # A converter restores its own tuples; elsewhere lists were tuples.
+            value = "v" if converts else "(v if v.__class__ is not list else _tuplify(v))"
+            body += [f"    if {name!r} in data:", f"        v = data[{name!r}]",
+                     f"        if not {check}:", "            return None", f"        kw[{name!r}] = {value}"]
+        body.append("    return kw if len(kw) == len(data) else None")
+        scope = {"_all_indices": _all_indices, "_all_strings": _all_strings, "_tuplify": _tuplify}
+        exec("\n".join(body), scope)
+        fast = _FAST_BUILDS[cls] = scope["kwargs"]
+    return fast
+
+
 def build(registry: dict[str, type], name: str, data: Any, line: int, what: str) -> Any:
     cls = registry.get(name)
     if cls is None:
         raise UnknownEvent(line, f"unknown {what} {_short(name)}")
     if not isinstance(data, dict):
         raise MalformedLine(line, f"{what} data must be an object, got {_json_type(data)}")
+    kwargs = (_FAST_BUILDS.get(cls) or _fast_kwargs(cls))(data)
+    if kwargs is None:
+        return _build_reporting(cls, name, data, line, what)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:  # a missing field, a validator
+        raise MalformedLine(line, f"bad {what} {name} data: {exc}") from None
+
+
+def _build_reporting(cls: type, name: str, data: dict, line: int, what: str) -> Any:
+    """``build`` field by field, naming the first problem."""
     kwargs = {}
     for field, options, converts in _schema(cls):
         if field in data:
@@ -367,7 +539,6 @@ def build(registry: dict[str, type], name: str, data: Any, line: int, what: str)
             problem = _value_problem(field, options, v)
             if problem is not None:
                 raise MalformedLine(line, f"{what} {name}: field {field!r} {problem}")
-            # A converter restores its own tuples; elsewhere lists were tuples.
             kwargs[field] = v if converts else _tuplify(v)
     extra = set(data) - set(kwargs)
     if extra:
@@ -403,22 +574,55 @@ def parse_config(obj: Any, line: int) -> PlaneConfig:
         raise MalformedLine(line, f"bad config: {exc}") from None
 
 
-def parse_line(text: str | bytes, line: int) -> dict:
-    if isinstance(text, (bytes, bytearray)):
+# orjson parses a line several times faster than ``json`` but bounds it
+# differently (an integer past 64 bits becomes a float; some versions nest
+# without limit): a line with a run of 19 digits or more, or with many
+# brackets, or one orjson refuses, is parsed by ``json`` with the bounds
+# above, which accepts or refuses it exactly as before, with its message.
+_MAX_FAST_BRACKETS = 200  # far below any nesting json refuses (the recursion limit)
+# Digits become "0", opening brackets "[", everything else a blank: one C
+# pass, then two substring searches (a regular expression costs 5x more).
+_SHAPE = bytes(0x30 if 0x30 <= i <= 0x39 else 0x5B if i in (0x5B, 0x7B) else 0x20 for i in range(256))
+_LONG_RUN = b"0" * 19
+
+
+def _orjson_agrees(raw: bytes) -> bool:
+    shape = raw.translate(_SHAPE)
+    return _LONG_RUN not in shape and shape.count(b"[") <= _MAX_FAST_BRACKETS
+
+
+def _loads(text: str | bytes, line: int) -> Any:
+    if isinstance(text, str):
+        raw = text.encode("utf-8", "surrogatepass")
+        if _orjson_agrees(raw):
+            try:
+                return orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                pass
+    elif isinstance(text, (bytes, bytearray)):
+        if _orjson_agrees(text):
+            try:
+                return orjson.loads(text)
+            except orjson.JSONDecodeError:
+                pass
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise MalformedLine(line, f"not UTF-8: byte {text[exc.start]:#04x} at column {exc.start + 1}") from None
-    elif not isinstance(text, str):
+    else:
         raise MalformedLine(line, f"a log line must be text, got {type(text).__name__}")
     try:
-        obj = _DECODER.decode(text)
+        return _DECODER.decode(text)
     except json.JSONDecodeError as exc:
         raise MalformedLine(line, f"not JSON: {exc.msg} at column {exc.colno}") from None
     except _BadNumber as exc:
         raise MalformedLine(line, f"bad number: {exc}") from None
     except RecursionError:
         raise MalformedLine(line, "JSON nested too deep") from None
+
+
+def parse_line(text: str | bytes, line: int) -> dict:
+    obj = _loads(text, line)
     if not isinstance(obj, dict):
         raise MalformedLine(line, "a log line must be a JSON object")
     v = obj.get("v")
@@ -436,6 +640,18 @@ def _optional_str(obj: dict, key: str, line: int) -> str | None:
     return value
 
 
+def _str_or_none(v: Any) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def _action_shapes(actions: list) -> bool:
+    """Every action is ``[name, {fields}]``."""
+    for a in actions:
+        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], dict)):
+            return False
+    return True
+
+
 def read_log(source) -> EventLog:
     """Parse a log from a path, an open file or an iterable of lines (str or bytes).
 
@@ -450,7 +666,7 @@ def read_log(source) -> EventLog:
     last_seq: int | None = None
     n = 0
     for n, text in enumerate(_iter_lines(source), start=1):
-        if isinstance(text, (str, bytes, bytearray)) and not text.strip():
+        if isinstance(text, (str, bytes, bytearray)) and (not text or text.isspace()):  # as strip(), no copy
             continue
         obj = parse_line(text, n)
         if "config" in obj and "event" not in obj:
@@ -481,15 +697,14 @@ def read_log(source) -> EventLog:
         recorded = "state_after" in obj or "actions" in obj
         actions = obj.get("actions")
         if recorded:
-            if not isinstance(actions, list) or not all(
-                isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], dict)
-                for a in actions
-            ):
+            if not isinstance(actions, list) or not _action_shapes(actions):
                 raise MalformedLine(n, "'actions' must be a list of [name, {fields}]")
             for a_name, a_data in actions:
                 build(ACTION_TYPES, a_name, a_data, n, "action")  # validates names and fields
-        machine = _optional_str(obj, "machine", n)
-        before, after = _optional_str(obj, "state_before", n), _optional_str(obj, "state_after", n)
+        machine, before, after = obj.get("machine"), obj.get("state_before"), obj.get("state_after")
+        if not (_str_or_none(machine) and _str_or_none(before) and _str_or_none(after)):
+            machine = _optional_str(obj, "machine", n)  # raises, naming the first bad one
+            before, after = _optional_str(obj, "state_before", n), _optional_str(obj, "state_after", n)
         records.append(LogRecord(n, seq, float(t), machine, event, data, recorded, before, after, actions))
     if not records:
         raise EmptyLog(n, "no event line")

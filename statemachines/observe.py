@@ -48,11 +48,17 @@ class ObservedMachine:
     """A machine (compiled or reference) that reports every ``apply`` and
     ``handle`` to an observer; everything else is the wrapped machine's."""
 
-    __slots__ = ("inner", "observer")
+    # The plane reads these on every dispatch: copied, not forwarded by
+    # ``__getattr__`` (a slot left unset, as for a machine without one, forwards).
+    _COPIED = ("name", "spec", "terminal_states", "new")
+    __slots__ = ("inner", "observer", *_COPIED)
 
     def __init__(self, inner: Any, observer: Observer):
         self.inner = inner
         self.observer = observer
+        for name in self._COPIED:
+            if hasattr(inner, name):
+                setattr(self, name, getattr(inner, name))
 
     def apply(self, inst, event, config, now):
         before, deadline = inst.state, inst.deadline

@@ -30,7 +30,7 @@ import attrs
 
 from .base import TimerFired
 from .config import PlaneConfig
-from .eventlog import EventLog, LogRecord, action_json, read_log
+from .eventlog import EventLog, LogRecord, action_json, read_log, same_actions
 from .events import EngineAcquire, EngineRelease
 from .machines import MACHINES
 from .machines.heartbeat import KIND as HEARTBEAT
@@ -73,6 +73,8 @@ class ReplayResult:
 class _Counts:
     """Observer that tallies lease and engine lifecycles."""
 
+    KINDS = ("lease", "remote_engine")  # the only kinds it counts
+
     def __init__(self, result: ReplayResult, chained: Observer | None):
         self.r = result
         self.chained = chained
@@ -103,7 +105,11 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
     cfg = config or log.config or PlaneConfig()
     result = ReplayResult(config=cfg)
     counts = _Counts(result, observer)
-    plane = ControlPlane(cfg, machines=observed(dict(machines or MACHINES), counts))
+    table = dict(machines or MACHINES)
+    # Observing a transition costs a Step: without a caller's observer only
+    # the kinds the counts read are observed.
+    watched = table if observer is not None else {k: m for k, m in table.items() if k in _Counts.KINDS}
+    plane = ControlPlane(cfg, machines={**table, **observed(watched, counts)})
     produced: deque = deque()
     plane.recorder = produced.append
     result.plane = plane
@@ -176,20 +182,20 @@ def _produced(step: Step) -> str:
 
 
 def _compare(rec: LogRecord, got: Step) -> Divergence | None:
-    label, before, after, acts = got.machine, got.state_before, got.state_after, action_json(got.actions)
+    label, before, after, actions = got.machine, got.state_before, got.state_after, got.actions
     if rec.state_before is None and rec.state_after is None and before is not None and got.kind == HEARTBEAT:
         # A log from before the heartbeat batcher was a machine: no states, and
         # its engine reference on lines of their own (fed next): what it sent.
         before = after = None
-        acts = [a for a in acts if a[0] == "SendHeartbeat"]
+        actions = [a for a in actions if type(a).__name__ == "SendHeartbeat"]
     if rec.machine is not None and rec.machine != label:
         return Divergence(rec.seq, rec.line, "machine", rec.machine, label)
     if rec.state_before != before:
         return Divergence(rec.seq, rec.line, "state_before", rec.state_before, before)
     if rec.state_after != after:
         return Divergence(rec.seq, rec.line, "state_after", rec.state_after, after)
-    if rec.actions is not None and rec.actions != acts:
-        return Divergence(rec.seq, rec.line, "actions", rec.actions, acts)
+    if rec.actions is not None and not same_actions(rec.actions, actions):
+        return Divergence(rec.seq, rec.line, "actions", rec.actions, action_json(actions))
     return None
 
 
