@@ -7,42 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvplane.connector.connector import KVPlaneScheduler, KVPlaneWorker
-from kvplane.connector.driver import PlaneDriver, introduce
+from loopback_support import ELEMS, Clock, Side, run
+
+from kvplane.connector.driver import introduce
 from kvplane.statemachines.config import PlaneConfig
-from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
 from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, Anomaly, FailClosed
-
-BLOCKS, ELEMS = 16, 256
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Side:
-    def __init__(self, fabric, name, clock, cfg, **driver_kw):
-        self.driver = PlaneDriver(engine_id=name, endpoint=LoopbackEndpoint(fabric, name), config=cfg, clock=clock,
-                                  **driver_kw)
-        self.sched, self.worker = KVPlaneScheduler(self.driver), KVPlaneWorker(self.driver)
-        self.kv = torch.zeros(BLOCKS, ELEMS)
-        self.worker.register_kv_caches(self.kv)
-        self.sending, self.recving = set(), set()
-
-    def step(self):
-        self.worker.start_load_kv(self.sched.build_connector_meta())
-        s, r = self.worker.get_finished()
-        self.sending |= s
-        self.recving |= r
-
-    def held(self):
-        """Leak report without the long-lived engine connections (remote_agent)."""
-        return [h for h in self.driver.plane.held() if h[0] not in ("remote_engine", "heartbeat")]
-
+from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
 
 @pytest.fixture
 def pair():
@@ -62,22 +32,6 @@ def start_pull(p, d, blocks=(1, 2, 3), local=(5, 6, 7)):
     d.sched.on_new_request("d1", params)
     n, _ = d.sched.get_num_new_matched_tokens("d1", 16 * len(blocks), 0)
     d.sched.update_state_after_alloc("d1", local, n)
-
-
-def run(clock, sides, seconds, dt=0.05, until=None):
-    """Step both sides while the clock advances; handshakes are real ZMQ, so
-    each step also gives the handshake pool a moment."""
-    import time
-
-    end = clock.t + seconds
-    while clock.t < end:
-        for s in sides:
-            s.step()
-        if until is not None and until():
-            return True
-        time.sleep(0.002)
-        clock.t += dt
-    return False
 
 
 def test_pull_copies_the_bytes_and_releases_everything(pair):
