@@ -135,5 +135,3 @@ WIRES: tuple[Wire, ...] = (
     ), only_if_live=True),
 )
 
-# Internal actions the plane executes itself, not through a wire.
-PLANE_EXECUTED: frozenset[type[Action]] = frozenset()

@@ -1,10 +1,10 @@
 """The composition diagram: how the machines talk, drawn from the data.
 
 One node per machine, labelled with the events that create it (the
-heartbeat batches are a machine too).  Edges: every wire of ``composition`` (from
-each machine whose table emits its action, to its target machine or to
-every requester), with the fields that are not copied by name; the
-actions the plane executes itself; every ``Spec.source`` (dashed).
+heartbeat batches are a machine too).  Edges: every wire of ``composition``
+(from each machine whose table emits its action, to its target machine or to
+every requester), with the fields that are not copied by name, and every
+``Spec.source`` (dashed).
 """
 from __future__ import annotations
 
@@ -14,15 +14,12 @@ from typing import Iterator
 import attrs
 
 from .composition import (
-    PLANE_EXECUTED, WIRES, ActionField, ConfigField, Const, HeartbeatChain, Requesters, TargetField, Wire,
+    WIRES, ActionField, ConfigField, Const, HeartbeatChain, Requesters, TargetField, Wire,
 )
-from .config import PlaneConfig
-from .diagram_timers import seconds
 from .render_machine import DiagramText
 from .spec import Spec
 from .validate_composition import emitted
 
-HEARTBEATS = "heartbeats"
 
 
 @attrs.frozen
@@ -70,10 +67,6 @@ def edges(specs: dict[str, Spec], wires: tuple[Wire, ...] = WIRES) -> Iterator[E
         for src in (n for n in specs if w.action in emits[n]):
             for dest in targets:
                 yield Edge(src, dest, wire_label(w))
-    for name in specs:
-        own = sorted(a.__name__ for a in emits[name] & PLANE_EXECUTED)
-        if own:
-            yield Edge(name, HEARTBEATS, " / ".join(own))
     for name, spec in specs.items():
         source = spec.source
         if source is not None:
@@ -81,23 +74,15 @@ def edges(specs: dict[str, Spec], wires: tuple[Wire, ...] = WIRES) -> Iterator[E
             yield Edge(source.kind, name, f"source: held in {held}, else {source.ended.__name__}", dashed=True)
 
 
-def _nodes(specs: dict[str, Spec], newline: str, config: PlaneConfig) -> dict[str, str]:
+def _nodes(specs: dict[str, Spec], newline: str) -> dict[str, str]:
     """Node id -> label lines joined by ``newline``."""
-    nodes = {n: newline.join([n, "created by " + ", ".join(ev.__name__ for ev in spec.created_by)])
-             for n, spec in specs.items()}
-    if PLANE_EXECUTED:  # actions the plane runs by hand (none today: heartbeats are a machine)
-        nodes[HEARTBEATS] = newline.join([
-            "heartbeat batcher (plane)",
-            "one HB per engine every",
-            f"heartbeat_interval {seconds(config.heartbeat_interval)}, each extends",
-            f"a lease to now + lease_extension {seconds(config.lease_extension)}",
-        ])
-    return nodes
+    return {n: newline.join([n, "created by " + ", ".join(ev.__name__ for ev in spec.created_by)])
+            for n, spec in specs.items()}
 
 
-def render_composition_mermaid(specs: dict[str, Spec], config: PlaneConfig | None = None) -> str:
+def render_composition_mermaid(specs: dict[str, Spec]) -> str:
     lines = ["---", "title: composition", "---", "flowchart TB"]
-    for node, label in _nodes(specs, "<br/>", config or PlaneConfig()).items():
+    for node, label in _nodes(specs, "<br/>").items():
         lines.append(f'  {node}["{label}"]')
     for e in edges(specs):
         arrow = "-.->" if e.dashed else "-->"
@@ -109,15 +94,14 @@ def _q(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def render_composition_dot(specs: dict[str, Spec], config: PlaneConfig | None = None) -> str:
+def render_composition_dot(specs: dict[str, Spec]) -> str:
     """DOT text (``app.diagrams`` runs ``dot`` on it for the SVG)."""
     lines = ['digraph "composition" {',
              '  graph [rankdir=TB, label="composition", labelloc=t, fontname=Helvetica, nodesep=0.3, ranksep=1.2];',
              '  node [shape=box, style="rounded", fontname=Helvetica];',
              '  edge [fontname=Helvetica, fontsize=10];']
-    for node, label in _nodes(specs, "\n", config or PlaneConfig()).items():
-        shape = ", shape=ellipse" if node == HEARTBEATS else ""
-        lines.append(f"  {_q(node)} [label={_q(label)}{shape}];")
+    for node, label in _nodes(specs, "\n").items():
+        lines.append(f"  {_q(node)} [label={_q(label)}];")
     # One arrow per pair of machines, each wire a line of its label: parallel
     # arrows with long labels would make the drawing many times wider than tall.
     merged: dict[tuple[str, str, bool], list[str]] = {}

@@ -23,7 +23,7 @@ from typing import Iterable
 import attrs
 
 from .composition import (
-    PLANE_EXECUTED, WIRES, ActionField, ConfigField, HeartbeatChain, Requesters, RequesterKey, RequesterKind,
+    WIRES, ActionField, ConfigField, HeartbeatChain, Requesters, RequesterKey, RequesterKind,
     TargetField, Wire,
 )
 from .config import PlaneConfig
@@ -41,8 +41,7 @@ def emitted(spec: Spec) -> set[type[Action]]:
     return {a.action for t in spec.table if isinstance(t, Transition) for a in t.actions}
 
 
-def validate_composition(specs: dict[str, Spec], wires: Iterable[Wire] = WIRES,
-                         plane_executed: frozenset[type[Action]] = PLANE_EXECUTED) -> None:
+def validate_composition(specs: dict[str, Spec], wires: Iterable[Wire] = WIRES) -> None:
     errors: list[str] = []
     err = errors.append
     wires = tuple(wires)
@@ -63,9 +62,7 @@ def validate_composition(specs: dict[str, Spec], wires: Iterable[Wire] = WIRES,
         for action in sorted(emitted(spec), key=lambda a: a.__name__):
             if not action.internal:
                 continue
-            if action in plane_executed and action in wired:
-                err(f"{name}: {action.__name__} is both wired and executed by the plane")
-            elif action not in plane_executed and action not in wired:
+            if action not in wired:
                 err(f"{name}: emits the internal action {action.__name__}, which no wire delivers")
     for w in wires:
         _check_wire(w, specs, err)
