@@ -285,10 +285,6 @@ class ControlPlane:
     def _do_cancel(self, a: CancelTimer, now: float, queue: list) -> None:
         pass  # lazy deletion: a popped entry whose deadline moved is skipped
 
-    def _heartbeat_chain(self, engine_id: str) -> tuple[float | None, float | None]:
-        """(since, last) of our heartbeats to the engine, for a wire's HeartbeatChain."""
-        return self.heartbeats.chain(engine_id)
-
     # Internal actions the plane runs itself; the wired ones are added per plane.
     _own_internal: dict = {
         ArmTimer: _do_arm, CancelTimer: _do_cancel,
@@ -356,7 +352,7 @@ def _field_getter(source) -> Callable:
         return lambda plane, a, inst, req: req[1]
     if isinstance(source, HeartbeatChain):
         index = ("since", "last").index(source.which)
-        return lambda plane, a, inst, req: plane._heartbeat_chain(a.engine_id)[index]
+        return lambda plane, a, inst, req: plane.heartbeats.chain(a.engine_id)[index]
     raise TypeError(f"unknown wire field source {source!r}")
 
 
