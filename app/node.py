@@ -28,7 +28,7 @@ import attrs
 
 from kvplane.statemachines.actions import ReportRecv
 from kvplane.statemachines.events import LeaseHeartbeat
-from kvplane.statemachines.stats import Anomaly, FailClosed
+from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed
 
 from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Finish, LeaseRecord, NodeOptions,
                        Prefill, Prefilled, Release, Released, Ready, Status, StatusRequest, Summary, Turn2, Turn2Done,
@@ -563,7 +563,7 @@ class Node:
             "held_blocks": self.held_blocks(),
             "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()],
             "anomalies": {str(k): v for k, v in stats.items() if isinstance(k, FailClosed) or isinstance(k, Anomaly)
-                          and k.what in ("unknown_id", "unknown_kind", "protocol_violation")},
+                          and k.what in (UNKNOWN_ID, UNKNOWN_KIND, PROTOCOL_VIOLATION)},
             "stalls": self.stalls, "loop": self.gaps.to_dict(), "clock_offsets": offsets,
             # Which NIXL call, if any, held the loop up (the slowest of each kind).
             "nixl_calls": self.ep.call_times.to_dict(),
