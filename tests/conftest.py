@@ -53,6 +53,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_transport_multiprocess.py": "nixl",
     "test_transport_nixl.py": "nixl",
     "test_transport_wire.py": "core",
+    "test_tp_mapping.py": "core",
 }
 KINDS = ("core", "nixl", "e2e", "vllm")
 

@@ -1,0 +1,103 @@
+"""Which ranks of a holder engine a reader rank reads, and which part of a block.
+
+Tensor parallelism shards the KV heads: rank ``r`` of an engine with TP
+``t`` holds heads ``[r*H/t, (r+1)*H/t)`` of every block.  A reader with a
+different TP than the holder reads, for each of its ranks, exactly the
+holder ranks that hold its heads:
+
+* holder TP >= reader TP (ratio ``k = holder/reader``): reader rank ``r``
+  reads holder ranks ``r*k .. r*k+k-1`` whole, holder rank ``r*k+j`` into
+  part ``j`` of ``k`` of each local block;
+* reader TP > holder TP (ratio ``k = reader/holder``): reader rank ``r``
+  reads part ``r % k`` of ``k`` of each block of holder rank ``r // k``,
+  into its whole local block; the ``k`` readers of one holder rank are its
+  consumers (``expected_consumers``, fixed when the lease is planned).
+
+A "part ``i`` of ``n``" is the ``i``-th of ``n`` equal contiguous slices of
+a block: a rank's block is laid out head-major, so a head shard is one
+slice.  Pure: no I/O; the explorer and both connector sides use it.
+"""
+from __future__ import annotations
+
+import attrs
+
+# Ranks of one engine (TP x PP) a request may be spread over.
+MAX_TP = 1024
+
+
+class TpMismatch(ValueError):
+    """The two TP sizes cannot be mapped onto each other (not divisible, out of range)."""
+
+
+@attrs.frozen
+class Part:
+    """Slice ``index`` of ``of`` equal slices of a block (``of == 1``: the whole block)."""
+
+    index: int = 0
+    of: int = 1
+
+    @property
+    def whole(self) -> bool:
+        return self.of == 1
+
+
+WHOLE = Part()
+
+
+@attrs.frozen
+class Source:
+    """One read of a reader rank: holder rank ``holder_rank``'s ``remote`` part
+    of each block, into the reader's ``local`` part."""
+
+    holder_rank: int
+    remote: Part = WHOLE
+    local: Part = WHOLE
+
+
+def _check_tp(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TP:
+        raise TpMismatch(f"{name} must be an int in 1..{MAX_TP}, got {value!r}")
+    return value
+
+
+@attrs.frozen
+class TpMapping:
+    """The mapping between a holder engine's TP and a reader engine's TP."""
+
+    holder_tp: int = attrs.field(converter=int)
+    reader_tp: int = attrs.field(converter=int)
+
+    def __attrs_post_init__(self) -> None:
+        h = _check_tp("holder_tp", self.holder_tp)
+        r = _check_tp("reader_tp", self.reader_tp)
+        big, small = max(h, r), min(h, r)
+        if big % small:
+            raise TpMismatch(f"TP sizes must divide each other: holder {h}, reader {r}")
+
+    @property
+    def ratio(self) -> int:
+        return max(self.holder_tp, self.reader_tp) // min(self.holder_tp, self.reader_tp)
+
+    @property
+    def consumers_per_holder_rank(self) -> int:
+        """How many reader ranks read each holder rank (its lease's expected consumers)."""
+        return max(1, self.reader_tp // self.holder_tp)
+
+    def sources(self, reader_rank: int) -> tuple[Source, ...]:
+        """What reader rank ``reader_rank`` reads, in holder-rank order."""
+        if isinstance(reader_rank, bool) or not isinstance(reader_rank, int) or not (
+                0 <= reader_rank < self.reader_tp):
+            raise TpMismatch(f"reader rank {reader_rank!r} out of range [0, {self.reader_tp})")
+        k = self.ratio
+        if self.holder_tp >= self.reader_tp:
+            if k == 1:
+                return (Source(reader_rank),)
+            return tuple(Source(reader_rank * k + j, WHOLE, Part(j, k)) for j in range(k))
+        return (Source(reader_rank // k, Part(reader_rank % k, k), WHOLE),)
+
+    def readers_of(self, holder_rank: int) -> tuple[int, ...]:
+        """The reader ranks that read holder rank ``holder_rank``."""
+        if not 0 <= holder_rank < self.holder_tp:
+            raise TpMismatch(f"holder rank {holder_rank!r} out of range [0, {self.holder_tp})")
+        return tuple(r for r in range(self.reader_tp)
+                     if any(s.holder_rank == holder_rank for s in self.sources(r)))
