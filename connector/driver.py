@@ -49,6 +49,7 @@ from kvplane.transport.wire import (
 )
 
 from .handshaker import Handshaker
+from .ranks import base_engine_id, rank_of
 
 log = logging.getLogger("kvplane.driver")
 
@@ -68,6 +69,7 @@ class PlaneDriver:
         trusted_peers: dict[str, Any] | None = None,
         server_public_keys: dict[str, bytes] | None = None,
         insecure: bool = False,
+        tp_rank: int = 0,
     ):
         """``curve_keypair`` (public, secret; z85): this engine's CURVE key,
         generated when not given.  ``trusted_peers``: engine id -> its public
@@ -77,8 +79,13 @@ class PlaneDriver:
         (tests, benchmarks): no CURVE on our side channel, plaintext to peers
         whose key we lack, and, while no peer is trusted, notifications
         accepted from any agent.  Fault injection (lost notifications) wraps
-        the endpoint (``kvplane.transport.faults``); the driver has none."""
+        the endpoint (``kvplane.transport.faults``); the driver has none.
+        ``tp_rank``: the rank this driver serves (one driver per worker rank;
+        its side channel answers that rank only).  A peer named
+        ``"<engine>/tp<r>"`` (``ranks``) is trusted, and its server key
+        known, through its engine's entry: the ranks share the key."""
         self.engine_id = engine_id
+        self.tp_rank = tp_rank
         self.endpoint = endpoint
         self.config = config or PlaneConfig()
         self.clock = clock
@@ -89,6 +96,9 @@ class PlaneDriver:
         self.engine_of_agent: dict[str, str] = {}
         self.layouts: dict[str, dict] = {}  # engine id -> remote cache layout
         self.xfers: dict[str, tuple[Any, str, str]] = {}  # request id -> (handle, "READ"|"WRITE", engine)
+        # Request id -> (remote part, local part) of each block it moves, as
+        # (index, of): a TP reader reads only its heads (tp_mapping).
+        self.parts: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
         self.insecure = insecure
         if insecure and curve_keypair is not None:
             raise ValueError("curve_keypair and insecure=True are exclusive")
@@ -159,6 +169,19 @@ class PlaneDriver:
         if server_public_key is not None:
             self._server_keys[engine_id] = public_key(server_public_key)
 
+    def adopt_lease_name(self, request_id: str, name: str) -> bool:
+        """Name our lease on ``request_id`` ``name`` (the scheduler made the
+        name and handed it to the consumer; every rank adopts the same one).
+        False, and nothing named, when no lease is held for it."""
+        if self.plane.get("lease", request_id) is None or name in self._lease_of_name:
+            return False
+        old = self._lease_name.pop(request_id, None)
+        if old is not None:
+            self._lease_of_name.pop(old, None)
+        self._lease_name[request_id] = name
+        self._lease_of_name[name] = request_id
+        return True
+
     def export_lease(self, request_id: str) -> str:
         """The name under which a peer refers to our lease on ``request_id``
         (the remote request id of kv_transfer_params): unguessable, so only
@@ -182,14 +205,18 @@ class PlaneDriver:
         engine = self.engine_of_agent.get(agent)
         if engine is not None:
             return engine
-        if agent in self._trusted:
-            return agent  # a peer's NIXL agent is named by its engine id
+        if agent in self._trusted or base_engine_id(agent) in self._trusted:
+            return agent  # a peer's NIXL agent is named by its engine id (a rank's: by its rank engine id)
         if self.insecure and not self._trusted:
             return agent
         return None
 
+    def _server_key(self, engine_id: str) -> bytes | None:
+        key = self._server_keys.get(engine_id)
+        return key if key is not None else self._server_keys.get(base_engine_id(engine_id))
+
     def _handshake_payload(self, pp_rank: int, tp_rank: int) -> dict | None:
-        if tp_rank != 0 or pp_rank != 0:
+        if tp_rank != self.tp_rank or pp_rank != 0:
             return None
         return build_payload(engine_id=self.engine_id, compat_hash=self.compat_hash, tp_rank=tp_rank,
                              metadata=self.endpoint.local_metadata(), cache=self.endpoint.describe_cache())
@@ -269,7 +296,7 @@ class PlaneDriver:
         if url is None:
             follow.append(E.HandshakeFailed(engine_id=a.engine_id, reason="no side-channel address known"))
             return
-        key = self._server_keys.get(a.engine_id)
+        key = self._server_key(a.engine_id)
         if key is None and not self.insecure:
             self.counters["handshakes_refused_no_key"] += 1
             log.warning("%s: no CURVE public key known for engine %s: not handshaking (trust_peer it first)",
@@ -277,7 +304,7 @@ class PlaneDriver:
             follow.append(E.HandshakeFailed(engine_id=a.engine_id, reason="no CURVE public key known for the engine"))
             return
         self.counters["handshakes_started"] += 1
-        self.handshaker.submit(a.engine_id, url, server_public_key=key)
+        self.handshaker.submit(a.engine_id, url, tp_rank=rank_of(a.engine_id), server_public_key=key)
 
     def _handshake_event(self, outcome) -> E.Event:
         if outcome.error is not None:
@@ -333,8 +360,13 @@ class PlaneDriver:
             notif = encode_completion(a.remote_request_id, 1)
             post = self.endpoint.post_write
         remote_ids, local_ids = _align_tail(list(a.remote_block_ids), list(a.local_block_ids))
+        parts = self.parts.get(a.request_id)
         try:
-            handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif)
+            if parts is None:
+                handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif)
+            else:
+                handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif,
+                              remote_part=parts[0], local_part=parts[1])
         except (TransportError, ValueError) as exc:
             follow.append(failed(request_id=a.request_id, reason=f"{type(exc).__name__}: {exc}"))
             if isinstance(exc, PeerGone):
@@ -351,6 +383,7 @@ class PlaneDriver:
 
     def _release_xfer(self, a: A.ReleaseXfer, follow: list) -> None:
         entry = self.xfers.pop(a.request_id, None)
+        self.parts.pop(a.request_id, None)
         if entry is not None:
             if a.cancel:
                 self.counters["transfers_cancelled"] += 1
@@ -522,10 +555,11 @@ class PlaneDriver:
                 continue
             if state == "DONE":
                 self.counters[f"{op.lower()}s_done"] += 1
-                layout = self.layouts.get(engine, {})
-                self.counters["bytes_moved"] += (
-                    handle.num_blocks * layout.get("block_size", 0) * len(layout.get("base_addrs", ()))
-                )
+                nbytes = getattr(handle, "nbytes", None)
+                if nbytes is None:
+                    layout = self.layouts.get(engine, {})
+                    nbytes = handle.num_blocks * layout.get("block_size", 0) * len(layout.get("base_addrs", ()))
+                self.counters["bytes_moved"] += nbytes
                 events.append(done(request_id=request_id))
         return events
 

@@ -33,6 +33,18 @@ class RemoteKV:
     remote_expiry: float | None = None
     # True for P's lease (our heartbeats extend it), False for a decoder's hold.
     remote_renewable: bool = False
+    # The holder's tensor-parallel size (vLLM's key) and each rank's side
+    # channel port on remote_host; absent: rank r listens on remote_port + r.
+    tp_size: int = 1
+    remote_rank_ports: tuple = attrs.field(converter=lambda ports: tuple(ports), default=())
+
+    def __attrs_post_init__(self) -> None:
+        if not self.remote_rank_ports:
+            object.__setattr__(self, "remote_rank_ports",
+                               tuple(self.remote_port + r for r in range(self.tp_size)))
+
+    def rank_side_channel(self, rank: int) -> str:
+        return f"tcp://{self.remote_host}:{self.remote_rank_ports[rank]}"
 
     @property
     def side_channel(self) -> str:
@@ -42,6 +54,7 @@ class RemoteKV:
         d = attrs.asdict(self)
         d["remote_block_ids"] = list(self.remote_block_ids)
         d["remote_ranks"] = list(self.remote_ranks)
+        d["remote_rank_ports"] = list(self.remote_rank_ports)
         return d
 
     @classmethod
@@ -83,7 +96,19 @@ class RemoteKV:
         renewable = d.get("remote_renewable", False)
         if not isinstance(renewable, bool):
             check("remote_renewable", f"must be a bool, got {_short(renewable)}")
+        tp_size = d.get("tp_size", 1)
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or not 1 <= tp_size <= MAX_RANKS:
+            check("tp_size", f"must be an int in 1..{MAX_RANKS}, got {_short(tp_size)}")
+        ports = d.get("remote_rank_ports")
+        if ports is not None:
+            if not isinstance(ports, (list, tuple)) or len(ports) != tp_size:
+                check("remote_rank_ports", f"must be a list of tp_size ({tp_size}) ports, got {_short(ports)}")
+            for port in ports:
+                check("remote_rank_ports", wire.port_problem(port))
+        elif d["remote_port"] + tp_size - 1 > 65535:
+            check("tp_size", f"{tp_size} ranks from port {d['remote_port']} run past port 65535")
         return cls(
+            tp_size=tp_size, remote_rank_ports=ports or (),
             remote_engine_id=d["remote_engine_id"], remote_host=d["remote_host"], remote_port=d["remote_port"],
             remote_request_id=d["remote_request_id"], remote_block_ids=d["remote_block_ids"],
             remote_ranks=ranks, expected_consumers=consumers,

@@ -1,0 +1,223 @@
+"""The worker-side connector: what each tensor-parallel rank runs.
+
+Each rank has its own ``PlaneDriver`` (NIXL agent, registered KV shard,
+side channel answering for this rank, remote engines, leases, heartbeats
+and their timers) and sees the scheduler only through the records of
+``records``: it applies each ``StepMeta`` to its plane and answers with a
+``WorkerReport``.  Peers see a rank as the engine ``"<engine>/tp<r>"``.
+
+With tensor parallelism a rank reads the remote ranks that hold its heads
+(``statemachines.tp_mapping``).  When that is several ranks (the holder's
+TP is wider), each source is its own decode request on this rank's plane,
+named ``"<request>@tp<holder rank>"``, reading into its part of every
+local block; the rank reports the request once all of them reported, as
+failed if any failed.  A decoder's turn-2 hold is one lease per rank, for
+every reader rank that will read it.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from kvplane.statemachines import events as E
+from kvplane.statemachines.actions import ReportRecv
+from kvplane.statemachines.tp_mapping import TpMapping
+
+from .driver import PlaneDriver
+from .ranks import rank_engine_id
+from .records import Finish, LeaseGrant, RankInfo, StepMeta, WorkerReport, check
+
+
+def recv_failure_reason(event_name: str, label: str, before: str | None) -> str:
+    """Why a recv was reported failed, from the stimulus whose effects
+    reported it (the machine that took it, and its state before)."""
+    kind = label.split(":", 1)[0]
+    if kind == "decode_request":
+        if event_name == "StartLoad":  # the engine was connected: the gate ran at once
+            return "declined by the expiry gate"
+        if event_name == "ReadFailed":
+            return "transfer failed"
+        if event_name == "Abort":
+            return "aborted"
+        if event_name == "TimerFired":
+            return {"READING": "transfer deadline (timeout or the remote blocks' validity)",
+                    "HANDSHAKING": "handshake did not complete in time",
+                    "AWAITING_PUSH": "push did not arrive in time"}.get(before or "", "recv timed out")
+    if kind == "remote_engine":
+        if event_name == "HandshakeOk":  # connected now: the waiting requests' gate ran
+            return "declined by the expiry gate"
+        if event_name in ("HandshakeFailed", "TimerFired"):
+            return "handshake failed"
+    if event_name == "PeerDisconnected":
+        return "engine lost"
+    return f"{event_name} ({kind})"
+
+
+class ConnectorWorker:
+    def __init__(self, driver: PlaneDriver, *, rank: int = 0, tp_size: int = 1):
+        """Attach the plane's event log before this (the worker chains the
+        plane's recorder to learn why recvs fail)."""
+        TpMapping(tp_size, tp_size)  # a valid TP size
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} out of range for TP {tp_size}")
+        self.driver = driver
+        self.rank = rank
+        self.tp_size = tp_size
+        self._subs: dict[str, tuple[str, ...]] = {}  # request -> its decode requests on this rank
+        self._parent: dict[str, str] = {}  # decode request -> request
+        self._results: dict[str, dict[str, bool]] = {}  # request -> reported decode requests -> ok
+        self._awaited: set[str] = set()  # requests whose recv the scheduler awaits
+        self._reported: set[str] = set()  # of those, the ones this rank reported (awaiting their Finish)
+        self._aborted: set[str] = set()  # aborted, awaited, not reported yet: forgotten once reported
+        self._notify_only: set[str] = set()  # requests nobody awaits: gone once their machines are
+        self._fail_reason: dict[str, str] = {}
+        self._out_sending: set[str] = set()
+        self.counters: Counter = Counter()
+        self._chain = driver.plane.recorder
+        driver.plane.recorder = self._observe
+
+    # ------------------------------------------------------------ start-up
+    def rank_info(self) -> RankInfo:
+        d = self.driver
+        return RankInfo(rank=self.rank, engine_id=d.engine_id, side_channel_port=d.side_channel_port,
+                        public_key=d.public_key)
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        """``kv_cache``: this rank's shard, one tensor [num_blocks, ...] or a
+        dict of them (one per layer)."""
+        tensors = kv_cache.values() if isinstance(kv_cache, dict) else [kv_cache]
+        for t in tensors:
+            self.driver.endpoint.register_kv_cache(t, t[0].numel() * t.element_size())
+
+    # ------------------------------------------------------------ per step
+    def bind(self, meta: StepMeta) -> None:
+        """Apply one step's metadata to this rank's plane (vLLM:
+        bind_connector_metadata + start_load_kv)."""
+        meta = check(meta, StepMeta)
+        feed = self.driver.feed
+        for new in meta.new_requests:
+            self._new_request(new.request_id, new.remote, new.push)
+        for load in meta.loads:
+            subs = self._subs.get(load.request_id, ())
+            if subs:
+                (self._awaited if load.awaiting else self._notify_only).add(load.request_id)
+            for sub in subs:
+                feed(E.BlocksAllocated(request_id=sub, block_ids=load.block_ids,
+                                       num_remote_tokens=load.num_remote_tokens, awaiting=load.awaiting))
+                feed(E.StartLoad(request_id=sub))
+        for rid in meta.running:
+            for sub in self._subs.get(rid, ()):
+                feed(E.RequestRunning(request_id=sub))
+        for finish in meta.finished:
+            self._finish(finish)
+        for grant in meta.grants:
+            self._grant(grant, duration=None, renewable=True)
+            if grant.push:
+                feed(E.PushReady(request_id=grant.request_id, block_ids=grant.block_ids))
+        for rid in meta.aborts:
+            for sub in self._subs.get(rid, ()):
+                feed(E.Abort(request_id=sub))
+            if rid in self._awaited and rid not in self._reported:
+                self._aborted.add(rid)  # its (failed) report is still to come
+            else:
+                self._forget(rid)  # nothing more will be reported for it
+        for rid in meta.lease_aborts:
+            if self.driver.plane.get("lease", rid) is not None:
+                feed(E.LeaseAbort(request_id=rid))
+
+    def step(self) -> int:
+        return self.driver.step()
+
+    def report(self) -> WorkerReport:
+        """What finished on this rank since the last report."""
+        d = self.driver
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for sub, ok in [(s, True) for s in d.finished_recving] + [(s, False) for s in d.failed_recving]:
+            rid = self._parent.get(sub, sub)
+            results = self._results.setdefault(rid, {})
+            results[sub] = ok
+            d.parts.pop(sub, None)
+            if len(results) >= len(self._subs.get(rid, (sub,))):
+                del self._results[rid]
+                (recving if all(results.values()) else failed).add(rid)
+                if rid in self._aborted:
+                    self._forget(rid)
+                elif rid in self._subs:
+                    self._reported.add(rid)
+        d.finished_recving, d.failed_recving = set(), set()
+        sending = self._out_sending | d.finished_sending
+        self._out_sending, d.finished_sending = set(), set()
+        blocks, d.load_error_blocks = d.load_error_blocks, set()
+        d.freed = []
+        self._end_notify_only()
+        reasons = tuple((rid, self._fail_reason.pop(rid, "failed")) for rid in failed)
+        return WorkerReport(rank=self.rank, finished_sending=sending, finished_recving=recving,
+                            failed_recving=failed, load_error_blocks=blocks, fail_reasons=reasons)
+
+    def shutdown(self) -> None:
+        self.driver.close()
+        self.driver.endpoint.close()
+
+    # ------------------------------------------------------------ internals
+    def _new_request(self, rid: str, rk, push: bool) -> None:
+        if rid in self._subs:
+            self.counters["duplicate_new_request"] += 1
+            return
+        sources = TpMapping(rk.tp_size, self.tp_size).sources(self.rank)
+        subs = []
+        for src in sources:
+            sub = rid if len(sources) == 1 else f"{rid}@tp{src.holder_rank}"
+            engine = rank_engine_id(rk.remote_engine_id, src.holder_rank)
+            self.driver.learn_engine(engine, rk.rank_side_channel(src.holder_rank))
+            if not (src.remote.whole and src.local.whole):
+                self.driver.parts[sub] = ((src.remote.index, src.remote.of), (src.local.index, src.local.of))
+            self._parent[sub] = rid
+            subs.append(sub)
+            self.driver.feed(E.NewRequest(
+                request_id=sub, engine_id=engine, remote_request_id=rk.remote_request_id,
+                remote_block_ids=rk.remote_block_ids, remote_ranks=(src.holder_rank,),
+                expected_consumers=rk.expected_consumers, remote_expiry=rk.remote_expiry,
+                remote_renewable=rk.remote_renewable, push=push))
+        self._subs[rid] = tuple(subs)
+
+    def _finish(self, finish: Finish) -> None:
+        rid = finish.request_id
+        for sub in self._subs.get(rid, ()):
+            self.driver.feed(E.RequestFinished(request_id=sub, block_ids=finish.block_ids))
+        self._forget(rid)
+        if finish.hold is not None:
+            self._grant(finish.hold, duration=self.driver.config.decoder_kv_blocks_ttl, renewable=False)
+
+    def _grant(self, grant: LeaseGrant, *, duration: float | None, renewable: bool) -> None:
+        d = self.driver
+        d.feed(E.LeaseGranted(request_id=grant.request_id, block_ids=grant.block_ids,
+                              expected_consumers=grant.consumers_per_rank, duration=duration,
+                              renewable=renewable))
+        if not d.adopt_lease_name(grant.request_id, grant.name):
+            # No lease here (or the name is taken): nothing of ours to end.
+            self.counters["grants_without_lease"] += 1
+            self._out_sending.add(grant.request_id)
+
+    def _forget(self, rid: str) -> None:
+        for sub in self._subs.pop(rid, ()):
+            self._parent.pop(sub, None)
+            self.driver.parts.pop(sub, None)
+        self._results.pop(rid, None)
+        for bookkeeping in (self._awaited, self._reported, self._aborted, self._notify_only):
+            bookkeeping.discard(rid)
+
+    def _end_notify_only(self) -> None:
+        plane = self.driver.plane
+        for rid in [r for r in self._notify_only
+                    if all(plane.get("decode_request", s) is None for s in self._subs.get(r, ()))]:
+            self._forget(rid)
+
+    def _observe(self, step) -> None:
+        if self._chain is not None:
+            self._chain(step)
+        for a in step.actions:
+            if isinstance(a, ReportRecv) and not a.ok:
+                rid = self._parent.get(a.request_id, a.request_id)
+                self._fail_reason.setdefault(
+                    rid, recv_failure_reason(type(step.event).__name__, step.machine, step.state_before))

@@ -1,0 +1,107 @@
+"""An engine as a serving engine runs it: one scheduler-side connector and
+one worker-side connector per TP rank, over the loopback transport, on a
+hand-driven clock.  Everything between the sides crosses as pickled bytes
+(the records of ``connector.records``), as between processes."""
+from __future__ import annotations
+
+import pickle
+
+import torch
+import zmq
+
+from kvplane.connector.driver import PlaneDriver
+from kvplane.connector.ranks import rank_engine_id
+from kvplane.connector.scheduler import ConnectorScheduler
+from kvplane.connector.worker import ConnectorWorker
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
+
+BLOCKS = 16
+HEADS, HEAD_ELEMS = 4, 32  # every block holds HEADS heads of HEAD_ELEMS floats, sharded over the ranks
+
+
+def through_the_wire(record):
+    """What the other process gets: a copy, sharing nothing."""
+    return pickle.loads(pickle.dumps(record))
+
+
+def block_value(tag: int, block: int) -> torch.Tensor:
+    """The whole (unsharded) block ``block`` of engine ``tag``: [HEADS * HEAD_ELEMS]."""
+    return torch.arange(HEADS * HEAD_ELEMS, dtype=torch.float32) + 1000.0 * tag + 10.0 * block + 1
+
+
+def rank_slice(tp: int, rank: int) -> slice:
+    per = HEADS * HEAD_ELEMS // tp
+    return slice(rank * per, (rank + 1) * per)
+
+
+class SplitEngine:
+    def __init__(self, fabric: LoopbackFabric, name: str, clock, cfg_fields: dict, tp: int, keypair, peers: dict):
+        self.name, self.tp = name, tp
+        self.sched = ConnectorScheduler(name, tp_size=tp, config=PlaneConfig(**cfg_fields), clock=clock)
+        self.workers: list[ConnectorWorker] = []
+        self.kv: list[torch.Tensor] = []
+        for r in range(tp):
+            rank_id = rank_engine_id(name, r)
+            driver = PlaneDriver(engine_id=rank_id, endpoint=LoopbackEndpoint(fabric, rank_id),
+                                 config=PlaneConfig(**cfg_fields), clock=clock, tp_rank=r,
+                                 curve_keypair=keypair, trusted_peers=peers)
+            worker = ConnectorWorker(driver, rank=r, tp_size=tp)
+            kv = torch.zeros(BLOCKS, HEADS * HEAD_ELEMS // tp)
+            worker.register_kv_caches(kv)
+            self.sched.add_rank(through_the_wire(worker.rank_info()))
+            self.workers.append(worker)
+            self.kv.append(kv)
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.failed: set[str] = set()
+        self.dead: set[int] = set()
+
+    def fill(self, tag: int, blocks) -> None:
+        for b in blocks:
+            whole = block_value(tag, b)
+            for r in range(self.tp):
+                self.kv[r][b] = whole[rank_slice(self.tp, r)]
+
+    def whole_block(self, b: int) -> torch.Tensor:
+        return torch.cat([self.kv[r][b] for r in range(self.tp)])
+
+    def step(self) -> None:
+        wire = pickle.dumps(self.sched.build_connector_meta())
+        for r, w in enumerate(self.workers):
+            if r in self.dead:
+                continue
+            w.bind(pickle.loads(wire))
+            w.step()
+            self.sched.update_from_worker(through_the_wire(w.report()))
+        s, ok, failed = self.sched.get_finished()
+        self.sending |= s
+        self.recving |= ok
+        self.failed |= failed
+
+    def kill(self, rank: int) -> None:
+        """The rank's process dies: its agent and memory are gone."""
+        self.dead.add(rank)
+        w = self.workers[rank]
+        w.driver.endpoint.fabric.kill(w.driver.engine_id)
+        self.sched.rank_lost(rank)
+
+    def held(self) -> list:
+        """Per live rank: what its plane still holds (engine connections aside)."""
+        return [h for r, w in enumerate(self.workers) if r not in self.dead
+                for h in w.driver.plane.held() if h[0] not in ("remote_engine", "heartbeat")]
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.shutdown()
+            except Exception:
+                pass
+
+
+def engine_pair(p_tp: int, d_tp: int, clock, **cfg_fields):
+    fabric = LoopbackFabric()
+    pk, dk = zmq.curve_keypair(), zmq.curve_keypair()
+    p = SplitEngine(fabric, "P", clock, cfg_fields, p_tp, pk, {"D": dk[0]})
+    d = SplitEngine(fabric, "D", clock, cfg_fields, d_tp, dk, {"P": pk[0]})
+    return fabric, p, d
