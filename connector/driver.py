@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from typing import Any, Callable
 
 import attrs
@@ -52,6 +52,17 @@ from .handshaker import Handshaker
 from .ranks import base_engine_id, rank_of
 
 log = logging.getLogger("kvplane.driver")
+
+# Completions for a lease name not adopted yet (see PlaneDriver._keep_early).
+EARLY_KEEP_S = 5.0
+EARLY_MAX = 4096
+MAX_EARLY_PER_NAME = 64
+
+
+@attrs.define
+class _Early:
+    at: float
+    completions: list = attrs.Factory(list)  # (sender engine, expected consumers)
 
 
 class PlaneDriver:
@@ -124,6 +135,7 @@ class PlaneDriver:
         # the request id plus 128 random bits), both ways.
         self._lease_name: dict[str, str] = {}
         self._lease_of_name: dict[str, str] = {}
+        self._early: OrderedDict[str, _Early] = OrderedDict()  # lease name -> completions before its grant
         # What the scheduler collects (vLLM: finished_sending / finished_recving).
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
@@ -180,7 +192,33 @@ class PlaneDriver:
             self._lease_of_name.pop(old, None)
         self._lease_name[request_id] = name
         self._lease_of_name[name] = request_id
+        early = self._early.pop(name, None)
+        if early is not None:
+            self.counters["completions_early_replayed"] += len(early.completions)
+            self._run([E.ConsumerDone(request_id=request_id, consumer=sender, expected_consumers=n)
+                       for sender, n in early.completions])
         return True
+
+    def _keep_early(self, name: str, sender: str, expected_consumers: int) -> None:
+        """Keep a completion naming a lease we do not hold yet: with the
+        scheduler in another process, the grant reaches this rank with the
+        next step's metadata, and a fast reader may finish before that.  It
+        is replayed when the name is adopted and dropped (counted) after
+        ``EARLY_KEEP_S`` or past ``EARLY_MAX`` names, so a forger costs a
+        bounded buffer; the lease machine still checks the sender."""
+        now = self.clock()
+        early = self._early
+        while early:
+            oldest = next(iter(early.values()))
+            if now - oldest.at <= EARLY_KEEP_S and len(early) < EARLY_MAX:
+                break
+            early.popitem(last=False)
+            self.counters["completions_early_dropped"] += 1
+        entry = early.get(name)
+        if entry is None:
+            entry = early[name] = _Early(at=now)
+        if len(entry.completions) < MAX_EARLY_PER_NAME:
+            entry.completions.append((sender, expected_consumers))
 
     def export_lease(self, request_id: str) -> str:
         """The name under which a peer refers to our lease on ``request_id``
@@ -510,6 +548,7 @@ class PlaneDriver:
                 return [E.PushDone(request_id=notif.request_id)]
             rid = self._lease_named(notif.request_id)
             if rid is None:
+                self._keep_early(notif.request_id, sender, notif.expected_consumers)
                 return []
             return [E.ConsumerDone(request_id=rid, consumer=sender, expected_consumers=notif.expected_consumers)]
         if isinstance(notif, PushRegNotif):

@@ -56,6 +56,7 @@ class SplitEngine:
         self.recving: set[str] = set()
         self.failed: set[str] = set()
         self.dead: set[int] = set()
+        self.late_meta: list[bytes] | None = None  # a list: metadata waits there until delivered
 
     def fill(self, tag: int, blocks) -> None:
         for b in blocks:
@@ -67,17 +68,27 @@ class SplitEngine:
         return torch.cat([self.kv[r][b] for r in range(self.tp)])
 
     def step(self) -> None:
-        wire = pickle.dumps(self.sched.build_connector_meta())
+        metas = [pickle.dumps(self.sched.build_connector_meta())]
+        if self.late_meta is not None:
+            self.late_meta += metas
+            metas = []
         for r, w in enumerate(self.workers):
             if r in self.dead:
                 continue
-            w.bind(pickle.loads(wire))
+            for wire in metas:
+                w.bind(pickle.loads(wire))
             w.step()
             self.sched.update_from_worker(through_the_wire(w.report()))
         s, ok, failed = self.sched.get_finished()
         self.sending |= s
         self.recving |= ok
         self.failed |= failed
+
+    def deliver_late_meta(self) -> None:
+        metas, self.late_meta = self.late_meta or [], None
+        for w in self.workers:
+            for wire in metas:
+                w.bind(pickle.loads(wire))
 
     def kill(self, rank: int) -> None:
         """The rank's process dies: its agent and memory are gone."""

@@ -75,6 +75,27 @@ def test_finished_sending_waits_for_every_rank(clock):
         d.close()
 
 
+def test_a_completion_before_the_grant_reaches_the_rank_still_consumes_the_lease(clock):
+    # The scheduler hands out the params at request_finished; the grant
+    # reaches the ranks with the next metadata.  A reader that is faster
+    # than that must not leave the lease to expire.
+    _, p, d = engine_pair(2, 2, clock, **CFG)
+    try:
+        p.late_meta = []
+        pull(p, d)
+        assert settle(clock, p, d, 3, lambda: "d1" in d.recving)
+        assert all(w.driver.plane.get("lease", "r1") is None for w in p.workers)
+        p.deliver_late_meta()
+        assert settle(clock, p, d, 1, lambda: "r1" in p.sending)
+        for w in p.workers:
+            assert w.driver.counters["completions_early_replayed"] == 1
+            assert w.driver.counters["blocks_freed_consumed"] == 3
+        assert p.held() == [] and d.held() == []
+    finally:
+        p.close()
+        d.close()
+
+
 def test_a_dead_decode_rank_fails_the_request_and_every_p_rank_frees(clock):
     fabric, p, d = engine_pair(2, 2, clock, **CFG)
     try:
