@@ -47,6 +47,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_replay_old_logs.py": "core",
     "test_security_nixl.py": "nixl",
     "test_sequence.py": "core",
+    "test_ticker.py": "core",
     "test_transport_endpoint.py": "core",
     "test_transport_gpu_check.py": "nixl",
     "test_transport_handshake.py": None,

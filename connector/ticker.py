@@ -1,0 +1,150 @@
+"""Ticker: a background thread that keeps stepping a PlaneDriver.
+
+Why a thread: a driver only acts when ``step`` is called, and vLLM's engine
+steps only while it has requests.  An idle prefill engine would then expire
+no lease and process no heartbeat or completion until the next request
+arrives (measured with vLLM's NixlConnector: an idle P handles no
+notification at all).  A thread works with any engine and needs nothing
+from its loop.
+
+Why a lock: the driver is single-threaded by contract (one thread touches
+the plane at a time).  The ticker steps it under ``ticker.lock``, and the
+engine's own calls into the driver (``feed``/``step`` from its step loop)
+must hold the same lock::
+
+    with Ticker(driver) as ticker:
+        ...
+        with ticker.lock:
+            driver.feed(event)
+        ticker.wake()  # it posted a transfer or armed an earlier timer
+
+No busy loop: the thread sleeps on an Event for
+min(``max_idle_wait``, time until the plane's next deadline), so an idle
+engine costs about 1/max_idle_wait cheap polls a second, and a timer fires
+within milliseconds of its deadline.  The deadline is read in the driver's
+clock and slept in real time: right for the default ``time.monotonic``; with
+any other clock ``max_idle_wait`` alone bounds the sleep.  A deadline armed
+by the engine while the thread sleeps is seen at the next wake-up: within
+``max_idle_wait``, or at once after ``wake()``.
+
+An exception inside ``step`` is counted (``errors``) and logged (the first
+few, then every 1000th) and the thread goes on; it never dies silently.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from .driver import PlaneDriver
+
+log = logging.getLogger("kvplane.ticker")
+
+# The shortest sleep between two steps, whatever the deadline says: a timer
+# that stays due (or a step that does work every time) costs at most a
+# thousand steps a second, never a spinning core.
+MIN_WAIT = 0.001
+
+
+class Ticker:
+    """Steps ``driver`` from a daemon thread; see the module docstring.
+
+    ``lock``: a ``threading.Lock`` or ``RLock`` shared with the engine's
+    calls into the driver (an RLock is created when none is given).
+    Stats, written by the thread only: ``ticks`` (steps run),
+    ``steps_with_work`` (steps that processed a stimulus), ``errors``
+    (steps that raised; the last one is ``last_error``).
+    """
+
+    def __init__(self, driver: PlaneDriver, *, lock: Any = None, max_idle_wait: float = 0.1,
+                 name: str | None = None):
+        if not max_idle_wait >= MIN_WAIT:  # also refuses NaN
+            raise ValueError(f"max_idle_wait must be >= {MIN_WAIT} s, got {max_idle_wait!r}")
+        self.driver = driver
+        self.lock = lock if lock is not None else threading.RLock()
+        self.max_idle_wait = float(max_idle_wait)
+        self.ticks = 0
+        self.steps_with_work = 0
+        self.errors = 0
+        self.last_error: BaseException | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=name or f"kvplane-ticker-{driver.engine_id}",
+                                        daemon=True)
+
+    # ----------------------------------------------------------------- control
+    def start(self) -> Ticker:
+        """Start the thread (once; a stopped ticker is not restarted)."""
+        if self._stopping:
+            raise RuntimeError("a stopped Ticker cannot be started again")
+        self._thread.start()  # raises RuntimeError when already started
+        return self
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop the thread and join it; idempotent.  Once it returns True no
+        step runs any more.  False: the thread is still inside a step after
+        ``timeout`` seconds (it exits when the step returns)."""
+        self._stopping = True
+        self._wake.set()
+        if not self._thread.is_alive() or self._thread is threading.current_thread():
+            return not self._thread.is_alive()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def wake(self) -> None:
+        """Step now rather than at the next timeout (e.g. the engine posted a
+        transfer or armed an earlier deadline)."""
+        self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stats(self) -> dict[str, int]:
+        return {"ticks": self.ticks, "steps_with_work": self.steps_with_work, "errors": self.errors}
+
+    def __enter__(self) -> Ticker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------- thread
+    def _loop(self) -> None:
+        timeout = 0.0  # the first step at once
+        while True:
+            self._wake.wait(timeout)
+            # A wake() between the wait and this clear is not lost: the step
+            # it asked for follows right away.
+            self._wake.clear()
+            with self.lock:
+                if self._stopping:
+                    return
+                try:
+                    work = self.driver.step()
+                except Exception as exc:  # counted and logged; the thread goes on
+                    self.errors += 1
+                    self.last_error = exc
+                    if self.errors <= 3 or self.errors % 1000 == 0:  # a failing step: no log line per tick
+                        log.exception("%s: driver step failed (%d so far); the ticker goes on",
+                                      self.driver.engine_id, self.errors)
+                    work = 0  # no quick retry: a step that keeps failing costs one per timeout
+                self.ticks += 1
+                if work:
+                    self.steps_with_work += 1
+                timeout = MIN_WAIT if work else self._idle_timeout()
+
+    def _idle_timeout(self) -> float:
+        """min(max_idle_wait, time to the plane's next deadline), at least
+        MIN_WAIT.  Under the lock: next_deadline prunes the timer heap."""
+        try:
+            deadline = self.driver.plane.next_deadline()
+            until = None if deadline is None else deadline - self.driver.clock()
+        except Exception as exc:
+            self.errors += 1
+            self.last_error = exc
+            log.exception("%s: reading the next deadline failed; the ticker goes on", self.driver.engine_id)
+            until = None
+        if until is None or not until < self.max_idle_wait:  # NaN: the full wait
+            return self.max_idle_wait
+        return max(MIN_WAIT, until)
