@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Any, Callable, Iterable
 
 from kvplane.statemachines.config import PlaneConfig
-from kvplane.statemachines.rank_results import RankResults
+from kvplane.statemachines.rank_results import Outcome, RankResults
 from kvplane.statemachines.tp_mapping import TpMapping, TpMismatch
 
 from .params import BadTransferParams, RemoteKV
@@ -108,6 +108,8 @@ class ConnectorScheduler:
         if awaiting:
             self._awaited.add(request_id)
             self._recv_ranks.expect(request_id)
+            for rank in self._lost:  # a dead rank reads nothing: the recv fails once the others reported
+                self._fold_recv(self._recv_ranks.report(rank, request_id, False))
         self._meta["loads"].append(Load(request_id=request_id, block_ids=tuple(block_ids),
                                         num_remote_tokens=num_external_tokens, awaiting=awaiting))
 
@@ -171,6 +173,9 @@ class ConnectorScheduler:
                push: bool) -> LeaseGrant:
         mapping = TpMapping(self.tp_size, reader_tp or self.tp_size)
         self._lease_ranks.expect(request_id)
+        for rank in self._lost:  # a dead rank holds nothing
+            if self._lease_ranks.report(rank, request_id) is not None:
+                self.finished_sending.add(request_id)
         # The lease's unguessable name: only who is handed the params can act on it.
         return LeaseGrant(request_id=request_id, name=f"{request_id}-{secrets.token_hex(16)}",
                           block_ids=block_ids, consumers_per_rank=consumers * mapping.consumers_per_holder_rank,
@@ -201,9 +206,7 @@ class ConnectorScheduler:
         for rid, ok in [(r, True) for r in report.finished_recving] + [(r, False) for r in report.failed_recving]:
             if not ok:
                 self.fail_reasons.setdefault(rid, f"rank {report.rank}: {reasons.get(rid, 'failed')}")
-            outcome = self._recv_ranks.report(report.rank, rid, ok)
-            if outcome is not None:
-                self._recv_outcome(outcome.request_id, outcome.ok)
+            self._fold_recv(self._recv_ranks.report(report.rank, rid, ok))
         self.load_error_blocks |= report.load_error_blocks
 
     def rank_lost(self, rank: int) -> None:
@@ -217,11 +220,18 @@ class ConnectorScheduler:
         for outcome in self._lease_ranks.rank_lost(rank):
             self.finished_sending.add(outcome.request_id)
         for outcome in self._recv_ranks.rank_lost(rank):
-            self.fail_reasons.setdefault(outcome.request_id, f"rank {rank} lost")
-            self._recv_outcome(outcome.request_id, False)
+            self._fold_recv(outcome)
 
-    def _recv_outcome(self, request_id: str, ok: bool) -> None:
-        (self.finished_recving if ok else self.failed_recving).add(request_id)
+    def _fold_recv(self, outcome: Outcome | None) -> None:
+        if outcome is None:
+            return
+        if outcome.ok:
+            self.finished_recving.add(outcome.request_id)
+            return
+        for rank in outcome.failed_ranks:
+            if rank in self._lost:
+                self.fail_reasons.setdefault(outcome.request_id, f"rank {rank} lost")
+        self.failed_recving.add(outcome.request_id)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""

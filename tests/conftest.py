@@ -46,6 +46,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_replay.py": "core",
     "test_replay_old_logs.py": "core",
     "test_security_nixl.py": "nixl",
+    "test_split_multiprocess.py": "nixl",
     "test_sequence.py": "core",
     "test_ticker.py": "core",
     "test_transport_endpoint.py": "core",

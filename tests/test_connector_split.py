@@ -113,6 +113,19 @@ def test_a_dead_decode_rank_fails_the_request_and_every_p_rank_frees(clock):
         d.close()
 
 
+def test_a_request_after_a_rank_died_fails_instead_of_waiting_for_it(clock):
+    _, p, d = engine_pair(2, 2, clock, **CFG)
+    try:
+        d.kill(1)
+        pull(p, d)
+        assert settle(clock, p, d, 30, lambda: "d1" in d.failed and "r1" in p.sending)
+        assert d.sched.fail_reasons["d1"] == "rank 1 lost"
+        assert p.held() == [] and d.held() == []
+    finally:
+        p.close()
+        d.close()
+
+
 def test_a_dead_prefill_rank_does_not_leave_the_others_holding(clock):
     fabric, p, d = engine_pair(2, 2, clock, **CFG)
     try:

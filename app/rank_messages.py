@@ -1,0 +1,105 @@
+"""The protocol between an engine's scheduler process and its worker rank
+processes in ``kvplane run`` (over a multiprocessing Pipe).
+
+The connector's own traffic is ``kvplane.connector.records`` (StepMeta,
+WorkerReport, RankInfo); these messages wrap it with what the synthetic
+job needs besides: filling and verifying the rank's shard of blocks (a
+rank's KV lives in its process only), and its end-of-run summary.
+"""
+from __future__ import annotations
+
+import attrs
+
+from kvplane.connector.records import RankInfo, StepMeta, WorkerReport
+
+
+@attrs.frozen(kw_only=True)
+class RankOptions:
+    """What the scheduler process hands a rank process when it spawns it."""
+
+    engine_id: str  # the engine's (not the rank's) id
+    rank: int
+    tp_size: int
+    plane_fields: dict  # PlaneConfig fields (the scheduler's config, rebuilt in the rank)
+    num_blocks: int
+    block_elems: int  # elements of a whole (unsharded) block; the rank holds block_elems // tp_size
+    keypair: tuple[bytes, bytes]  # the engine's CURVE keypair (shared by its ranks)
+    peers: dict  # engine id -> public key
+    log_path: str | None = None  # the rank's event log
+    clock_skew: float = 0.0
+
+
+# ------------------------------------------------------------ scheduler -> rank
+@attrs.frozen
+class Step:
+    meta: StepMeta
+
+
+@attrs.frozen
+class Fill:
+    """Write the pattern of ``lid`` into blocks (the prefill, or a recompute)."""
+
+    lid: str
+    block_ids: tuple[int, ...]
+    first_index: int
+
+
+@attrs.frozen
+class Verify:
+    """Check blocks against ``lid``'s pattern; answer in the next RankStep."""
+
+    token: int
+    lid: str
+    block_ids: tuple[int, ...]
+    first_index: int
+
+
+@attrs.frozen
+class Poison:
+    """Blocks returned to the pool: overwrite them as a reuse would."""
+
+    block_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class Stop:
+    """Send the RankSummary and exit."""
+
+
+TO_RANK = (Step, Fill, Verify, Poison, Stop)
+
+
+# ------------------------------------------------------------ rank -> scheduler
+@attrs.frozen
+class RankReady:
+    info: RankInfo
+    os_pid: int
+
+
+@attrs.frozen
+class RankStep:
+    report: WorkerReport
+    verified: tuple[tuple[int, bool], ...] = ()  # (token, every byte matched)
+    lease_events: tuple[tuple[str, str, float], ...] = ()  # (request id, "heartbeat" | freed reason, time)
+
+
+@attrs.frozen
+class RankCrashed:
+    rank: int
+    traceback: str
+
+
+@attrs.frozen(kw_only=True)
+class RankSummary:
+    rank: int
+    engine_id: str
+    counters: dict
+    heartbeats_received: int
+    heartbeats_sent: int
+    leases_ended: dict  # reason -> count
+    plane_held: list
+    held_lease_blocks: int
+    bytes_moved: int
+
+
+FROM_RANK = (RankReady, RankStep, RankCrashed, RankSummary)
