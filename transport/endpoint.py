@@ -5,12 +5,20 @@ tests) both provide it, and so does any wrapper around one (``faults``).
 Every method may raise a ``TransportError`` subclass (``errors``); block
 ids are the endpoint's own cache blocks, ``remote_desc`` a peer's
 ``describe_cache()``.
+
+With tensor parallelism a transfer moves a part of each block:
+``remote_part`` / ``local_part`` are ``(index, of)``, the ``index``-th of
+``of`` equal contiguous byte slices of a block in every region (``(0, 1)``:
+the whole block).  The two slices must be equally large; a bad part, a block
+size that does not divide, or unequal slices raise a ValueError subclass
+before anything is posted.
 """
 from __future__ import annotations
 
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from .handle import XferHandle
+from .layout import WHOLE_BLOCK, BlockPart
 
 
 @runtime_checkable
@@ -33,12 +41,15 @@ class Endpoint(Protocol):
 
     # ------------------------------------------------------------ transfers
     def post_read(self, remote_name: str, remote_desc: dict, remote_block_ids: Sequence[int],
-                  local_block_ids: Sequence[int], notif: bytes = b"") -> XferHandle:
-        """Pull remote blocks into local ones; ``notif`` reaches the peer on completion."""
+                  local_block_ids: Sequence[int], notif: bytes = b"", *,
+                  remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK) -> XferHandle:
+        """Pull (a part of) remote blocks into (a part of) local ones; ``notif``
+        reaches the peer on completion."""
 
     def post_write(self, remote_name: str, remote_desc: dict, remote_block_ids: Sequence[int],
-                   local_block_ids: Sequence[int], notif: bytes = b"") -> XferHandle:
-        """Push local blocks into remote ones (push mode)."""
+                   local_block_ids: Sequence[int], notif: bytes = b"", *,
+                   remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK) -> XferHandle:
+        """Push (a part of) local blocks into (a part of) remote ones (push mode)."""
 
     def poll_transfer(self, handle: XferHandle) -> str:
         """``"DONE"`` or ``"PROC"``; a failed transfer raises."""

@@ -36,3 +36,8 @@ class MetadataRejected(TransportError):
 
 class IncompatibleLayout(TransportError, ValueError):
     """Local and remote KV-cache layouts cannot be paired block for block."""
+
+
+class InvalidPart(ValueError):
+    """A block part that is no ``(index, of)`` pair of ints with ``of >= 1`` and
+    ``0 <= index < of`` (a caller's mistake, like an out-of-range block id)."""

@@ -23,5 +23,8 @@ class XferHandle:
     num_blocks: int
     # Backend object (nixl_xfer_handle, or the loopback's record).
     raw: Any = attrs.field(repr=False)
+    # Bytes the transfer moves: num_blocks x slice size (the block size for
+    # whole blocks) x regions.
+    nbytes: int = attrs.field(kw_only=True)
     id: int = attrs.field(factory=lambda: next(_ids))
     released: bool = False

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Sequence
 
 import attrs
 
+from .errors import IncompatibleLayout, InvalidPart
+
 LAYOUT_VERSION = 1
 MEM_TYPES = ("DRAM", "VRAM")
 
@@ -23,6 +25,27 @@ def _addresses(addrs: Iterable[int]) -> tuple[int, ...]:
 def _positive(_inst: Any, attr: attrs.Attribute, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{attr.name} must be a positive int, got {value!r}")
+
+
+# A part of a block: (index, of), the index-th of ``of`` equal contiguous slices.
+BlockPart = tuple[int, int]
+WHOLE_BLOCK: BlockPart = (0, 1)
+
+
+def check_part(part: object, side: str) -> BlockPart:
+    """``part`` as an ``(index, of)`` tuple; InvalidPart unless ``of >= 1`` and
+    ``0 <= index < of`` are ints (bools refused).  A list pair is accepted
+    (msgpack decodes tuples as lists)."""
+    if not isinstance(part, (tuple, list)) or len(part) != 2:
+        raise InvalidPart(f"{side} part must be an (index, of) pair of ints, got {part!r}")
+    index, of = part
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (index, of)):
+        raise InvalidPart(f"{side} part must be an (index, of) pair of ints, got {part!r}")
+    if of < 1:
+        raise InvalidPart(f"{side} part {tuple(part)!r}: of must be >= 1")
+    if not 0 <= index < of:
+        raise InvalidPart(f"{side} part {tuple(part)!r}: index must be in [0, {of})")
+    return index, of
 
 
 @attrs.frozen
@@ -63,6 +86,38 @@ class CacheLayout:
         """Descriptor indices moving ``block_ids`` in every region."""
         return [r * self.num_blocks + b for r in range(len(self.base_addrs)) for b in block_ids]
 
+    def part_size(self, of: int, side: str = "") -> int:
+        """Bytes of one of ``of`` equal slices of a block; IncompatibleLayout
+        when the block size does not divide by ``of``."""
+        if self.block_size % of:
+            raise IncompatibleLayout(
+                f"{side + ' ' if side else ''}block size {self.block_size} B does not divide "
+                f"into {of} equal parts"
+            )
+        return self.block_size // of
+
+    def part_descriptors(self, of: int) -> list[tuple[int, int, int]]:
+        """All (addr, len, device) triples with ``of`` slices per block, for
+        prep_xfer_dlist; ``of == 1`` is :meth:`descriptors`."""
+        if of == 1:
+            return self.descriptors()
+        size = self.part_size(of)
+        return [
+            (base + b * self.block_size + p * size, size, self.device_id)
+            for base in self.base_addrs
+            for b in range(self.num_blocks)
+            for p in range(of)
+        ]
+
+    def part_indices(self, block_ids: Sequence[int], part: BlockPart) -> list[int]:
+        """Indices into :meth:`part_descriptors` (``part[1]`` slices per block)
+        moving part ``part`` of ``block_ids`` in every region."""
+        index, of = part
+        if of == 1:
+            return self.indices(block_ids)
+        nb = self.num_blocks
+        return [(r * nb + b) * of + index for r in range(len(self.base_addrs)) for b in block_ids]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "v": LAYOUT_VERSION,
@@ -95,8 +150,6 @@ class CacheLayout:
 
     def check_pairable(self, remote: "CacheLayout") -> None:
         """Block-for-block transfers need equal block sizes and region counts."""
-        from .errors import IncompatibleLayout
-
         if remote.block_size != self.block_size:
             raise IncompatibleLayout(
                 f"block size mismatch: local {self.block_size} B, remote {remote.block_size} B"
@@ -106,3 +159,28 @@ class CacheLayout:
                 f"region count mismatch: local {len(self.base_addrs)}, "
                 f"remote {len(remote.base_addrs)}"
             )
+
+    def check_pairable_parts(
+        self, remote: "CacheLayout", local_part: BlockPart, remote_part: BlockPart
+    ) -> int:
+        """Slice-for-slice transfers (``remote_part`` of each remote block to or
+        from ``local_part`` of each local block) need equal region counts, block
+        sizes divisible by the parts' ``of`` and equal slice sizes.  Returns the
+        slice size in bytes; two whole blocks are :meth:`check_pairable`."""
+        if local_part[1] == 1 and remote_part[1] == 1:
+            self.check_pairable(remote)
+            return self.block_size
+        if len(remote.base_addrs) != len(self.base_addrs):
+            raise IncompatibleLayout(
+                f"region count mismatch: local {len(self.base_addrs)}, "
+                f"remote {len(remote.base_addrs)}"
+            )
+        local_size = self.part_size(local_part[1], "local")
+        remote_size = remote.part_size(remote_part[1], "remote")
+        if local_size != remote_size:
+            raise IncompatibleLayout(
+                f"slice size mismatch: local part {local_part} of a {self.block_size} B block is "
+                f"{local_size} B, remote part {remote_part} of a {remote.block_size} B block is "
+                f"{remote_size} B"
+            )
+        return local_size

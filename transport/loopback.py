@@ -15,7 +15,7 @@ import torch
 
 from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed
 from .handle import DONE, PROC, XferHandle
-from .layout import CacheLayout
+from .layout import WHOLE_BLOCK, BlockPart, CacheLayout, check_part
 
 _MD_PREFIX = b"LOOPBACK1:"
 
@@ -64,6 +64,9 @@ class _Xfer:
     remote_regions: list[torch.Tensor]
     local_ids: list[int]
     remote_ids: list[int]
+    # Byte range [start, stop) of each block moved (the whole block: (0, block_size)).
+    local_span: tuple[int, int]
+    remote_span: tuple[int, int]
     notif: bytes
     polls_left: int
     fate: str = "ok"  # "ok" | "fail" | "hang"
@@ -283,18 +286,25 @@ class LoopbackEndpoint:
 
     # ------------------------------------------------------------ transfers
 
-    def post_read(self, remote_name, remote_desc, remote_block_ids, local_block_ids, notif=b"") -> XferHandle:
-        return self._post("READ", remote_name, remote_desc, remote_block_ids, local_block_ids, notif)
+    def post_read(self, remote_name, remote_desc, remote_block_ids, local_block_ids, notif=b"", *,
+                  remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK) -> XferHandle:
+        return self._post("READ", remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
+                          remote_part, local_part)
 
-    def post_write(self, remote_name, remote_desc, remote_block_ids, local_block_ids, notif=b"") -> XferHandle:
-        return self._post("WRITE", remote_name, remote_desc, remote_block_ids, local_block_ids, notif)
+    def post_write(self, remote_name, remote_desc, remote_block_ids, local_block_ids, notif=b"", *,
+                   remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK) -> XferHandle:
+        return self._post("WRITE", remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
+                          remote_part, local_part)
 
-    def _post(self, op, remote_name, remote_desc, remote_block_ids, local_block_ids, notif) -> XferHandle:
+    def _post(self, op, remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
+              remote_part, local_part) -> XferHandle:
         self._check_alive()
+        remote_part = check_part(remote_part, "remote")
+        local_part = check_part(local_part, "local")
         if self._layout is None:
             raise RuntimeError("register_kv_cache before posting transfers")
         remote_layout = CacheLayout.from_dict(remote_desc)
-        self._layout.check_pairable(remote_layout)
+        slice_bytes = self._layout.check_pairable_parts(remote_layout, local_part, remote_part)
         rids, lids = list(remote_block_ids), list(local_block_ids)
         if len(rids) != len(lids):
             raise ValueError(f"{len(rids)} remote blocks vs {len(lids)} local blocks")
@@ -307,9 +317,12 @@ class LoopbackEndpoint:
         if peer._layout is None or peer._layout.base_addrs != remote_layout.base_addrs:
             raise NotFound(f"{op}: remote descriptors are not registered on {remote_name!r}")
         fate, message = self.fabric._fate(self.name, remote_name)
+        local_span = (local_part[0] * slice_bytes, (local_part[0] + 1) * slice_bytes)
+        remote_span = (remote_part[0] * slice_bytes, (remote_part[0] + 1) * slice_bytes)
         x = _Xfer(op, self.name, remote_name, self._regions, peer._regions, lids, rids,
-                  bytes(notif), self.fabric.transfer_polls, fate, message)
-        return XferHandle(op, remote_name, bytes(notif), len(lids), x)
+                  local_span, remote_span, bytes(notif), self.fabric.transfer_polls, fate, message)
+        nbytes = len(lids) * slice_bytes * len(self._regions)
+        return XferHandle(op, remote_name, bytes(notif), len(lids), x, nbytes=nbytes)
 
     def poll_transfer(self, handle: XferHandle) -> str:
         self._check_alive()
@@ -329,8 +342,14 @@ class LoopbackEndpoint:
             raise TransferFailed(f"{x.op} {handle.id} to {x.remote!r} failed: {x.fail_message}")
         src, dst = (x.remote_regions, x.local_regions) if x.op == "READ" else (x.local_regions, x.remote_regions)
         sids, dids = (x.remote_ids, x.local_ids) if x.op == "READ" else (x.local_ids, x.remote_ids)
+        (s0, s1), (d0, d1) = (
+            (x.remote_span, x.local_span) if x.op == "READ" else (x.local_span, x.remote_span)
+        )
         for s, d in zip(src, dst):
-            d[dids] = s[sids]
+            if s0 == d0 == 0 and s1 == s.shape[1] and d1 == d.shape[1]:
+                d[dids] = s[sids]  # whole blocks
+            else:
+                d[dids, d0:d1] = s[sids, s0:s1]
         x.state = DONE
         if x.notif:
             self.fabric._send(self.name, x.remote, x.notif)

@@ -30,7 +30,7 @@ import torch
 
 from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed, TransportError
 from .handle import DONE, PROC, XferHandle
-from .layout import CacheLayout
+from .layout import WHOLE_BLOCK, BlockPart, CacheLayout, check_part
 from .wire import METADATA_MAGIC
 
 # NIXL exception class name -> our type.  Matched by name because the classes
@@ -102,9 +102,11 @@ class NixlEndpoint:
         self._tensors: list[torch.Tensor] = []  # keep registered memory alive
         self._reg_descs: list[object] = []
         self._layout: CacheLayout | None = None
-        self._local_dlist = None
-        # (remote_name, layout) -> prepped remote dlist handle
-        self._remote_dlists: dict[tuple[str, CacheLayout], object] = {}
+        # of -> prepped local dlist handle: ``of`` slices per block (1: whole
+        # blocks, the plain list); built on first use, per part size.
+        self._local_dlists: dict[int, object] = {}
+        # (remote_name, layout, of) -> prepped remote dlist handle
+        self._remote_dlists: dict[tuple[str, CacheLayout, int], object] = {}
         self._remotes: set[str] = set()
         # Remotes that raised PeerDisconnected: never handed to NIXL again
         # until re-added (see _post for why touching them is dangerous).
@@ -156,7 +158,7 @@ class NixlEndpoint:
         self._tensors.append(tensor)
         self._reg_descs.append(reg)
         self._layout = layout
-        self._drop_local_dlist()  # descriptor indices changed
+        self._drop_local_dlists()  # descriptor indices changed
         return layout
 
     def describe_cache(self) -> dict:
@@ -213,9 +215,14 @@ class NixlEndpoint:
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         notif: bytes = b"",
+        *,
+        remote_part: BlockPart = WHOLE_BLOCK,
+        local_part: BlockPart = WHOLE_BLOCK,
     ) -> XferHandle:
-        """Pull remote blocks into local blocks; ``notif`` reaches the peer on completion."""
-        return self._post("READ", remote_name, remote_desc, remote_block_ids, local_block_ids, notif)
+        """Pull remote blocks (their ``remote_part``) into local blocks (their
+        ``local_part``); ``notif`` reaches the peer on completion."""
+        return self._post("READ", remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
+                          remote_part, local_part)
 
     def post_write(
         self,
@@ -224,15 +231,23 @@ class NixlEndpoint:
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
         notif: bytes = b"",
+        *,
+        remote_part: BlockPart = WHOLE_BLOCK,
+        local_part: BlockPart = WHOLE_BLOCK,
     ) -> XferHandle:
-        """Push local blocks into remote blocks (push mode)."""
-        return self._post("WRITE", remote_name, remote_desc, remote_block_ids, local_block_ids, notif)
+        """Push local blocks (their ``local_part``) into remote blocks (their
+        ``remote_part``) (push mode)."""
+        return self._post("WRITE", remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
+                          remote_part, local_part)
 
-    def _post(self, op, remote_name, remote_desc, remote_block_ids, local_block_ids, notif):
+    def _post(self, op, remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
+              remote_part, local_part):
         self._check_open()
+        remote_part = check_part(remote_part, "remote")
+        local_part = check_part(local_part, "local")
         local = self._require_layout()
         remote = CacheLayout.from_dict(remote_desc)
-        local.check_pairable(remote)
+        slice_bytes = local.check_pairable_parts(remote, local_part, remote_part)
         remote_block_ids, local_block_ids = list(remote_block_ids), list(local_block_ids)
         if len(remote_block_ids) != len(local_block_ids):
             raise ValueError(
@@ -251,14 +266,15 @@ class NixlEndpoint:
         self._progress()
         self._check_remote(remote_name, op)
 
-        local_dl = self._local_dlist_handle()
-        remote_dl = self._remote_dlist_handle(remote_name, remote)
+        local_dl = self._local_dlist_handle(local_part[1])
+        remote_dl = self._remote_dlist_handle(remote_name, remote, remote_part[1])
         with self._timed("make_prepped_xfer"), self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
             raw = self._agent.make_prepped_xfer(
-                op, local_dl, local.indices(local_block_ids),
-                remote_dl, remote.indices(remote_block_ids), notif,
+                op, local_dl, local.part_indices(local_block_ids, local_part),
+                remote_dl, remote.part_indices(remote_block_ids, remote_part), notif,
             )
-        handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw)
+        nbytes = len(local_block_ids) * slice_bytes * len(local.base_addrs)
+        handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw, nbytes=nbytes)
         try:
             with self._timed("transfer"), self._watch(remote_name), _nixl(f"post {op} to {remote_name!r}"):
                 state = self._agent.transfer(raw)
@@ -316,7 +332,7 @@ class NixlEndpoint:
         for dl in self._remote_dlists.values():
             self._release_dlist(dl)
         self._remote_dlists.clear()
-        self._drop_local_dlist()
+        self._drop_local_dlists()
         for reg in self._reg_descs:
             with contextlib.suppress(Exception):
                 self._agent.deregister_memory(reg)
@@ -371,29 +387,32 @@ class NixlEndpoint:
             raise RuntimeError("register_kv_cache before posting transfers")
         return self._layout
 
-    def _local_dlist_handle(self):
-        if self._local_dlist is None:
+    def _local_dlist_handle(self, of: int = 1):
+        """The local dlist with ``of`` slices per block (1: whole blocks)."""
+        dl = self._local_dlists.get(of)
+        if dl is None:
             layout = self._require_layout()
             with _nixl("prep local dlist", TransportError):
-                self._local_dlist = self._agent.prep_xfer_dlist(
-                    "NIXL_INIT_AGENT", layout.descriptors(), layout.mem_type
+                dl = self._agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", layout.part_descriptors(of), layout.mem_type
                 )
-        return self._local_dlist
+            self._local_dlists[of] = dl
+        return dl
 
-    def _remote_dlist_handle(self, remote_name: str, layout: CacheLayout):
-        key = (remote_name, layout)
+    def _remote_dlist_handle(self, remote_name: str, layout: CacheLayout, of: int = 1):
+        key = (remote_name, layout, of)
         dl = self._remote_dlists.get(key)
         if dl is None:
             # NotFound here usually means the descriptors are not registered on the peer.
             with _nixl(f"prep remote dlist for {remote_name!r}", NotFound):
-                dl = self._agent.prep_xfer_dlist(remote_name, layout.descriptors(), layout.mem_type)
+                dl = self._agent.prep_xfer_dlist(remote_name, layout.part_descriptors(of), layout.mem_type)
             self._remote_dlists[key] = dl
         return dl
 
-    def _drop_local_dlist(self) -> None:
-        if self._local_dlist is not None:
-            self._release_dlist(self._local_dlist)
-            self._local_dlist = None
+    def _drop_local_dlists(self) -> None:
+        for dl in self._local_dlists.values():
+            self._release_dlist(dl)
+        self._local_dlists.clear()
 
     @staticmethod
     def _release_dlist(dl) -> None:
