@@ -39,6 +39,7 @@ class NodeOptions:
     block_elems: int
     overload: float  # how long D queues a request before scheduling it
     stall_limit: float  # a loop gap this long is listed as a stall
+    tp: dict  # role -> tensor-parallel size (worker rank processes)
     curve: CurveKeys
 
 
@@ -107,8 +108,9 @@ TO_NODE = (Prefill, Decode, Turn2, StatusRequest, Abandon, Release, Finish)
 @attrs.frozen
 class Ready:
     engine_id: str
-    side_channel_url: str
-    os_pid: int
+    side_channel_url: str  # rank 0's
+    os_pid: int  # the scheduler process
+    rank_pids: tuple = ()  # the worker rank processes, by rank
 
 
 @attrs.frozen
@@ -209,6 +211,9 @@ class Summary:
     recompute_reasons: dict
     abandoned: dict
     waited_for_blocks: dict
+    # Per worker rank: what it held at the end, heartbeats, leases ended (RankSummary fields).
+    ranks: list = attrs.Factory(list)
+    lost_ranks: list = attrs.Factory(list)
 
 
 TO_PARENT = (Ready, Crashed, Status, Prefilled, Decoded, Turn2Done, Abandoned, Released, Summary)

@@ -1,43 +1,44 @@
-"""One engine process of ``kvplane run``: the prefill (P) or the decode (D) side.
+"""The scheduler process of one engine of ``kvplane run``: prefill (P) or decode (D).
 
-Each node owns a small torch KV cache ([num_blocks, block_elems] float32,
-DRAM) registered with NIXL through ``KVPlaneWorker``, a ``PlaneDriver``
-(its ZMQ side channel included) and a ``KVPlaneScheduler``, and runs one
-step loop: read the orchestrator's messages, schedule, step the driver,
-collect what finished, and sleep ~1 ms when nothing happened.  No thread
-is added beyond the driver's handshake pool.
+As in a serving engine, the engine is a scheduler process and one worker
+process per tensor-parallel rank (``rank_worker``).  This process runs the
+``ConnectorScheduler`` and the job's block allocator; each rank owns its
+NIXL agent, its side channel, its plane (leases, decode requests,
+heartbeats, timers) and its shard of the KV cache ([num_blocks,
+block_elems // tp] float32), and talks to this process only through the
+records of ``kvplane.connector.records`` (``rank_group``).  One step loop:
+read the orchestrator's messages, schedule, send the step's metadata to
+the ranks, fold in their reports, collect what finished, and wait ~1 ms
+(woken by any pipe) when nothing happened.
 
 P fills each request's blocks with a pattern derived from the request id
-and the block index; whoever receives blocks (D on turn 1, P reading D's
-held blocks on turn 2) checks every byte against it.  Freed blocks are
-poisoned, as a reused block would be overwritten, so a read of reclaimed
-blocks cannot pass verification by luck.
+and the block index (each rank its slice); whoever receives blocks (D on
+turn 1, P reading D's held blocks on turn 2) has every rank check every
+byte of its slice.  Freed blocks are poisoned, as a reused block would be
+overwritten, so a read of reclaimed blocks cannot pass verification by luck.
 
 Messages are the attrs classes of ``messages.py`` over a multiprocessing Pipe.
 """
 from __future__ import annotations
 
-import math
+import itertools
 import os
 import time
 import traceback
-import zlib
 from collections import Counter, deque
+from multiprocessing.connection import wait
+from typing import Callable
 
 import attrs
-
-from kvplane.statemachines.actions import ReportRecv
-from kvplane.statemachines.events import LeaseHeartbeat
-from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed
 
 from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Finish, LeaseRecord, NodeOptions,
                        Prefill, Prefilled, Release, Released, Ready, Status, StatusRequest, Summary, Turn2, Turn2Done,
                        handlers)
 
+from .rank_messages import Fill, Poison, RankOptions, Verify
+
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
 BLOCK_TOKENS = 16
-POISON = -1.0
-_MASK = (1 << 20) - 1  # pattern values stay exact in float32
 
 
 # A gap between two loop ticks longer than this is listed in the summary
@@ -47,10 +48,6 @@ LOOP_GAPS_KEPT = 10_000
 # Why a turn-2 read was not made although its hold was on time: P had no
 # free blocks before the hold's validity, less the gate's margin, ran out.
 NO_BLOCKS = "declined: no free blocks before the hold's expiry"
-
-
-def pattern_seed(lid: str, block_index: int) -> int:
-    return zlib.crc32(f"{lid}/{block_index}".encode()) & _MASK
 
 
 @attrs.define
@@ -81,29 +78,12 @@ class LoopGaps:
                 "stall_limit_s": self.stall_limit, "stalls": list(self.stalls)}
 
 
-def recv_failure_reason(event_name: str, label: str, before: str | None) -> str:
-    """Why a recv was reported failed, from the stimulus whose effects
-    reported it (the machine that took it, and its state before)."""
-    kind = label.split(":", 1)[0]
-    if kind == "decode_request":
-        if event_name == "StartLoad":  # the engine was connected: the gate ran at once
-            return "declined by the expiry gate"
-        if event_name == "ReadFailed":
-            return "transfer failed"
-        if event_name == "Abort":
-            return "aborted"
-        if event_name == "TimerFired":
-            return {"READING": "transfer deadline (timeout or the remote blocks' validity)",
-                    "HANDSHAKING": "handshake did not complete in time",
-                    "AWAITING_PUSH": "push did not arrive in time"}.get(before or "", "recv timed out")
-    if kind == "remote_engine":
-        if event_name == "HandshakeOk":  # connected now: the waiting requests' gate ran
-            return "declined by the expiry gate"
-        if event_name in ("HandshakeFailed", "TimerFired"):
-            return "handshake failed"
-    if event_name == "PeerDisconnected":
-        return "engine lost"
-    return f"{event_name} ({kind})"
+@attrs.define
+class PendingVerify:
+    """A verification every live rank must answer before ``then`` runs."""
+
+    then: Callable[[bool], None]
+    results: dict = attrs.Factory(dict)  # rank -> every byte of its slice matched
 
 
 @attrs.define
@@ -116,55 +96,54 @@ class QueuedDecode:
 
 class Node:
     def __init__(self, role: str, conn, opts: NodeOptions):
-        import torch
+        from kvplane.connector.scheduler import ConnectorScheduler
 
-        from kvplane.statemachines.eventlog import EventLogWriter
-        from kvplane.transport.faults import DropNotifications
-        from kvplane.transport.nixl_agent import NixlEndpoint
+        from .rank_group import RankGroup
 
-        from kvplane.connector.connector import KVPlaneScheduler, KVPlaneWorker
-        from kvplane.connector.driver import PlaneDriver
-
-        self.torch = torch
         self.role = role
         self.conn = conn
         self.opts = opts
         self.engine_id = opts.engine_ids[role]
+        self.tp = opts.tp[role]
         skew = opts.clock_skew if role == "D" else 0.0
-        # D's plane runs on a skewed clock; the handshake's offset estimate
-        # must absorb it.  Fences and reports use the raw monotonic clock,
-        # which all processes on this machine share.
+        # D's plane runs on a skewed clock (its ranks' too); the handshake's
+        # offset estimate must absorb it.  Fences and reports use the raw
+        # monotonic clock, which all processes on this machine share.
         self.clock = (lambda: time.monotonic() + skew) if skew else time.monotonic
         self.cfg = opts.plane
-        self.ep = NixlEndpoint(self.engine_id)
-        self.faults = DropNotifications(self.ep, rate=opts.drop_notifications, seed=opts.seed * 2 + (role == "D"))
-        self.driver = PlaneDriver(engine_id=self.engine_id, endpoint=self.faults if self.faults.rate else self.ep,
-                                  config=self.cfg, clock=self.clock,
-                                  # Authenticated side channel: this run's keys (orchestrator.run_keys).
-                                  curve_keypair=tuple(opts.curve.keypair), trusted_peers=opts.curve.peers)
-        self.sched = KVPlaneScheduler(self.driver)
-        self.worker = KVPlaneWorker(self.driver)
+        self.sched = ConnectorScheduler(self.engine_id, tp_size=self.tp, config=self.cfg, clock=self.clock)
         nb, be = opts.num_blocks, opts.block_elems
-        self.kv = torch.full((nb, be), POISON, dtype=torch.float32)
         self.block_bytes = be * 4
-        self.worker.register_kv_caches(self.kv)
-        self._ramp = torch.arange(be, dtype=torch.int64) * 7
         self.free: deque[int] = deque(range(nb))
         self.owned: dict[str, list[int]] = {}  # request id -> blocks allocated to it
-        self.log_path = os.path.join(opts.out, f"{'prefill' if role == 'P' else 'decode'}.events.jsonl")
-        self._log_stream = open(self.log_path, "w", encoding="utf-8")
-        self.log = EventLogWriter.attach(self.driver.plane, self._log_stream, flush_every=1 << 30)
-        self._tally_chain = self.driver.plane.recorder
-        self.driver.plane.recorder = self._tally
+        name = "prefill" if role == "P" else "decode"
+        # Rank 0's log keeps the single-rank name (replay, sequence diagrams); the others add their rank.
+        self.log_paths = [os.path.join(opts.out, f"{name}.events.jsonl" if r == 0 else f"{name}.tp{r}.events.jsonl")
+                          for r in range(self.tp)]
+        self.log_path = self.log_paths[0]
+        fields = attrs.asdict(self.cfg)
+
+        def rank_options(rank: int) -> RankOptions:
+            return RankOptions(engine_id=self.engine_id, rank=rank, tp_size=self.tp, plane_fields=fields,
+                               num_blocks=nb, block_elems=be, keypair=tuple(opts.curve.keypair),
+                               peers=dict(opts.curve.peers), log_path=self.log_paths[rank], clock_skew=skew,
+                               drop_notifications=opts.drop_notifications,
+                               seed=(opts.seed * 2 + (role == "D")) * 1024 + rank)
+
+        self.ranks = RankGroup(self.sched, rank_options, on_verified=self._on_verified,
+                               on_lease_event=self._on_lease_event, on_clock_offset=self._on_clock_offset)
+        self.offsets: dict[str, float] = {}  # remote engine -> the largest offset any rank measured
         self.lease_rec: dict[str, LeaseRecord] = {}  # P: by lease (request) id
+        self.lease_reasons: dict[str, set[str]] = {}  # lease id -> why each rank ended it
         self.last_hb_at: float | None = None  # raw clock of the last heartbeat that reached a lease
+        self.hb_by_rank: Counter = Counter()  # lease heartbeats accepted, per rank
         self.extended = 0
         self.outcomes: Counter = Counter()
         self.verified_bytes = 0
-        self.busy_s = 0.0  # time with at least one posted transfer in flight
+        self._tokens = itertools.count(1)
+        self._verifying: dict[int, PendingVerify] = {}
         self.gaps = LoopGaps(stall_limit=opts.stall_limit)
         self.stalls = self.gaps.stalls
-        self.fail_reason: dict[str, str] = {}  # request id -> why its recv was reported failed
         self.recompute_reasons: Counter = Counter()
         self.abandoned: Counter = Counter()  # what the timeout made us give up
         self.aborting: set[str] = set()  # requests aborted by the timeout, their recv report pending
@@ -182,9 +161,6 @@ class Node:
         self.finished = False
 
     # ------------------------------------------------------------ blocks
-    def pattern(self, lid: str, index: int):
-        return ((self._ramp + pattern_seed(lid, index)) & _MASK).to(self.torch.float32)
-
     def alloc(self, rid: str, n: int) -> list[int] | None:
         if len(self.free) < n:
             self.waited_for_blocks.add(rid)
@@ -196,33 +172,53 @@ class Node:
     def release(self, rid: str) -> None:
         blocks = self.owned.pop(rid, None)
         if blocks:
-            self.kv[blocks] = POISON  # as if reused: a late reader must not see the old bytes
+            # As if reused: a late reader must not see the old bytes.
+            self.ranks.send_all(Poison(tuple(blocks)))
             self.free.extend(blocks)
 
     def fill(self, lid: str, blocks: list[int], first_index: int) -> None:
-        for i, b in enumerate(blocks):
-            self.kv[b] = self.pattern(lid, first_index + i)
+        if blocks:
+            self.ranks.send_all(Fill(lid, tuple(blocks), first_index))
 
-    def verify(self, lid: str, blocks: list[int], first_index: int) -> bool:
-        return all(self.torch.equal(self.kv[b], self.pattern(lid, first_index + i)) for i, b in enumerate(blocks))
+    def verify(self, lid: str, blocks: list[int], first_index: int, then: Callable[[bool], None]) -> None:
+        """Have every rank check its slice of ``blocks``; ``then(ok)`` once all
+        live ranks answered (a rank lost meanwhile could not vouch: not ok)."""
+        token = next(self._tokens)
+        self._verifying[token] = PendingVerify(then)
+        self.ranks.send_all(Verify(token, lid, tuple(blocks), first_index))
 
-    # ------------------------------------------------------------ recorder tally
-    def _tally(self, step) -> None:
-        self._tally_chain(step)
-        event, label, before, actions = step.event, step.machine, step.state_before, step.actions
-        for a in actions:
-            if isinstance(a, ReportRecv) and not a.ok:
-                self.fail_reason[a.request_id] = recv_failure_reason(type(event).__name__, label, before)
-        if isinstance(event, LeaseHeartbeat):
-            rec = self.lease_rec.get(event.request_id)
+    def _on_verified(self, rank: int, token: int, ok: bool) -> None:
+        pending = self._verifying.get(token)
+        if pending is not None:
+            pending.results[rank] = ok
+
+    def _settle_verifies(self) -> bool:
+        done = [t for t, v in self._verifying.items()
+                if all(r in v.results or not self.ranks.live(r) for r in range(self.tp))]
+        for token in done:
+            v = self._verifying.pop(token)
+            v.then(len(v.results) == self.tp and all(v.results.values()))
+        return bool(done)
+
+    # ------------------------------------------------------------ what the ranks saw
+    def _on_lease_event(self, rank: int, rid: str, what: str, t: float, expiry: float) -> None:
+        rec = self.lease_rec.get(rid)
+        if what == "heartbeat":
+            self.hb_by_rank[rank] += 1
             if rec is not None and rec.freed is None:
-                t = time.monotonic()
                 rec.hb = t
                 self.last_hb_at = t
-                lease = self.driver.plane.get("lease", event.request_id)
-                if lease is not None and lease.expiry > rec.expiry:
-                    rec.expiry = lease.expiry
+                if rank == 0 and expiry > rec.expiry:  # one extension per lease, not one per rank
+                    rec.expiry = expiry
                     self.extended += 1
+        else:
+            self.lease_reasons.setdefault(rid, set()).add(what)
+
+    def _on_clock_offset(self, rank: int, engine: str, offset: float) -> None:
+        from kvplane.connector.ranks import base_engine_id
+
+        base = base_engine_id(engine)
+        self.offsets[base] = max(offset, self.offsets.get(base, offset))
 
     # ------------------------------------------------------------ loop
     def send(self, msg) -> None:
@@ -232,9 +228,9 @@ class Node:
         handle = handlers(TO_NODE, {Prefill: self.on_prefill, Turn2: self.on_turn2, Decode: self.on_decode,
                                     StatusRequest: self.on_status, Abandon: self.on_abandon,
                                     Release: self.on_release, Finish: self.on_finish})
-        self.send(Ready(engine_id=self.engine_id, side_channel_url=self.driver.side_channel_url, os_pid=os.getpid()))
-        last_flush = time.monotonic()
-        last = time.monotonic()
+        url = f"tcp://{self.sched.host}:{self.sched.ranks[0].side_channel_port}"
+        self.send(Ready(engine_id=self.engine_id, side_channel_url=url, os_pid=os.getpid(),
+                        rank_pids=tuple(self.ranks.pids)))
         while True:
             self._check_stall()
             busy = False
@@ -246,27 +242,12 @@ class Node:
                 busy = True
             self._check_stall()
             busy |= self.schedule()
-            self._check_stall()
-            meta = self.sched.build_connector_meta()
-            if meta.load:
-                self.worker.start_load_kv(meta)  # feeds StartLoad and steps the driver
-                busy = True
-            else:
-                busy |= self.driver.step() > 0
+            busy |= self.ranks.step()
             busy |= self.collect()
-            now = time.monotonic()
-            if self.driver.xfers:
-                self.busy_s += now - last
-            last = now
-            if now - last_flush > 0.1:
-                self.log.flush()  # a killed process keeps its log up to ~100 ms ago
-                last_flush = now
+            busy |= self._settle_verifies()
             if not busy:
-                # Sleep ~1 ms, woken early by a message.  While a transfer is
-                # posted, or a peer may be reading our leased blocks (UCX over
-                # TCP needs the target to progress too), poll every 0.2 ms.
-                serving = self.driver.xfers or self.holds or self.lease_blocks_live
-                self.conn.poll(0.0002 if serving else 0.001)
+                # Wait ~1 ms, woken early by the orchestrator or any rank.
+                wait([self.conn, *[c for r, c in enumerate(self.ranks.conns) if self.ranks.live(r)]], 0.001)
 
     def _check_stall(self) -> None:
         """Record the loop's gaps and stalls (SIGSTOP, a long pause, a call
@@ -280,16 +261,15 @@ class Node:
         self.gaps.note(now, gap)
 
     def collect(self) -> bool:
-        d = self.driver
-        failed = set(d.failed_recving)
-        sending, recving = self.worker.get_finished()
-        self.worker.get_block_ids_with_load_errors()
-        freed, d.freed = d.freed, []
-        for rid, _blocks, reason in freed:
-            self._freed(rid, reason)
+        sending, recving, failed = self.sched.get_finished()
+        self.sched.take_load_error_blocks()  # recompute: the job refills the request's blocks itself
+        for rid in sending:
+            self._freed(rid, _lease_end_reason(self.lease_reasons.pop(rid, set())))
         for rid in recving:
-            self._recv_finished(rid, rid in failed)
-        return bool(sending or recving or freed)
+            self._recv_finished(rid, False)
+        for rid in failed:
+            self._recv_finished(rid, True)
+        return bool(sending or recving or failed)
 
     # ------------------------------------------------------------ P side
     def on_prefill(self, msg: Prefill) -> None:
@@ -333,10 +313,9 @@ class Node:
         for rid in inflight:
             self.aborting.add(rid)
             self.sched.abort(rid)
-        self.driver.step()
-        self.collect()
-        self.send(Abandoned(counts={k: v for k, v in a.items() if v}, xfers=len(self.driver.xfers),
-                            loading=len(self.loading) + len(self.consuming)))
+        self._settle(lambda: not (self.loading or self.consuming))
+        loading = len(self.loading) + len(self.consuming)
+        self.send(Abandoned(counts={k: v for k, v in a.items() if v}, xfers=loading, loading=loading))
 
     def on_release(self, _msg: Release) -> None:
         """The other side has abandoned (or is dead): nobody reads our blocks
@@ -346,9 +325,19 @@ class Node:
         for rid in live:
             self.sched.abort(rid)  # LeaseAbort: FreeBlocks
         self.abandoned["leases_released" if self.role == "P" else "holds_released"] += len(live)
-        self.driver.step()
-        self.collect()
+        self._settle(lambda: not self.lease_blocks_live and not self.holds)
         self.send(Released(counts={k: v for k, v in self.abandoned.items() if v}, held_blocks=self.held_blocks()))
+
+    def _settle(self, done: Callable[[], bool], timeout: float = 2.0) -> None:
+        """Step with the ranks until ``done()`` (their answers are asynchronous)."""
+        end = time.monotonic() + timeout
+        while True:
+            self.ranks.step()
+            self.collect()
+            self._settle_verifies()
+            if done() or time.monotonic() > end:
+                return
+            time.sleep(0.001)
 
     def schedule(self) -> bool:
         return self._schedule_p() if self.role == "P" else self._schedule_d()
@@ -381,24 +370,26 @@ class Node:
             self.prefill_q.popleft()
             self.fill(msg.lid, blocks, 0)  # the "prefill"
             self.sched.on_new_request(msg.request_id, {"do_remote_decode": True, "push": msg.push})
-            _delay, params = self.sched.request_finished(msg.request_id, blocks)
+            _delay, params = self.sched.request_finished(msg.request_id, blocks, reader_tp=self.opts.tp["D"])
             now = time.monotonic()
-            lease = self.driver.plane.get("lease", msg.request_id)
+            # The stated expiry (plane clock); each rank's own is a little later.
+            expiry = float(params["remote_expiry"]) if params else 0.0
             self.lease_rec[msg.request_id] = LeaseRecord(id=msg.request_id, lid=msg.lid, granted=now,
-                                                         expiry=lease.expiry if lease else 0.0, blocks=len(blocks))
+                                                         expiry=expiry, blocks=len(blocks))
             self.send(Prefilled(lid=msg.lid, params=params, granted_at=now))
             did = True
         return did
 
     def _turn2_valid_until(self, params: dict) -> float | None:
         """Until when (our clock) D's held blocks are surely there, as the
-        READ gate will compute it; None until a handshake measured D's clock
-        offset (the gate then decides once the read is allocated)."""
+        READ gate will compute it; None until a rank's handshake measured D's
+        clock offset (the gate then decides once the read is allocated).  Of
+        the ranks' estimates the largest, which declines soonest."""
         expiry = params.get("remote_expiry")
-        engine = self.driver.plane.get("remote_engine", params.get("remote_engine_id"))
-        if expiry is None or engine is None or not math.isfinite(engine.best_rtt):
+        offset = self.offsets.get(params.get("remote_engine_id"))
+        if expiry is None or offset is None:
             return None
-        return float(expiry) - engine.clock_offset
+        return float(expiry) - offset
 
     def _decline_turn2_without_blocks(self) -> bool:
         """Decline, before allocating, every queued turn-2 read whose hold the
@@ -447,7 +438,7 @@ class Node:
         return did
 
     def _recv_finished(self, rid: str, failed: bool) -> None:
-        reason = self.fail_reason.pop(rid, "unknown") if failed else None
+        reason = self.sched.fail_reasons.pop(rid, "unknown") if failed else None
         if rid in self.aborting:
             # Aborted by the timeout: its machine is gone, its blocks are ours.
             self.aborting.discard(rid)
@@ -458,39 +449,55 @@ class Node:
         if failed:
             self.recompute_reasons[reason] += 1
         if self.role == "P":
-            msg = self.consuming.pop(rid, None)
+            msg = self.consuming.get(rid)
             if msg is None:
                 return
             blocks = self.owned[rid]
             if failed:
                 self.fill(msg.lid, blocks, 0)  # recompute turn 1's KV locally
-                outcome, detail = "recomputed", f"turn-2 read: {reason}"
-            elif self.verify(msg.lid, blocks, 0):
-                outcome, detail = "ok", ""
-                self.verified_bytes += len(blocks) * self.block_bytes
-            else:
-                outcome, detail = "corrupt", "turn-2 bytes differ from the pattern"
-            self.outcomes[f"turn2_{outcome}"] += 1
-            self.sched.request_running(rid)
-            self.sched.request_finished(rid, blocks)
-            self.release(rid)
-            self.send(Turn2Done(lid=msg.lid, outcome=outcome, detail=detail))
+                self._turn2_done(rid, msg, "recomputed", f"turn-2 read: {reason}")
+                return
+
+            def verified(ok: bool) -> None:
+                if ok:
+                    self.verified_bytes += len(blocks) * self.block_bytes
+                    self._turn2_done(rid, msg, "ok", "")
+                else:
+                    self._turn2_done(rid, msg, "corrupt", "turn-2 bytes differ from the pattern")
+
+            self.verify(msg.lid, blocks, 0, verified)
             return
-        req = self.loading.pop(rid, None)
+        req = self.loading.get(rid)
         if req is None:
             return
         k, blocks = req.prefix, self.owned[rid]
         if failed:
             self.fill(req.lid, blocks[k:], k)
-            outcome = "recomputed"
-            detail = f"recv failed: {reason}"
+            self._loaded(req, "recomputed", f"recv failed: {reason}")
         elif k == req.nblocks:
-            outcome, detail = "ok", "full prefix hit, awaited"
-        elif self.verify(req.lid, blocks[k:], k):
-            outcome, detail = "ok", ""
-            self.verified_bytes += (len(blocks) - k) * self.block_bytes
+            self._loaded(req, "ok", "full prefix hit, awaited")
         else:
-            outcome, detail = "corrupt", "bytes differ from the pattern"
+            def verified(ok: bool) -> None:
+                if ok:
+                    self.verified_bytes += (len(blocks) - k) * self.block_bytes
+                    self._loaded(req, "ok", "")
+                else:
+                    self._loaded(req, "corrupt", "bytes differ from the pattern")
+
+            self.verify(req.lid, blocks[k:], k, verified)
+
+    def _turn2_done(self, rid: str, msg: Turn2, outcome: str, detail: str) -> None:
+        if self.consuming.pop(rid, None) is None:
+            return  # abandoned meanwhile
+        self.outcomes[f"turn2_{outcome}"] += 1
+        self.sched.request_running(rid)
+        self.sched.request_finished(rid, self.owned[rid])
+        self.release(rid)
+        self.send(Turn2Done(lid=msg.lid, outcome=outcome, detail=detail))
+
+    def _loaded(self, req: Decode, outcome: str, detail: str) -> None:
+        if self.loading.pop(req.request_id, None) is None:
+            return  # abandoned meanwhile
         self._run_and_finish(req, outcome, detail)
 
     def _run_and_finish(self, req: Decode, outcome: str, detail: str) -> None:
@@ -539,41 +546,68 @@ class Node:
                       last_hb_at=self.last_hb_at, stalls=list(self.stalls), max_loop_gap_s=self.gaps.max_gap_s)
 
     def _finish(self) -> None:
-        d = self.driver
-        evicted = d.counters["engines_evicted"]
-        offsets = {k: e.clock_offset for k, e in d.plane.instances["remote_engine"].items()}
-        closed = d.disconnect_idle_engines()
+        self._settle(lambda: not self._verifying, timeout=5.0)
+        rank_summaries = self.ranks.stop()
         self.collect()
-        self.log.flush()
-        stats = d.plane.stats
+        ranks = [rank_summaries[r] for r in sorted(rank_summaries)]
+        counters: Counter = Counter()
+        anomalies: Counter = Counter()
+        offsets: dict[str, float] = {}
+        for rs in ranks:
+            counters.update(rs.counters)
+            anomalies.update(rs.anomalies)
+            for engine, offset in rs.clock_offsets.items():
+                offsets.setdefault(_base(engine), offset)
         leases = Counter(r.reason or "live" for r in self.lease_rec.values())
         summary = {
             "role": self.role, "engine_id": self.engine_id, "log": self.log_path,
             "outcomes": dict(self.outcomes), "verified_bytes": self.verified_bytes,
-            "bytes_moved": d.counters["bytes_moved"], "busy_s": self.busy_s,
-            "counters": {**d.counters, **({"notifs_dropped_injected": self.faults.dropped} if self.faults.dropped else {})},
-            "engines_evicted": evicted, "engines_closed_at_shutdown": closed,
-            "heartbeats_sent": stats.get("heartbeats_sent", 0),
-            "heartbeats_received": d.counters.get("heartbeats_received", 0),
+            "bytes_moved": sum(rs.bytes_moved for rs in ranks),
+            # The ranks move in parallel: the engine was busy while any rank was.
+            "busy_s": max((rs.busy_s for rs in ranks), default=0.0),
+            "counters": dict(counters),
+            "engines_evicted": sum(rs.engines_evicted for rs in ranks),
+            "engines_closed_at_shutdown": sum(rs.engines_closed_at_shutdown for rs in ranks),
+            "heartbeats_sent": sum(rs.heartbeats_sent for rs in ranks),
+            "heartbeats_received": sum(rs.heartbeats_received for rs in ranks),
             "leases": {"granted": len(self.lease_rec), "extended": self.extended,
                        "expired": leases.get("expired", 0), "consumed": leases.get("consumed", 0),
                        "aborted": leases.get("aborted", 0), "live": leases.get("live", 0)},
             "lease_records": list(self.lease_rec.values()),
             "holds": dict(self.hold_stats), "last_hb_at": self.last_hb_at,
-            "held_blocks": self.held_blocks(),
-            "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()],
-            "anomalies": {str(k): v for k, v in stats.items() if isinstance(k, FailClosed) or isinstance(k, Anomaly)
-                          and k.what in (UNKNOWN_ID, UNKNOWN_KIND, PROTOCOL_VIOLATION)},
+            "held_blocks": self.held_blocks() + sum(rs.held_lease_blocks for rs in ranks),
+            "plane_held": [h for rs in ranks for h in rs.plane_held],
+            "anomalies": dict(anomalies),
             "stalls": self.stalls, "loop": self.gaps.to_dict(), "clock_offsets": offsets,
-            # Which NIXL call, if any, held the loop up (the slowest of each kind).
-            "nixl_calls": self.ep.call_times.to_dict(),
+            # Which NIXL call, if any, held a rank's loop up (rank 0's slowest of each kind).
+            "nixl_calls": ranks[0].nixl_calls if ranks else {},
             "recompute_reasons": dict(self.recompute_reasons), "abandoned": dict(self.abandoned),
             "waited_for_blocks": dict(Counter("turn2" if rid.startswith("p2-") else "prefill" if rid.startswith("p-")
                                               else "decode" for rid in self.waited_for_blocks)),
+            "ranks": [{"rank": rs.rank, "engine_id": rs.engine_id, "lease_blocks_held": rs.held_lease_blocks,
+                       "plane_held": len(rs.plane_held), "heartbeats_received": rs.heartbeats_received,
+                       "lease_heartbeats": self.hb_by_rank.get(rs.rank, 0), "heartbeats_sent": rs.heartbeats_sent,
+                       "leases_ended": rs.leases_ended, "bytes_moved": rs.bytes_moved,
+                       "log": self.log_paths[rs.rank]} for rs in ranks],
+            "lost_ranks": sorted(self.ranks.lost - set(rank_summaries)),
         }
         self.send(Summary(**summary))
-        self.worker.shutdown()
-        self._log_stream.close()
+
+
+def _base(engine: str) -> str:
+    from kvplane.connector.ranks import base_engine_id
+
+    return base_engine_id(engine)
+
+
+def _lease_end_reason(reasons: set[str]) -> str:
+    """One word for a lease the ranks ended, each for its own reason: any
+    rank's expiry makes it expired (a reader missed a rank), else aborted,
+    else consumed (every rank's readers read)."""
+    for reason in ("expired", "aborted", "consumed"):
+        if reason in reasons:
+            return reason
+    return "lost" if not reasons else sorted(reasons)[0]
 
 
 def node_main(role: str, conn, opts: NodeOptions) -> None:
@@ -592,7 +626,4 @@ def node_main(role: str, conn, opts: NodeOptions) -> None:
         raise SystemExit(1) from None
     finally:
         if node is not None:
-            try:
-                node.log.flush()
-            except Exception:
-                pass
+            node.ranks.kill()  # a rank outliving its scheduler would hold its agent and memory

@@ -11,6 +11,7 @@ import attrs
 
 from kvplane.statemachines.base import is_finite_number
 from kvplane.statemachines.config import ConfigError, PlaneConfig
+from kvplane.statemachines.tp_mapping import MAX_TP
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
 # PlaneConfig's smallest kv_lease_duration (its heartbeat interval, lease // 6,
@@ -36,6 +37,9 @@ class RunOptions:
     push: bool = False
     kill_decode_at: float | None = None
     hang_decode_at: float | None = None
+    rank: int | None = None  # the decode rank --kill-decode-at / --hang-decode-at hit (default: the whole engine)
+    prefill_tp: int = 1
+    decode_tp: int = 1
     drop_notifications: float = 0.0
     clock_skew: float = 0.0
     overload: float = 2.0  # long enough for heartbeats to extend leases in the default demo
@@ -72,7 +76,8 @@ class RunOptions:
                 continue
             if not is_finite_number(v):
                 raise RunError(f"--{name.replace('_', '-')} must be a finite number, got {v!r}")
-        for name in ("requests", "seed", "num_blocks", "block_elems", "min_blocks", "max_blocks"):
+        for name in ("requests", "seed", "num_blocks", "block_elems", "min_blocks", "max_blocks", "prefill_tp",
+                     "decode_tp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise RunError(f"--{name.replace('_', '-')} must be an integer, got {v!r}")
@@ -97,6 +102,22 @@ class RunOptions:
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise RunError(f"--{name.replace('_', '-')} must be >= 0")
+        for name in ("prefill_tp", "decode_tp"):
+            tp = getattr(self, name)
+            if not 1 <= tp <= MAX_TP:
+                raise RunError(f"--{name.replace('_', '-')} must be in 1..{MAX_TP}, got {tp}")
+            if self.block_elems % tp:
+                raise RunError(f"--{name.replace('_', '-')} {tp} must divide --block-elems {self.block_elems}")
+        big, small = max(self.prefill_tp, self.decode_tp), min(self.prefill_tp, self.decode_tp)
+        if big % small:
+            raise RunError(f"--prefill-tp {self.prefill_tp} and --decode-tp {self.decode_tp} must divide each other")
+        if self.push and big > 1:
+            raise RunError("--push needs --prefill-tp 1 and --decode-tp 1")
+        if self.rank is not None:
+            if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.decode_tp:
+                raise RunError(f"--rank must be a decode rank in 0..{self.decode_tp - 1}, got {self.rank!r}")
+            if self.kill_decode_at is None and self.hang_decode_at is None:
+                raise RunError("--rank names the decode rank that --kill-decode-at or --hang-decode-at hits")
         if self.overload < 0:
             raise RunError("--overload must be >= 0")
         if self.max_blocks > self.num_blocks // 2:
@@ -143,6 +164,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="SIGKILL the decode process S seconds into the run (default: no kill)")
     p.add_argument("--hang-decode-at", type=float, default=d.hang_decode_at, metavar="S",
                    help="SIGSTOP the decode process S seconds into the run (default: no hang)")
+    p.add_argument("--rank", type=int, default=d.rank, metavar="R",
+                   help="kill or hang only decode worker rank R (default: the whole decode engine)")
+    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, metavar="N",
+                   help="P's tensor-parallel size: N worker processes, each its own NIXL agent and KV shard")
+    p.add_argument("--decode-tp", type=int, default=d.decode_tp, metavar="M",
+                   help="D's tensor-parallel size (P's and D's must divide each other)")
     p.add_argument("--drop-notifications", type=float, default=d.drop_notifications, metavar="RATE",
                    help="drop this fraction of notifications (0..1) on receipt")
     p.add_argument("--clock-skew", type=float, default=d.clock_skew, metavar="S", help="skew D's clock by S seconds")

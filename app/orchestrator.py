@@ -109,7 +109,7 @@ class Orchestrator:
         node_opts = dict(
             engine_ids=ENGINE_IDS, plane=o.plane_config(), out=os.path.abspath(o.out), clock_skew=o.clock_skew,
             drop_notifications=o.drop_notifications, seed=o.seed, num_blocks=o.num_blocks,
-            block_elems=o.block_elems, overload=o.overload,
+            block_elems=o.block_elems, overload=o.overload, tp={"P": o.prefill_tp, "D": o.decode_tp},
             # A loop gap this long may have outlived P's lease (listed as a stall; see node.py).
             stall_limit=max(0.5, o.extension - o.interval - SLACK_S),
         )
@@ -123,7 +123,8 @@ class Orchestrator:
             for role in ("P", "D"):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=node_main, args=(role, child, NodeOptions(**node_opts, curve=keys[role])),
-                                   name=f"kvplane-{role}", daemon=True)
+                                   # Not a daemon: a node spawns its worker ranks.
+                                   name=f"kvplane-{role}")
                 proc.start()
                 child.close()
                 self.children[role] = _Child(role, proc, parent)
@@ -167,10 +168,7 @@ class Orchestrator:
             if p.pid is None:
                 continue
             if c.stopped:
-                try:
-                    os.kill(p.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+                _signal_engine(c, signal.SIGCONT)
             if p.is_alive():
                 p.join(timeout=2.0 if c.summary is not None else 0.2)
             if p.is_alive():
@@ -316,11 +314,12 @@ class Orchestrator:
                 break
             if fault_kind and self.fault_at is None and now - self.t0 >= fault_time:
                 self._inject(fault_kind)
-            if self.fault_at is None:
+            rank_fault = o.rank is not None  # the engine lives on: the run goes on as without a fault
+            if self.fault_at is None or rank_fault:
                 self._send_due(now)
-            if self.fault_at is not None and self._fault_settled():
+            if self.fault_at is not None and not rank_fault and self._fault_settled():
                 break
-            if self.fault_at is None and not self._open:
+            if (self.fault_at is None or rank_fault) and not self._open:
                 if not fault_kind or now - self.t0 >= fault_time:
                     break
             if self.errors:
@@ -367,7 +366,7 @@ class Orchestrator:
         self.phase = f"{why}: abandoning"
         for c in self.children.values():
             if c.stopped and not c.dead:
-                os.kill(c.proc.pid, signal.SIGCONT)
+                _signal_engine(c, signal.SIGCONT)
                 c.stopped = False
         not_sent = set()
         for r in self.reqs:
@@ -413,9 +412,12 @@ class Orchestrator:
         d = self.children["D"]
         self.fault_at = time.monotonic()
         self.fault = {"kind": kind, "at_s": round(self.fault_at - self.t0, 3)}
+        if self.o.rank is not None:
+            self._inject_rank(kind, self.o.rank)
+            return
         self.phase = f"decode {'killed' if kind == 'kill' else 'hung'}: P reclaims"
         if kind == "kill":
-            os.kill(d.proc.pid, signal.SIGKILL)
+            _signal_engine(d, signal.SIGKILL)
             d.proc.join(timeout=5.0)
             self._drain(d)  # outcomes D sent before it died are still in the pipe
             d.dead = True
@@ -423,7 +425,7 @@ class Orchestrator:
                 if r.sent and r.turn1 is None:
                     r.turn1, r.detail = "failed", "decode killed"
         else:
-            os.kill(d.proc.pid, signal.SIGSTOP)
+            _signal_engine(d, signal.SIGSTOP)
             d.stopped = True
         for r in self.reqs:  # the proxy routes nothing more to a decoder it knows is down
             if not r.sent:
@@ -433,6 +435,21 @@ class Orchestrator:
             elif r.hold and r.turn2 is None and r.turn1 in ("failed", "skipped"):
                 r.turn2 = "skipped"
         self._advance()
+
+    def _inject_rank(self, kind: str, rank: int) -> None:
+        """One decode worker rank dies (SIGKILL) or hangs (SIGSTOP); the
+        engine lives on.  Its scheduler fails the recvs waiting on the rank
+        (a hung one once it has been silent too long, then killed), they
+        are recomputed, and P frees every rank's lease on its own terms."""
+        d = self.children["D"]
+        assert d.ready is not None
+        self.fault["rank"] = rank
+        pid = d.ready.rank_pids[rank]
+        self.phase = f"decode rank {rank} {'killed' if kind == 'kill' else 'hung'}: the rest goes on"
+        try:
+            os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
 
     def _fault_settled(self) -> bool:
         """Kill: until P holds no lease blocks.  Hang: the same, then SIGCONT
@@ -446,7 +463,7 @@ class Orchestrator:
             if (st is not None and st.lease_blocks == 0) or time.monotonic() > bound:
                 self.fault["p_reclaimed_before_resume"] = st is not None and st.lease_blocks == 0
                 self.fault["resumed_at_s"] = round(self.elapsed(), 3)
-                os.kill(d.proc.pid, signal.SIGCONT)
+                _signal_engine(d, signal.SIGCONT)
                 d.stopped = False
                 self.phase = "decode resumed: draining"
             return False
@@ -478,7 +495,7 @@ class Orchestrator:
         self.phase = "collecting"
         for role, c in self.children.items():
             if c.stopped:
-                os.kill(c.proc.pid, signal.SIGCONT)
+                _signal_engine(c, signal.SIGCONT)
                 c.stopped = False
             self.send(role, Finish())
         deadline = time.monotonic() + 15.0
@@ -571,3 +588,15 @@ def cmd_run(args) -> int:
         console.print(f"[red]FAILED checks: {', '.join(failed)}[/red]")
         return 1
     return 0
+
+
+def _signal_engine(c: "_Child", sig: int) -> None:
+    """Signal an engine: its scheduler process and every worker rank process."""
+    pids = [c.proc.pid] + list(c.ready.rank_pids if c.ready is not None else ())
+    for pid in pids:
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -17,6 +17,10 @@ from .rank_messages import RankCrashed, RankOptions, RankReady, RankStep, RankSu
 from .rank_worker import rank_main
 
 STARTUP_TIMEOUT_S = 120.0  # NIXL agent creation, UCX, torch import on a busy machine
+# A rank reports at least every 0.2 s; one silent this long hangs (SIGSTOP, a
+# stuck call) and is killed and lost: its recvs fail, and nothing it may
+# still write lands in blocks the scheduler hands out again.
+SILENT_LIMIT_S = 5.0
 
 
 class RankError(RuntimeError):
@@ -26,12 +30,14 @@ class RankError(RuntimeError):
 class RankGroup:
     def __init__(self, sched: ConnectorScheduler, make_options: Callable[[int], RankOptions], *,
                  on_verified: Callable[[int, int, bool], None] | None = None,
-                 on_lease_event: Callable[[int, str, str, float], None] | None = None):
+                 on_lease_event: Callable[[int, str, str, float, float], None] | None = None,
+                 on_clock_offset: Callable[[int, str, float], None] | None = None):
         """Spawns ``sched.tp_size`` rank processes and waits for each one's RankInfo."""
         self.sched = sched
         self.tp = sched.tp_size
         self.on_verified = on_verified or (lambda rank, token, ok: None)
-        self.on_lease_event = on_lease_event or (lambda rank, rid, what, t: None)
+        self.on_lease_event = on_lease_event or (lambda rank, rid, what, t, expiry: None)
+        self.on_clock_offset = on_clock_offset or (lambda rank, engine, offset: None)
         ctx = mp.get_context("spawn")
         self.conns: list[Any] = []
         self.procs: list[Any] = []
@@ -39,6 +45,8 @@ class RankGroup:
         self.lost: set[int] = set()
         self.crashes: dict[int, str] = {}
         self.summaries: dict[int, RankSummary] = {}
+        self.silent_limit = SILENT_LIMIT_S
+        self.hung: set[int] = set()
         for r in range(self.tp):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(theirs, make_options(r)), name=f"{sched.engine_id}-tp{r}",
@@ -57,6 +65,8 @@ class RankGroup:
             assert isinstance(msg, RankReady), msg
             sched.add_rank(msg.info)
             self.pids.append(msg.os_pid)
+        self.last_heard = [time.monotonic()] * self.tp
+        self._last_poll = time.monotonic()
 
     def live(self, rank: int) -> bool:
         return rank not in self.lost
@@ -85,17 +95,29 @@ class RankGroup:
 
     def poll(self) -> bool:
         busy = False
+        now = time.monotonic()
+        if now - self._last_poll > self.silent_limit / 2:
+            # This process itself stalled (or the whole engine was stopped):
+            # the ranks' silence says nothing about them.
+            self.last_heard = [now] * self.tp
+        self._last_poll = now
         for r, conn in enumerate(self.conns):
             if r in self.lost:
                 continue
+            now = time.monotonic()
             try:
                 while conn.poll(0):
                     busy = True
+                    self.last_heard[r] = now
                     self._on(r, conn.recv())
             except (EOFError, OSError):
                 self._lose(r)
                 continue
             if not self.procs[r].is_alive() and not conn.poll(0):
+                self._lose(r)
+            elif now - self.last_heard[r] > self.silent_limit and r not in self.summaries:
+                self.hung.add(r)
+                self.procs[r].kill()
                 self._lose(r)
         return busy
 
@@ -104,8 +126,10 @@ class RankGroup:
             self.sched.update_from_worker(msg.report)
             for token, ok in msg.verified:
                 self.on_verified(rank, token, ok)
-            for rid, what, t in msg.lease_events:
-                self.on_lease_event(rank, rid, what, t)
+            for rid, what, t, expiry in msg.lease_events:
+                self.on_lease_event(rank, rid, what, t, expiry)
+            for engine, offset in msg.clock_offsets:
+                self.on_clock_offset(rank, engine, offset)
         elif isinstance(msg, RankSummary):
             self.summaries[rank] = msg
         elif isinstance(msg, RankCrashed):

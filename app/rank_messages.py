@@ -26,7 +26,9 @@ class RankOptions:
     keypair: tuple[bytes, bytes]  # the engine's CURVE keypair (shared by its ranks)
     peers: dict  # engine id -> public key
     log_path: str | None = None  # the rank's event log
-    clock_skew: float = 0.0
+    clock_skew: float = 0.0  # added to the plane's clock (the engine's, shared by its ranks)
+    drop_notifications: float = 0.0  # fault injection: drop this fraction of received notifications
+    seed: int = 0
 
 
 # ------------------------------------------------------------ scheduler -> rank
@@ -80,7 +82,10 @@ class RankReady:
 class RankStep:
     report: WorkerReport
     verified: tuple[tuple[int, bool], ...] = ()  # (token, every byte matched)
-    lease_events: tuple[tuple[str, str, float], ...] = ()  # (request id, "heartbeat" | freed reason, time)
+    # (request id, "heartbeat" | why the lease ended, raw monotonic time, the lease's expiry then)
+    lease_events: tuple[tuple[str, str, float, float], ...] = ()
+    # (remote engine, its clock offset) measured by a handshake since the last RankStep
+    clock_offsets: tuple[tuple[str, float], ...] = ()
 
 
 @attrs.frozen
@@ -100,6 +105,12 @@ class RankSummary:
     plane_held: list
     held_lease_blocks: int
     bytes_moved: int
+    busy_s: float  # time with a transfer of this rank posted
+    engines_evicted: int  # remote engines the plane evicted during the run
+    engines_closed_at_shutdown: int
+    anomalies: dict  # the plane's fail-closed and anomaly counts, by name
+    clock_offsets: dict  # remote engine -> the handshake's clock-offset estimate
+    nixl_calls: dict  # the slowest NIXL call of each kind
 
 
 FROM_RANK = (RankReady, RankStep, RankCrashed, RankSummary)

@@ -14,15 +14,18 @@ different TP agree on every byte.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import traceback
 import zlib
+from collections import Counter
 
 from .rank_messages import (TO_RANK, Fill, Poison, RankCrashed, RankOptions, RankReady, RankStep, RankSummary, Step,
                             Stop, Verify)
 
 POISON = -1.0
+ALIVE_EVERY_S = 0.2
 _MASK = (1 << 20) - 1  # pattern values stay exact in float32
 
 
@@ -48,8 +51,11 @@ class RankWorker:
         skew = opts.clock_skew
         clock = (lambda: time.monotonic() + skew) if skew else time.monotonic
         self.rank_id = rank_engine_id(opts.engine_id, opts.rank)
+        from kvplane.transport.faults import DropNotifications
+
         self.ep = NixlEndpoint(self.rank_id)
-        self.driver = PlaneDriver(engine_id=self.rank_id, endpoint=self.ep, config=PlaneConfig(**opts.plane_fields),
+        self.faults = DropNotifications(self.ep, rate=opts.drop_notifications, seed=opts.seed)
+        self.driver = PlaneDriver(engine_id=self.rank_id, endpoint=self.faults if self.faults.rate else self.ep, config=PlaneConfig(**opts.plane_fields),
                                   clock=clock, tp_rank=opts.rank, curve_keypair=tuple(opts.keypair),
                                   trusted_peers=opts.peers)
         self._log_stream = None
@@ -58,7 +64,11 @@ class RankWorker:
             from kvplane.statemachines.eventlog import EventLogWriter
             self._log_stream = open(opts.log_path, "w", encoding="utf-8")
             self.log = EventLogWriter.attach(self.driver.plane, self._log_stream, flush_every=1 << 30)
-        self._lease_events: list[tuple[str, str, float]] = []
+        self._lease_events: list[tuple[str, str, float, float]] = []
+        self.busy_s = 0.0
+        self._offsets: list[tuple[str, float]] = []
+        self._last_sent = 0.0
+        self._ended: Counter = Counter()  # leases (and holds) ended, by why
         self._chain = self.driver.plane.recorder
         self.driver.plane.recorder = self._tally
         self.worker = ConnectorWorker(self.driver, rank=opts.rank, tp_size=opts.tp_size)
@@ -100,10 +110,17 @@ class RankWorker:
         if self._chain is not None:
             self._chain(step)
         if isinstance(step.event, self._heartbeat_event) and step.kind == "lease":
-            self._lease_events.append((step.event.request_id, "heartbeat", time.monotonic()))
+            lease = self.driver.plane.get("lease", step.event.request_id)
+            if lease is not None:
+                self._lease_events.append((step.event.request_id, "heartbeat", time.monotonic(), lease.expiry))
+        if step.kind == "remote_engine" and type(step.event).__name__ == "HandshakeOk":
+            engine = self.driver.plane.get("remote_engine", step.key)
+            if engine is not None and math.isfinite(engine.best_rtt):
+                self._offsets.append((str(step.key), engine.clock_offset))
         for a in step.actions:
             if type(a).__name__ == "FreeBlocks":
-                self._lease_events.append((a.request_id, a.reason, time.monotonic()))
+                self._ended[a.reason] += 1
+                self._lease_events.append((a.request_id, a.reason, time.monotonic(), 0.0))
 
     # ------------------------------------------------------------ loop
     def run(self) -> None:
@@ -112,7 +129,7 @@ class RankWorker:
         handle = handlers(TO_RANK, {Step: self.on_step, Fill: self.on_fill, Verify: self.on_verify,
                                     Poison: self.on_poison, Stop: self.on_stop})
         self.conn.send(RankReady(info=self.worker.rank_info(), os_pid=os.getpid()))
-        last_flush = time.monotonic()
+        last_flush = last = time.monotonic()
         while not self.stopped:
             busy = False
             while self.conn.poll(0):
@@ -123,12 +140,18 @@ class RankWorker:
                     break
             busy |= self.worker.step() > 0
             report = self.worker.report()
-            if not report.empty or self._verified or self._lease_events or report.load_error_blocks:
-                self.conn.send(RankStep(report=report, verified=tuple(self._verified),
-                                        lease_events=tuple(self._lease_events)))
-                self._verified, self._lease_events = [], []
-                busy = True
             now = time.monotonic()
+            # A report at least every ALIVE_EVERY_S, empty or not: silence is how the scheduler sees a hang.
+            if (not report.empty or self._verified or self._lease_events or self._offsets or report.load_error_blocks
+                    or now - self._last_sent > ALIVE_EVERY_S):
+                self._last_sent = now
+                self.conn.send(RankStep(report=report, verified=tuple(self._verified),
+                                        lease_events=tuple(self._lease_events), clock_offsets=tuple(self._offsets)))
+                self._verified, self._lease_events, self._offsets = [], [], []
+                busy = True
+            if self.driver.xfers:
+                self.busy_s += now - last
+            last = now
             if self.log is not None and now - last_flush > 0.1:
                 self.log.flush()
                 last_flush = now
@@ -138,17 +161,26 @@ class RankWorker:
 
     def _finish(self) -> None:
         d = self.driver
-        d.disconnect_idle_engines()
+        offsets_before = {k: e.clock_offset for k, e in d.plane.instances["remote_engine"].items()}
+        evicted = d.counters["engines_evicted"]
+        closed = d.disconnect_idle_engines()
         report = self.worker.report()
         self.conn.send(RankStep(report=report, verified=tuple(self._verified), lease_events=tuple(self._lease_events)))
-        ended: dict[str, int] = {}
-        for key, n in d.counters.items():
-            if key.startswith("blocks_freed_"):
-                ended[key[len("blocks_freed_"):]] = n
+        ended = dict(self._ended)
+        from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed
+
         held = [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()]
+        anomalies = {str(k): v for k, v in d.plane.stats.items() if isinstance(k, FailClosed)
+                     or isinstance(k, Anomaly) and k.what in (UNKNOWN_ID, UNKNOWN_KIND, PROTOCOL_VIOLATION)}
+        offsets = offsets_before
+        counters = dict(d.counters)
+        if self.faults.dropped:
+            counters["notifs_dropped_injected"] = self.faults.dropped
         lease_blocks = sum(len(lease.block_ids) for lease in d.plane.instances["lease"].values())
         self.conn.send(RankSummary(
-            rank=self.opts.rank, engine_id=self.rank_id, counters=dict(d.counters),
+            rank=self.opts.rank, engine_id=self.rank_id, counters=counters, busy_s=self.busy_s,
+            engines_evicted=evicted, engines_closed_at_shutdown=closed,
+            anomalies=anomalies, clock_offsets=offsets, nixl_calls=self.ep.call_times.to_dict(),
             heartbeats_received=d.counters.get("heartbeats_received", 0),
             heartbeats_sent=d.plane.stats.get("heartbeats_sent", 0), leases_ended=ended, plane_held=held,
             held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"]))

@@ -54,7 +54,8 @@ def build_summary(orch: RunRecord) -> dict:
     checks: dict[str, Any] = {}
     checks["no_errors"] = not orch.errors
     checks["p_blocks_held_zero"] = bool(P) and P.held_blocks == 0
-    killed = orch.fault.get("kind") == "kill"
+    # A killed engine sends no report; a killed rank's engine does.
+    killed = orch.fault.get("kind") == "kill" and "rank" not in orch.fault
     checks["d_blocks_held_zero"] = None if killed else bool(D) and D.held_blocks == 0
     checks["no_corrupt_bytes"] = t1["corrupt"] == 0 and t2["corrupt"] == 0
     checks["all_requests_resolved"] = t1["pending"] == 0 and t2["pending"] == 0
@@ -63,6 +64,10 @@ def build_summary(orch: RunRecord) -> dict:
     if clean:
         checks["all_turn1_ok"] = t1["ok"] == o.requests
     expired_early = None
+    for role, side in (("P", P), ("D", D)):
+        if side and side.ranks:
+            checks[f"{role.lower()}_every_rank_holds_nothing"] = all(
+                r["lease_blocks_held"] == 0 and r["plane_held"] == 0 for r in side.ranks)
     if P:
         recs = P.lease_records
         cut = orch.fault_at if orch.fault_at is not None else math.inf
@@ -85,6 +90,10 @@ def build_summary(orch: RunRecord) -> dict:
         "heartbeats_received": sum(s.heartbeats_received for s in (P, D) if s),
         "engines_evicted": sum(s.engines_evicted for s in (P, D) if s),
         "blocks_held": {"P": P.held_blocks if P else None, "D": D.held_blocks if D else None},
+        "tp": {"P": o.prefill_tp, "D": o.decode_tp},
+        # Per worker rank: lease blocks its plane still held at the end, heartbeats, leases ended.
+        "ranks": {role: side.ranks if side else None for role, side in (("P", P), ("D", D))},
+        "lost_ranks": {role: side.lost_ranks if side else None for role, side in (("P", P), ("D", D))},
         "clock_skew": o.clock_skew,
         "p_estimated_offset_of_d": P.clock_offsets.get(ENGINE_IDS["D"]) if P else None,
         "fault": orch.fault or None, "errors": orch.errors, "checks": checks,
@@ -289,6 +298,24 @@ def summary_table(summary: dict):
     t.add_row("engines evicted", _total(summary, "engines_evicted"))
     bh = summary["blocks_held"]
     t.add_row("blocks still held P / D", " / ".join(_or_na(summary, role, bh[role]) for role in ("P", "D")))
+    ranks = summary.get("ranks") or {}
+    if (summary.get("tp") or {}).get("P", 1) > 1 or (summary.get("tp") or {}).get("D", 1) > 1:
+        for role in ("P", "D"):
+            rs = ranks.get(role)
+            if rs:
+                t.add_row(f"{role} ranks: lease blocks held",
+                          " / ".join(str(r["lease_blocks_held"]) for r in rs))
+        if ranks.get("P"):
+            t.add_row("P ranks: lease heartbeats received", " / ".join(str(r["lease_heartbeats"]) for r in ranks["P"]))
+        for role in ("P", "D"):
+            rs = ranks.get(role)
+            if rs:
+                t.add_row(f"{role} ranks: leases ended (consumed, expired, aborted)",
+                          " / ".join(f"{r['leases_ended'].get('consumed', 0)}, {r['leases_ended'].get('expired', 0)}, "
+                                     f"{r['leases_ended'].get('aborted', 0)}" for r in rs))
+        lost = {role: v for role, v in (summary.get("lost_ranks") or {}).items() if v}
+        if lost:
+            t.add_row("ranks lost", "; ".join(f"{role}: {v}" for role, v in lost.items()))
     f = summary["fault"]
     if f:
         if "reclaim_after_last_heartbeat_s" in f:

@@ -205,7 +205,8 @@ class ConnectorScheduler:
                 self.finished_sending.add(rid)
         for rid, ok in [(r, True) for r in report.finished_recving] + [(r, False) for r in report.failed_recving]:
             if not ok:
-                self.fail_reasons.setdefault(rid, f"rank {report.rank}: {reasons.get(rid, 'failed')}")
+                reason = reasons.get(rid, "failed")
+                self.fail_reasons.setdefault(rid, reason if self.tp_size == 1 else f"{reason} (rank {report.rank})")
             self._fold_recv(self._recv_ranks.report(report.rank, rid, ok))
         self.load_error_blocks |= report.load_error_blocks
 

@@ -32,7 +32,7 @@ class Engine:
 
         self.group = RankGroup(self.sched, options,
                                on_verified=lambda r, token, ok: self.verified.setdefault(token, {}).__setitem__(r, ok),
-                               on_lease_event=lambda r, rid, what, t: self.lease_events.append((r, rid, what)))
+                               on_lease_event=lambda r, rid, what, t, expiry: self.lease_events.append((r, rid, what)))
 
     def step(self) -> None:
         self.group.step()
@@ -83,7 +83,7 @@ def test_ranks_in_their_own_processes_move_and_verify_every_head(engines):
     p_sum, d_sum = p.group.stop(), d.group.stop()
     for s in [*p_sum.values(), *d_sum.values()]:
         assert s.plane_held == [] and s.held_lease_blocks == 0, s.engine_id
-    assert all(s.leases_ended == {"consumed": 3} for s in p_sum.values())
+    assert all(s.leases_ended == {"consumed": 1} for s in p_sum.values())
     assert sum(s.bytes_moved for s in d_sum.values()) == 3 * BLOCK_ELEMS * 4
     assert {r for r, _rid, what in p.lease_events if what == "consumed"} == set(range(p.sched.tp_size))
 
@@ -97,6 +97,6 @@ def test_a_killed_decode_rank_fails_the_request_and_p_frees_on_every_rank(engine
     assert "rank 1 lost" in d.sched.fail_reasons["d1"]
     assert d.group.lost == {1}
     p_sum = p.group.stop()
-    assert p_sum[0].leases_ended == {"consumed": 3}
-    assert p_sum[1].leases_ended == {"expired": 3}  # its reader died: the lease ran out
+    assert p_sum[0].leases_ended == {"consumed": 1}
+    assert p_sum[1].leases_ended == {"expired": 1}  # its reader died: the lease ran out
     assert all(s.held_lease_blocks == 0 and s.plane_held == [] for s in p_sum.values())
