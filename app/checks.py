@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvplane.statemachines.eventlog import EventLogError, read_log
-from kvplane.statemachines.explorer import STALL_FAULTS, ExploreConfig, ExploreResult, Violation, explore
+from kvplane.statemachines.explorer import RANK_FAULTS, STALL_FAULTS, ExploreConfig, ExploreResult, Violation, explore
 from kvplane.statemachines.monitors import DEFAULT_GRACE, check_log
 from kvplane.statemachines.replay import Divergence, replay
 
@@ -188,6 +188,9 @@ def add_explore_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--stall", type=float, nargs="?", const=d.stall, default=None, metavar="S",
                         help=f"add the fault 'D stalls' for up to S seconds ({d.stall:g} when S is omitted): D's "
                              "timers and loop stop while P's run on (not in the default fault set)")
+    parser.add_argument("--ranks", default=None, metavar="PxD",
+                        help="one plane per worker rank: P's TP x D's TP (e.g. 2x2, 1x2), with the rank faults "
+                             "(a heartbeat lost to one rank, one rank's notification lost, a rank crash)")
     parser.add_argument("--max-states", type=int, default=d.max_states, metavar="N",
                         help="stop (truncated) after this many distinct states")
     parser.add_argument("--no-symmetry", action="store_true", help="do not merge states that differ only in "
@@ -214,7 +217,8 @@ def _explore_args(args: Any) -> argparse.Namespace:
 def write_violation(v: Violation, prefix: str) -> list[str]:
     """Write ``<prefix>.<plane>.jsonl`` per plane (replayable); returns those
     paths.  Also writes the counterexample as a sequence diagram,
-    ``<prefix>.mmd`` (not in the list: the list is what replays)."""
+    ``<prefix>.mmd`` (not in the list: the list is what replays); from the
+    rank world one per D rank, ``<prefix>.D<r>.mmd``."""
     from kvplane.app.sequence import violation_diagram
 
     paths = []
@@ -223,8 +227,14 @@ def write_violation(v: Violation, prefix: str) -> list[str]:
         with open(path, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
         paths.append(path)
-    with open(f"{prefix}.mmd", "w", encoding="utf-8") as f:
-        f.write(violation_diagram(v.logs, str(v).splitlines()))
+    if set(v.logs) <= {"P", "D"}:
+        pairs = {"": v.logs}
+    else:  # the rank world: each D rank beside the P rank it reads (same index, or P0 when P has one rank)
+        pairs = {f".{d}": {"P": v.logs.get(f"P{d[1:]}", v.logs.get("P0", [])), "D": v.logs[d]}
+                 for d in sorted(v.logs) if d.startswith("D")}
+    for suffix, logs in pairs.items():
+        with open(f"{prefix}{suffix}.mmd", "w", encoding="utf-8") as f:
+            f.write(violation_diagram(logs, str(v).splitlines()))
     return paths
 
 
@@ -269,6 +279,11 @@ def cmd_explore(args: Any = None) -> int:
             if not a.stall > 0:
                 raise ValueError(f"--stall must be > 0, got {a.stall:g}")
             cfg = attrs.evolve(cfg, faults=STALL_FAULTS, stall=a.stall)
+        if a.ranks is not None:
+            if a.stall is not None:
+                raise ValueError("--ranks models no D stalls")
+            p_tp, d_tp = (int(x) for x in str(a.ranks).lower().split("x"))
+            cfg = attrs.evolve(cfg, ranks=(p_tp, d_tp), faults=RANK_FAULTS)
         if a.quiet or json_out:
             result = explore(cfg, clock=time.perf_counter)
         else:
@@ -295,7 +310,8 @@ def cmd_explore(args: Any = None) -> int:
             "config": {"requests": list(requests), "max_depth": cfg.max_depth, "max_faults": cfg.max_faults,
                        "max_aborts": cfg.max_aborts, "skew_s": cfg.skew,
                        "stall_s": cfg.stall if "stall" in cfg.faults else None, "symmetry": cfg.symmetry,
-                       "liveness": cfg.liveness, "max_states": cfg.max_states, "stop_at_first": cfg.stop_at_first},
+                       "liveness": cfg.liveness, "max_states": cfg.max_states, "stop_at_first": cfg.stop_at_first,
+                       "ranks": list(cfg.ranks) if cfg.ranks is not None else None},
             "states": result.states, "transitions": result.transitions,
             "max_depth_reached": result.max_depth_reached, "states_cut_at_max_depth": result.frontier_cut,
             "drains": result.drained, "elapsed_s": round(result.elapsed, 3),
@@ -310,6 +326,8 @@ def cmd_explore(args: Any = None) -> int:
     t.add_column("value", justify="right")
     t.add_row("requests", ", ".join(requests))
     t.add_row("depth / faults / aborts / skew", f"{cfg.max_depth} / {cfg.max_faults} / {cfg.max_aborts} / {cfg.skew:g}")
+    if cfg.ranks is not None:
+        t.add_row("ranks (P x D)", f"{cfg.ranks[0]} x {cfg.ranks[1]}")
     t.add_row("D stalls", f"up to {cfg.stall:g} s" if "stall" in cfg.faults else "off (--stall)")
     t.add_row("symmetry reduction", "on" if cfg.symmetry else "off")
     t.add_row("states", str(result.states))

@@ -35,6 +35,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_e2e_replay.py": "e2e",
     "test_eventlog.py": "core",
     "test_explorer.py": None,
+    "test_explorer_ranks.py": None,
     "test_fuzz_decoders.py": None,
     "test_fuzz_handshake.py": None,
     "test_layering.py": "core",

@@ -77,15 +77,16 @@ from __future__ import annotations
 
 from .canonical import GATE_STATES
 from .checks import HELD_LEASE, Found
-from .config import EXPLORER_PLANE_CONFIG, FAULTS, PROFILES, STALL_FAULTS, ExploreConfig, Profile
+from .config import EXPLORER_PLANE_CONFIG, FAULTS, PROFILES, RANK_FAULTS, STALL_FAULTS, ExploreConfig, Profile
 from .model import IGNORED_ACTIONS, Model
+from .ranks import RankModel, RankWorld, model_for
 from .search import ExploreResult, SearchProgress, Violation, explore
 from .world import World, clone_plane
 
 _Found = Found  # the name the tests have used
 
 __all__ = [
-    "EXPLORER_PLANE_CONFIG", "FAULTS", "GATE_STATES", "HELD_LEASE", "IGNORED_ACTIONS", "PROFILES", "STALL_FAULTS",
-    "ExploreConfig", "ExploreResult", "Found", "Model", "Profile", "SearchProgress", "Violation", "World",
-    "clone_plane", "explore",
+    "EXPLORER_PLANE_CONFIG", "FAULTS", "GATE_STATES", "HELD_LEASE", "IGNORED_ACTIONS", "PROFILES", "RANK_FAULTS", "STALL_FAULTS",
+    "ExploreConfig", "ExploreResult", "Found", "Model", "Profile", "RankModel", "RankWorld", "SearchProgress",
+    "Violation", "World", "clone_plane", "explore", "model_for",
 ]

@@ -40,6 +40,10 @@ FAULTS = frozenset({"lose", "dup", "hs_fail", "hs_hang", "read_fail", "read_hang
 # loop does nothing while P's clock and timers run on.  Not in the default
 # fault set (it multiplies the state space); ``kvplane explore --stall``.
 STALL_FAULTS = FAULTS | {"stall"}
+# The faults of the rank world (``ranks``): a lost or duplicated completion
+# notification (one rank's), a heartbeat lost to one P rank only (a Tick
+# variant), failed or hung handshakes and READs, and one rank crashing.
+RANK_FAULTS = frozenset({"lose", "dup", "hs_fail", "read_fail", "read_hang", "crash"})
 
 
 @attrs.frozen
@@ -57,3 +61,6 @@ class ExploreConfig:
     stop_at_first: bool = True
     drain_limit: int = 400
     plane: PlaneConfig = EXPLORER_PLANE_CONFIG
+    # (P's TP, D's TP): one plane per worker rank (``ranks.RankModel``), D
+    # rank r reading the P ranks ``TpMapping`` names.  None: one plane a side.
+    ranks: tuple[int, int] | None = None

@@ -257,6 +257,8 @@ class Model:
             return f"D resumes {at}"
         if isinstance(move, AbortLease):
             return f"P aborts lease p{move.request} (its client went away) {at}"
+        if not isinstance(move, (Abort, Schedule)):  # the rank world's moves (ranks.RankModel words them)
+            return f"{move} {at}"
         profile = self.profiles[move.request].name
         if isinstance(move, Abort):
             return f"D's scheduler aborts request {move.request} ({profile}) {at}"

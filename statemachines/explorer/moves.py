@@ -115,7 +115,23 @@ class Resume:
     """A stalled D runs again."""
 
 
-Move = Schedule | Abort | AbortLease | Deliver | Inject | Late | Tick | Crash | Stall | Resume
+@attrs.frozen
+class CrashRank:
+    """The rank world: worker rank plane ``plane`` ("P1", "D0") crashes and stays down."""
+
+    plane: str
+
+
+@attrs.frozen
+class TickLosing:
+    """The rank world: time advances as in ``Tick``, and the heartbeat batch
+    D rank plane ``src`` sends to P rank ``rank`` then is lost (a fault)."""
+
+    src: str
+    rank: int
+
+
+Move = Schedule | Abort | AbortLease | Deliver | Inject | Late | Tick | Crash | Stall | Resume | CrashRank | TickLosing
 
 STEP_NAMED: dict[str, Step] = {s.name: s for s in STEPS}
 

@@ -17,6 +17,7 @@ from ..machine import Machine
 from .checks import Found
 from .config import ExploreConfig
 from .model import Model
+from .ranks import model_for
 from .moves import Move
 from .world import World
 
@@ -73,19 +74,22 @@ class ExploreResult:
 
 
 def explore(config: ExploreConfig | None = None, *, machines: dict[str, Machine] | None = None,
+            model_factory: Callable[[ExploreConfig, dict[str, Machine] | None], Model] | None = None,
             clock: Callable[[], float] | None = None,
             progress: Callable[[SearchProgress], None] | None = None, progress_every: int = PROGRESS_EVERY,
             **overrides: Any) -> ExploreResult:
     """Breadth-first exploration of every interleaving up to ``max_depth``.
 
     ``overrides`` are ExploreConfig fields (``explore(requests=("read",))``).
+    ``model_factory`` builds the model from the config and machines (default
+    ``ranks.model_for``: one plane a side, or one per rank with ``ranks``).
     Violations carry the shortest move sequence and replayable logs.
     ``clock`` (e.g. ``time.perf_counter``) times the run into ``elapsed``.
     ``progress`` is called every ``progress_every`` expanded states with a
     ``SearchProgress``.
     """
     cfg = attrs.evolve(config or ExploreConfig(), **overrides)
-    model = Model(cfg, machines)
+    model = (model_factory or model_for)(cfg, machines)
     res = ExploreResult(cfg)
     start = clock() if clock is not None else 0.0
     sym = cfg.symmetry
