@@ -581,7 +581,8 @@ def cmd_run(args) -> int:
         console.print(f"[red]{e}[/red]")
     console.print(f"summary: {summary['summary_path']}")
     for role, log in summary["logs"].items():
-        cut = " (cut short by the kill)" if role == "D" and (summary["fault"] or {}).get("kind") == "kill" else ""
+        fault = summary["fault"] or {}
+        cut = " (cut short by the kill)" if role == "D" and fault.get("kind") == "kill" and "rank" not in fault else ""
         console.print(f"{role} event log{cut}: {log}\n  replay: kvplane replay {log}")
     if not summary["ok"]:
         failed = [k for k, v in summary["checks"].items() if v is False]
