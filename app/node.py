@@ -150,6 +150,7 @@ class Node:
         self.waited_for_blocks: set[str] = set()  # requests that found the pool short at least once
         # P
         self.prefill_q: deque[Prefill] = deque()
+        self.prefilling = 0  # prefills whose KV the ranks are still writing
         self.turn2_q: deque[Turn2] = deque()
         self.consuming: dict[str, Turn2] = {}  # P turn-2 reads in flight, by request id
         # D
@@ -176,9 +177,16 @@ class Node:
             self.ranks.send_all(Poison(tuple(blocks)))
             self.free.extend(blocks)
 
-    def fill(self, lid: str, blocks: list[int], first_index: int) -> None:
-        if blocks:
-            self.ranks.send_all(Fill(lid, tuple(blocks), first_index))
+    def fill(self, lid: str, blocks: list[int], first_index: int, then: Callable[[bool], None] | None = None) -> None:
+        """Have every rank write its slice.  ``then(done)`` runs once every
+        live rank has: a consumer may only be told where the blocks are
+        after they hold the KV (in an engine, the forward pass is over
+        before request_finished)."""
+        token = 0
+        if then is not None:
+            token = next(self._tokens)
+            self._verifying[token] = PendingVerify(then)
+        self.ranks.send_all(Fill(lid, tuple(blocks), first_index, token))
 
     def verify(self, lid: str, blocks: list[int], first_index: int, then: Callable[[bool], None]) -> None:
         """Have every rank check its slice of ``blocks``; ``then(ok)`` once all
@@ -313,7 +321,7 @@ class Node:
         for rid in inflight:
             self.aborting.add(rid)
             self.sched.abort(rid)
-        self._settle(lambda: not (self.loading or self.consuming))
+        self._settle(lambda: not (self.loading or self.consuming or self.prefilling))
         loading = len(self.loading) + len(self.consuming)
         self.send(Abandoned(counts={k: v for k, v in a.items() if v}, xfers=loading, loading=loading))
 
@@ -368,17 +376,22 @@ class Node:
             if blocks is None:
                 break  # wait for leases to be freed
             self.prefill_q.popleft()
-            self.fill(msg.lid, blocks, 0)  # the "prefill"
             self.sched.on_new_request(msg.request_id, {"do_remote_decode": True, "push": msg.push})
-            _delay, params = self.sched.request_finished(msg.request_id, blocks, reader_tp=self.opts.tp["D"])
-            now = time.monotonic()
-            # The stated expiry (plane clock); each rank's own is a little later.
-            expiry = float(params["remote_expiry"]) if params else 0.0
-            self.lease_rec[msg.request_id] = LeaseRecord(id=msg.request_id, lid=msg.lid, granted=now,
-                                                         expiry=expiry, blocks=len(blocks))
-            self.send(Prefilled(lid=msg.lid, params=params, granted_at=now))
+            self.prefilling += 1
+            self.fill(msg.lid, blocks, 0, then=lambda _ok, msg=msg, blocks=blocks: self._prefilled(msg, blocks))
             did = True
         return did
+
+    def _prefilled(self, msg: Prefill, blocks: list[int]) -> None:
+        """The prefill's KV is in every rank's blocks: lease them, tell D."""
+        self.prefilling -= 1
+        _delay, params = self.sched.request_finished(msg.request_id, blocks, reader_tp=self.opts.tp["D"])
+        now = time.monotonic()
+        # The stated expiry (plane clock); each rank's own is a little later.
+        expiry = float(params["remote_expiry"]) if params else 0.0
+        self.lease_rec[msg.request_id] = LeaseRecord(id=msg.request_id, lid=msg.lid, granted=now,
+                                                     expiry=expiry, blocks=len(blocks))
+        self.send(Prefilled(lid=msg.lid, params=params, granted_at=now))
 
     def _turn2_valid_until(self, params: dict) -> float | None:
         """Until when (our clock) D's held blocks are surely there, as the
@@ -472,8 +485,9 @@ class Node:
             return
         k, blocks = req.prefix, self.owned[rid]
         if failed:
-            self.fill(req.lid, blocks[k:], k)
-            self._loaded(req, "recomputed", f"recv failed: {reason}")
+            # Recompute locally; a hold must not be offered before the KV is in (turn 2 would read it).
+            self.fill(req.lid, blocks[k:], k,
+                      then=lambda _ok: self._loaded(req, "recomputed", f"recv failed: {reason}"))
         elif k == req.nblocks:
             self._loaded(req, "ok", "full prefix hit, awaited")
         else:
@@ -541,7 +555,7 @@ class Node:
 
     def status(self) -> Status:
         return Status(held_blocks=self.held_blocks(), lease_blocks=self.lease_blocks(),
-                      waiting=len(self.waiting) + len(self.prefill_q) + len(self.turn2_q),
+                      waiting=len(self.waiting) + len(self.prefill_q) + len(self.turn2_q) + self.prefilling,
                       loading=len(self.loading) + len(self.consuming), holds=len(self.holds),
                       last_hb_at=self.last_hb_at, stalls=list(self.stalls), max_loop_gap_s=self.gaps.max_gap_s)
 

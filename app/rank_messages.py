@@ -39,11 +39,13 @@ class Step:
 
 @attrs.frozen
 class Fill:
-    """Write the pattern of ``lid`` into blocks (the prefill, or a recompute)."""
+    """Write the pattern of ``lid`` into blocks (the prefill, or a recompute);
+    a non-zero ``token`` is acknowledged in the next RankStep (as verified)."""
 
     lid: str
     block_ids: tuple[int, ...]
     first_index: int
+    token: int = 0
 
 
 @attrs.frozen

