@@ -8,6 +8,7 @@ with requests in flight, so only the survivor is held to "no leak".
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -35,17 +36,32 @@ def _lines(path: str) -> list[str]:
     return lines
 
 
+def _rank_logs(s: dict) -> list[tuple[str, int, str]]:
+    """(role, rank, path) of every worker rank's event log of the run."""
+    out = []
+    for role in ("P", "D"):
+        ranks = (s["ranks"] or {}).get(role)
+        if ranks and len(ranks) > 1 or s["tp"][role] > 1:
+            out += [(role, r, os.path.join(os.path.dirname(s["logs"][role]),
+                                           os.path.basename(s["logs"][role]).replace(".events", f".tp{r}.events")
+                                           if r else os.path.basename(s["logs"][role])))
+                    for r in range(s["tp"][role])]
+        else:
+            out.append((role, 0, s["logs"][role]))
+    return out
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_logs_replay_without_divergence_or_leak(name, e2e_dir):
     s = run_scenario(name, e2e_dir)
-    killed = (s["fault"] or {}).get("kind") == "kill"
-    for role in ("P", "D"):
-        path = s["logs"][role]
+    fault = s["fault"] or {}
+    killed = fault.get("kind") == "kill" and "rank" not in fault
+    for role, rank, path in _rank_logs(s):
         lines = _lines(path)
         assert len(lines) > 10, f"{role} log of {name} is nearly empty"
         result = replay_mod.replay(lines)
         assert result.divergence is None, f"{name} {role}: {result.divergence}"
-        if role == "D" and killed:
+        if role == "D" and (killed or rank in (s["lost_ranks"]["D"] or [])):
             continue
         assert result.held == [], f"{name} {role} leaks: {result.held}"
         report = monitors.check_log(lines)
@@ -60,4 +76,6 @@ def test_logs_replay_without_divergence_or_leak(name, e2e_dir):
         if role == "P":
             # The replayed lease lifecycle agrees with what the run reported.
             assert result.leases["granted"] == s["leases"]["granted"]
-            assert result.leases.get("expired", 0) == s["leases"]["expired"]
+            ranks = s["ranks"]["P"]
+            expired = s["leases"]["expired"] if len(ranks) == 1 else ranks[rank]["leases_ended"].get("expired", 0)
+            assert result.leases.get("expired", 0) == expired
