@@ -35,6 +35,8 @@ from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Fi
                        Prefill, Prefilled, Release, Released, Ready, Status, StatusRequest, Summary, Turn2, Turn2Done,
                        handlers)
 
+from kvplane.connector.params import BadTransferParams
+
 from .rank_messages import Fill, Poison, RankOptions, Verify
 
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
@@ -289,7 +291,12 @@ class Node:
     def on_decode(self, msg: Decode) -> None:
         # Params that arrive after P's lease expired are declined by the READ
         # gate (they carry the lease's expiry); no age check is needed here.
-        self.sched.on_new_request(msg.request_id, msg.params)  # heartbeats start now
+        try:
+            self.sched.on_new_request(msg.request_id, msg.params)  # heartbeats start now
+        except BadTransferParams as exc:  # nothing registered: compute it here instead
+            self.recompute_reasons["params refused"] += 1
+            self._decoded(msg, "recomputed", f"params refused: {exc}")
+            return
         self.waiting.append(QueuedDecode(msg, ready_at=time.monotonic() + self.opts.overload))
 
     def on_finish(self, _msg: Finish) -> None:
@@ -365,7 +372,15 @@ class Node:
                 return did
             self.turn2_q.popleft()
             p2id = msg.request_id
-            self.sched.on_new_request(p2id, msg.params)
+            try:
+                self.sched.on_new_request(p2id, msg.params)
+            except BadTransferParams as exc:  # nothing registered: recompute turn 1's KV here
+                self.release(p2id)
+                self.outcomes["turn2_recomputed"] += 1
+                self.recompute_reasons["params refused"] += 1
+                self.send(Turn2Done(lid=msg.lid, outcome="recomputed", detail=f"params refused: {exc}"))
+                did = True
+                continue
             n_ext, _ = self.sched.get_num_new_matched_tokens(p2id, msg.nblocks * BLOCK_TOKENS, 0)
             self.sched.update_state_after_alloc(p2id, blocks, n_ext)
             self.consuming[p2id] = msg
@@ -518,7 +533,9 @@ class Node:
         did = req.request_id
         self.sched.request_running(did)
         blocks = self.owned[did]
-        delay, params = self.sched.request_finished(did, blocks, hold_for_next_turn=req.hold)
+        # The hold awaits every P rank that reads each D rank (the TP mapping, reversed).
+        delay, params = self.sched.request_finished(did, blocks, hold_for_next_turn=req.hold,
+                                                    reader_tp=self.opts.tp["P"])
         hold = None
         if delay and params is not None:
             self.holds[did] = {"lid": req.lid}

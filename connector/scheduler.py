@@ -79,9 +79,15 @@ class ConnectorScheduler:
             return
         rk = RemoteKV.from_dict(params)
         try:
-            TpMapping(rk.tp_size, self.tp_size)
+            mapping = TpMapping(rk.tp_size, self.tp_size)
         except TpMismatch as exc:
             raise BadTransferParams(f"kv_transfer_params: 'tp_size': {exc}") from None
+        if rk.expected_consumers < mapping.consumers_per_holder_rank:
+            # Each holder rank would free its blocks after its first reader
+            # rank's completion while the others still read: refuse (recompute).
+            raise BadTransferParams(
+                f"kv_transfer_params: 'expected_consumers': {rk.expected_consumers} per holder rank, but "
+                f"{mapping.consumers_per_holder_rank} of our ranks read each of the holder's {rk.tp_size}")
         push = bool(params.get("push"))
         if push and (rk.tp_size > 1 or self.tp_size > 1):
             raise BadTransferParams("kv_transfer_params: push mode needs TP 1 on both sides")

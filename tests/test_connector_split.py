@@ -181,6 +181,23 @@ def test_reports_are_counted_once_per_rank(clock):
         d.close()
 
 
+def test_a_hold_planned_for_fewer_reader_ranks_is_refused_not_raced(clock):
+    # D (TP 1) holds for one reader rank, P reads it with TP 2: D would free
+    # after P rank 0's completion while P rank 1 still reads.
+    _, p, d = engine_pair(2, 1, clock, **CFG)
+    try:
+        pull(p, d)
+        assert settle(clock, p, d, 5, lambda: "d1" in d.recving)
+        d.sched.request_running("d1")
+        _, hold = d.sched.request_finished("d1", (5, 6, 7), hold_for_next_turn=True)  # reader_tp left out
+        assert hold["expected_consumers"] == 1
+        with pytest.raises(BadTransferParams, match="expected_consumers.*2 of our ranks read each"):
+            p.sched.on_new_request("p2", hold)
+    finally:
+        p.close()
+        d.close()
+
+
 def test_records_check_kind_and_version():
     assert check(StepMeta(), StepMeta) == StepMeta()
     with pytest.raises(RecordVersionMismatch, match=f"speaks version {RECORD_VERSION}"):

@@ -187,6 +187,10 @@ def test_tensor_parallel_ranks_each_read_their_heads(e2e_dir, name, p_tp, d_tp):
         # Every P rank's lease of every request was consumed by its readers and heartbeated while D queued.
         assert r["leases_ended"].get("consumed") == n, r
         assert r["lease_heartbeats"] > 0, r
+    # Every notification came from a planned consumer rank: a lease (or hold) planned for fewer
+    # reader ranks than read it would bind the first and refuse the others (and free too early).
+    for side in ("P", "D"):
+        assert not [k for k, v in s["sides"][side]["counters"].items() if k.startswith("refused_") and v], side
     # Every byte moved once: the whole blocks, split over the ranks.
     assert s["bytes_verified"] > 0
     assert sum(r["bytes_moved"] for r in p_ranks + d_ranks) == s["bytes_moved"]
