@@ -10,8 +10,10 @@ import pytest
 
 from kvplane.app.checks import cmd_explore, write_violation
 from kvplane.statemachines.actions import SendHeartbeat
+from kvplane.statemachines.events import LeaseHeartbeat
 from kvplane.statemachines.emit import emits
 from kvplane.statemachines.explorer import RANK_FAULTS, ExploreConfig, Model, RankModel, explore, model_for
+from kvplane.statemachines.explorer.checks import Found
 from kvplane.statemachines.explorer.messages import Notif
 from kvplane.statemachines.explorer.moves import CrashRank, Deliver, Inject, Tick, TickLosing, schedule
 from kvplane.statemachines.machine import compile_machine
@@ -85,26 +87,56 @@ def _lease_states(w, ranks=("P0", "P1")):
 START = [schedule("arrive", 0), Deliver(0), Deliver(0), schedule("alloc", 0), schedule("start", 0)]
 
 
-def test_every_rank_has_its_own_lease_and_every_p_rank_gets_each_heartbeat():
+def test_every_rank_has_its_own_lease_and_each_d_rank_heartbeats_the_p_rank_it_reads():
     model = RankModel(ExploreConfig(**TP22))
     w = _run(model, START[:3] + [Tick(), Tick(), Tick()])
     assert w.t == 3.0
-    for p in ("P0", "P1"):  # each D rank's batch went to both P ranks (the first one extended the lease)
-        assert w.planes[p].get("lease", "p0").expiry == 3.0 + model.cfg.plane.lease_extension
-    for d in ("D0", "D1"):
-        assert w.planes[d].heartbeats.ranks("P") == (0, 1)
+    # As the connector's worker: D rank r's batch goes to TpMapping.sources(r) only, from D rank r.
+    assert [w.planes[d].heartbeats.ranks("P") for d in ("D0", "D1")] == [(0,), (1,)]
+    for p, d in (("P0", "D0"), ("P1", "D1")):
+        lease = w.planes[p].get("lease", "p0")
+        assert lease.expiry == 3.0 + model.cfg.plane.lease_extension
+        assert lease.bound == {d}  # the heartbeat's sender bound the lease to its one reader rank
     w = _drain(model, w)
     assert _lease_states(w) == [None, None] and w.sent == [1] and w.recv == [True]
 
 
+def test_one_p_rank_is_heartbeated_and_bound_by_both_d_ranks():
+    model = RankModel(ExploreConfig(**TP12))
+    w = _run(model, START[:3] + [Tick()])
+    assert [w.planes[d].heartbeats.ranks("P") for d in ("D0", "D1")] == [(0,), (0,)]
+    assert w.planes["P0"].get("lease", "p0").bound == {"D0", "D1"}
+    w = _drain(model, w)
+    assert w.sent == [1] and [x[3] for x in w.reports["P"] if x[0] == "report"] == [True]
+
+
+class _HeartbeatsSeen(RankModel):
+    """Records every (P rank, sender) a heartbeat reached; a heartbeat from a
+    D rank that does not read that P rank is a violation."""
+
+    def _feed(self, w, pname, event):
+        if isinstance(event, LeaseHeartbeat):
+            readers = self.mapping.readers_of(self.p_ranks.index(pname))
+            if event.sender not in {self.d_ranks[r] for r in readers}:
+                raise Found("heartbeat_to_a_rank_not_read", f"{event.sender}'s heartbeat reached {pname}")
+        super()._feed(w, pname, event)
+
+
+def test_d0s_heartbeat_never_reaches_p1():
+    # Exhaustively, with every rank fault: D rank r heartbeats only its sources.
+    ok(explore(**TP22, max_depth=12, model_factory=_HeartbeatsSeen))
+
+
 def test_heartbeat_lost_to_one_rank_only():
     model = RankModel(ExploreConfig(**TP22))
-    w = _run(model, START[:3] + [Tick(), Tick(), TickLosing("D0", 1)])
+    assert {(m.src, m.rank) for m in model.moves(_run(model, START[:3])) if isinstance(m, TickLosing)} == {
+        ("D0", 0), ("D1", 1)}  # the only batches there are
+    w = _run(model, START[:3] + [Tick(), Tick(), TickLosing("D0", 0)])
     assert w.t == 3.0 and w.faults == 1
-    # D1's batch still reached P1, and extended its lease.
-    assert [w.planes[p].get("lease", "p0").extensions for p in ("P0", "P1")] == [1, 1]
+    # P0 missed its renewal; P1 got D1's.
+    assert [w.planes[p].get("lease", "p0").extensions for p in ("P0", "P1")] == [0, 1]
     w = _drain(model, w)
-    assert w.sent == [1]
+    assert w.sent == [1] and [x[3] for x in w.reports["P"] if x[0] == "report"] == [True, True]
 
 
 def test_one_ranks_completion_notification_lost():
@@ -163,7 +195,7 @@ def _finished_before_every_rank(cfg, machines):
 MUTATIONS = {
     "heartbeat sent to rank 0 only": (
         dict(machines=_heartbeat_to_rank0_only()), dict(TP22, max_faults=0, max_aborts=0, max_depth=12),
-        {"read_of_unheld_lease"}),
+        {"reader_rank_refused"}),
     "finished reported before every rank": (
         dict(model_factory=_finished_before_every_rank), dict(TP22, max_faults=0, max_aborts=0, max_depth=12),
         {"finished_sending_before_all_ranks", "finished_recving_before_all_ranks"}),
@@ -184,12 +216,38 @@ def test_mutation_is_caught(name, tmp_path):
             assert res.divergence is None, res.divergence
 
 
-def test_heartbeat_to_rank0_only_reads_the_lease_rank1_let_expire():
+class _RefusalsIgnored(RankModel):
+    refusals_found = False  # left to their consequences, as in the base model
+
+
+def test_heartbeat_to_rank0_only_is_refused_and_reads_the_lease_rank1_let_expire():
     _, cfg, _ = MUTATIONS["heartbeat sent to rank 0 only"]
     r = explore(machines=_heartbeat_to_rank0_only(), **cfg)
+    # D1's batch goes to P0, whose lease D0's batch bound first.
+    assert r.violations[0].message.startswith("P0's lease p0 refused D1 (foreign_sender; bound to ['D0'])")
+    # With refusals ignored: P1's lease is never renewed and expires while D1's gate trusts its chain.
+    r = explore(machines=_heartbeat_to_rank0_only(), model_factory=_RefusalsIgnored, **cfg)
     assert "by D1 against P1's lease p0" in r.violations[0].message
     # With one P rank, rank 0 is every rank: the same mutant is harmless.
     ok(explore(machines=_heartbeat_to_rank0_only(), **dict(cfg, ranks=(1, 2))))
+
+
+class _HeartbeatsToEveryRank(RankModel):
+    """The old rank world: each D rank's batch to every P rank, with its sender."""
+
+    def remote_ranks(self, dname):
+        return tuple(range(len(self.p_ranks)))
+
+
+def test_per_rank_senders_to_every_p_rank_would_break_the_binding():
+    # The earlier finding, kept as a check that the model sees it: D0's batch
+    # binds P1's lease (1 consumer), so D1, its real reader, is refused.
+    _, cfg, _ = MUTATIONS["heartbeat sent to rank 0 only"]
+    r = explore(model_factory=_HeartbeatsToEveryRank, **cfg)
+    assert [v.kind for v in r.violations] == ["reader_rank_refused"]
+    assert "refused D1" in r.violations[0].message or "refused D0" in r.violations[0].message
+    r = explore(model_factory=type("_Both", (_HeartbeatsSeen, _HeartbeatsToEveryRank), {}), **cfg)
+    assert r.violations[0].kind == "heartbeat_to_a_rank_not_read"
 
 
 def test_cli_ranks_option():

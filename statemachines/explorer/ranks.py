@@ -5,14 +5,20 @@ ControlPlane per worker rank ("P0", "P1", "D0", "D1"), each with its own
 lease, decode_request, heartbeat and remote_engine machines:
 
 - a request arrives: every P rank grants its own lease ``p<i>`` (expected
-  consumers ``TpMapping.consumers_per_holder_rank``) and every D rank gets
-  decode_request ``d<i>`` with ``remote_ranks`` = every P rank, so each D
-  rank's heartbeat batch goes to every rank of P;
-- D rank r reads (and notifies) the P ranks ``TpMapping.sources(r)`` names,
-  one each (holder TP <= reader TP; a D rank reading two P ranks in one
-  request would need two READs, which one decode_request does not post);
-  the completion's sender is the D rank (each worker has its own agent),
-  so the readers of one P rank are distinct consumers;
+  consumers ``TpMapping.consumers_per_holder_rank``) and D rank r gets
+  decode_request ``d<i>`` with ``remote_ranks`` = the P ranks
+  ``TpMapping.sources(r)`` names, as the connector's worker does (it runs
+  one decode request per source, against engine ``P/tp<k>``, with
+  ``remote_ranks=(k,)``); here the engine stays ``P`` and the batch's
+  ``ranks`` say which P rank it goes to;
+- D rank r heartbeats, reads and notifies only those P ranks, one each
+  (holder TP <= reader TP; a D rank reading two P ranks in one request
+  would need two READs, which one decode_request does not post); every
+  heartbeat and completion carries the D rank as its sender (each worker
+  has its own agent), so a P rank's lease binds exactly the reader ranks
+  of that P rank, and a refusal (``RefuseForeignSender``,
+  ``RefuseWrongCount``) is a violation (``reader_rank_refused``): every
+  sender in this world is a reader rank of the lease it reaches;
 - D's scheduler is one: a step (allocate, start, run, finish, abort) goes
   to every live D rank in one move, and it runs a request only once the
   recvs of all D ranks are aggregated (``RankResults``); P's scheduler
@@ -35,8 +41,7 @@ at quiescence no aggregate still waits and every one was reported.
 
 Abstractions: no stalls, no turn 2, no push (profiles "read", "hit",
 "notify"); no symmetry reduction (the ranks are not interchangeable under
-a mutant that singles out rank 0, and the requests keep their names);
-heartbeats carry no sender, as in the base model.
+a mutant that singles out rank 0, and the requests keep their names).
 """
 from __future__ import annotations
 
@@ -143,6 +148,12 @@ class RankCanonical(Canonical):
         return (tuple(planes), tuple(w.phase), tuple(net), tuple(stalled), w.reports["P"], w.reports["D"],
                 tuple(w.sent), tuple(w.recv), w.faults, w.aborts)
 
+    def _lease_sig(self, lease, now) -> tuple | None:
+        # Heartbeats carry senders here, so they bind: which senders a lease
+        # is bound to decides what it refuses next.
+        sig = super()._lease_sig(lease, now)
+        return None if sig is None else sig + (tuple(sorted(lease.bound)),)
+
 
 def _on_every_d_rank(event_type: type) -> Callable:
     """A scheduler step that sends ``event_type(request_id=d<i>)`` to every live D rank."""
@@ -154,7 +165,13 @@ def _on_every_d_rank(event_type: type) -> Callable:
 
 
 class RankModel(Model):
-    """The composed system with one plane per worker rank (``ExploreConfig.ranks``)."""
+    """The composed system with one plane per worker rank (``ExploreConfig.ranks``).
+
+    ``refusals_found``: whether a lease's refusal of a sender is a violation
+    (``reader_rank_refused``); False leaves refusals to their consequences
+    (a lease that can only expire), as the base model does."""
+
+    refusals_found = True
 
     def __init__(self, cfg: ExploreConfig, machines: dict[str, Machine] | None = None,
                  results: ResultsFactory = RankResults):
@@ -201,6 +218,10 @@ class RankModel(Model):
         w.reports = {"P": (), "D": ()}
         w.sent, w.recv = [0] * self.n, [False] * self.n
         return w
+
+    def remote_ranks(self, dname: str) -> tuple[int, ...]:
+        """The P ranks D rank ``dname`` heartbeats: the ones it reads."""
+        return (self.p_ranks.index(self.reads_from[dname]),)
 
     def live(self, w: RankWorld, names: tuple[str, ...]) -> list[str]:
         return [n for n in names if n not in w.down]
@@ -431,7 +452,7 @@ class RankModel(Model):
         for dname in self.d_ranks:
             self._feed(w, dname, E.NewRequest(
                 request_id=f"d{i}", engine_id="P", remote_request_id=p, remote_block_ids=(2,),
-                remote_ranks=tuple(range(len(self.p_ranks))), expected_consumers=self.consumers,
+                remote_ranks=self.remote_ranks(dname), expected_consumers=self.consumers,
                 remote_expiry=w.p_expiry[i], remote_renewable=True))
         w.phase[i] = ARRIVED
 
@@ -499,12 +520,22 @@ class RankModel(Model):
 
     def _send_heartbeat(self, w: World, pname: str, a: A.SendHeartbeat, lose_heartbeats: bool) -> None:
         assert isinstance(w, RankWorld)
-        # Delivered at once, to each P rank the batch names that is up.
+        # Delivered at once, to each P rank the batch names that is up, from
+        # this D rank (the transport names the sending agent).
         for r in a.ranks:
             if not 0 <= r < len(self.p_ranks) or self.p_ranks[r] in w.down:
                 continue
             for rid in sorted(a.request_ids):
-                self._feed(w, self.p_ranks[r], E.LeaseHeartbeat(request_id=rid))
+                self._feed(w, self.p_ranks[r], E.LeaseHeartbeat(request_id=rid, sender=pname))
+
+    def _refused(self, w: World, pname: str, a: A.RefuseForeignSender | A.RefuseWrongCount,
+                 lose_heartbeats: bool) -> None:
+        if self.refusals_found:
+            lease = w.planes[pname].instances["lease"].get(a.request_id)
+            bound = sorted(lease.bound) if lease is not None else []
+            raise Found("reader_rank_refused",
+                        f"{pname}'s lease {a.request_id} refused {a.sender} ({a.reason}; bound to {bound}): "
+                        f"every sender here is a reader rank of the lease it reaches")
 
     def _report_recv(self, w: World, pname: str, a: A.ReportRecv, lose_heartbeats: bool) -> None:
         assert isinstance(w, RankWorld)
@@ -518,7 +549,8 @@ class RankModel(Model):
             self._aggregate(w, "P", ("report", int(pname[1:]), a.request_id, a.reason == "consumed"))
 
     _ACTION_HANDLERS = {**Model._ACTION_HANDLERS, A.PostRead: _post_read, A.SendNotif: _send_notif,
-                        A.SendHeartbeat: _send_heartbeat, A.ReportRecv: _report_recv, A.FreeBlocks: _free_blocks}
+                        A.SendHeartbeat: _send_heartbeat, A.ReportRecv: _report_recv, A.FreeBlocks: _free_blocks,
+                        A.RefuseForeignSender: _refused, A.RefuseWrongCount: _refused}
 
 
 def model_for(cfg: ExploreConfig, machines: dict[str, Machine] | None = None) -> Model:
