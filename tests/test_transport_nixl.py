@@ -19,19 +19,10 @@ from kvplane.transport.wire import (
     unframe_metadata,
 )
 
+from transfer_support import complete, wait_for
+
 NB, BS = 8, 4096
 _names = itertools.count()
-
-
-def wait_for(fn, timeout=2.0, step=0.001):
-    """Poll fn() until truthy; sleeps between polls (never busy-spins)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = fn()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 @pytest.fixture
@@ -67,24 +58,6 @@ def drain_until(ep, pred, timeout=2.0, also=()):
             other.poll_notifs()
         got.extend(ep.poll_notifs())
         return any(pred(x) for x in got)
-
-    wait_for(step, timeout)
-    return got
-
-
-def complete(initiator, h, target, notif, timeout=2.0):
-    """Drive both loops until the transfer is DONE and target got ``notif``.
-
-    The initiator's check_xfer_state is what progresses the transfer (no
-    progress thread), and the target must poll to receive the notification.
-    """
-    got, done = [], False
-
-    def step():
-        nonlocal done
-        done = done or initiator.poll_transfer(h) == "DONE"
-        got.extend(target.poll_notifs())
-        return done and (initiator.name, notif) in got
 
     wait_for(step, timeout)
     return got

@@ -6,7 +6,6 @@ region.  Each test runs on both endpoints; the loopback runs are core tests.
 """
 
 import itertools
-import time
 
 import pytest
 import torch
@@ -16,19 +15,10 @@ from kvplane.transport.faults import DropNotifications
 from kvplane.transport.layout import CacheLayout, check_part
 from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
 
+from transfer_support import complete
+
 NB, BS = 8, 4096
 _names = itertools.count()
-
-
-def wait_for(fn, timeout=2.0, step=0.001):
-    """Poll fn() until truthy; sleeps between polls (never busy-spins)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = fn()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def pattern(shape, seed, dtype=torch.uint8):
@@ -81,16 +71,8 @@ def net(request):
 
 def finish(initiator, h, target, notif=b""):
     """Drive both sides until the transfer is DONE (and ``notif`` reached the
-    target); the initiator's poll progresses it, the target must poll too."""
-    got, done = [], False
-
-    def step():
-        nonlocal done
-        done = done or initiator.poll_transfer(h) == "DONE"
-        got.extend(target.poll_notifs())
-        return done and (not notif or (initiator.name, notif) in got)
-
-    wait_for(step)
+    target), then release the handle."""
+    got = complete(initiator, h, target, notif)
     initiator.release(h)
     return got
 
