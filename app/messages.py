@@ -214,6 +214,7 @@ class Summary:
     # Per worker rank: what it held at the end, heartbeats, leases ended (RankSummary fields).
     ranks: list = attrs.Factory(list)
     lost_ranks: list = attrs.Factory(list)
+    rank_crashes: dict = attrs.Factory(dict)  # rank -> the traceback of a rank that crashed
 
 
 TO_PARENT = (Ready, Crashed, Status, Prefilled, Decoded, Turn2Done, Abandoned, Released, Summary)

@@ -36,6 +36,7 @@ from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Fi
                        handlers)
 
 from kvplane.connector.params import BadTransferParams
+from kvplane.connector.ranks import base_engine_id
 
 from .rank_messages import Fill, Poison, RankOptions, Verify
 
@@ -225,8 +226,6 @@ class Node:
             self.lease_reasons.setdefault(rid, set()).add(what)
 
     def _on_clock_offset(self, rank: int, engine: str, offset: float) -> None:
-        from kvplane.connector.ranks import base_engine_id
-
         base = base_engine_id(engine)
         self.offsets[base] = max(offset, self.offsets.get(base, offset))
 
@@ -583,12 +582,9 @@ class Node:
         ranks = [rank_summaries[r] for r in sorted(rank_summaries)]
         counters: Counter = Counter()
         anomalies: Counter = Counter()
-        offsets: dict[str, float] = {}
         for rs in ranks:
             counters.update(rs.counters)
             anomalies.update(rs.anomalies)
-            for engine, offset in rs.clock_offsets.items():
-                offsets.setdefault(_base(engine), offset)
         leases = Counter(r.reason or "live" for r in self.lease_rec.values())
         summary = {
             "role": self.role, "engine_id": self.engine_id, "log": self.log_path,
@@ -609,7 +605,7 @@ class Node:
             "held_blocks": self.held_blocks() + sum(rs.held_lease_blocks for rs in ranks),
             "plane_held": [h for rs in ranks for h in rs.plane_held],
             "anomalies": dict(anomalies),
-            "stalls": self.stalls, "loop": self.gaps.to_dict(), "clock_offsets": offsets,
+            "stalls": self.stalls, "loop": self.gaps.to_dict(), "clock_offsets": dict(self.offsets),
             # Which NIXL call, if any, held a rank's loop up (rank 0's slowest of each kind).
             "nixl_calls": ranks[0].nixl_calls if ranks else {},
             "recompute_reasons": dict(self.recompute_reasons), "abandoned": dict(self.abandoned),
@@ -621,14 +617,9 @@ class Node:
                        "leases_ended": rs.leases_ended, "bytes_moved": rs.bytes_moved,
                        "log": self.log_paths[rs.rank]} for rs in ranks],
             "lost_ranks": sorted(self.ranks.lost - set(rank_summaries)),
+            "rank_crashes": dict(self.ranks.crashes),
         }
         self.send(Summary(**summary))
-
-
-def _base(engine: str) -> str:
-    from kvplane.connector.ranks import base_engine_id
-
-    return base_engine_id(engine)
 
 
 def _lease_end_reason(reasons: set[str]) -> str:

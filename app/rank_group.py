@@ -46,7 +46,6 @@ class RankGroup:
         self.crashes: dict[int, str] = {}
         self.summaries: dict[int, RankSummary] = {}
         self.silent_limit = SILENT_LIMIT_S
-        self.hung: set[int] = set()
         for r in range(self.tp):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(theirs, make_options(r)), name=f"{sched.engine_id}-tp{r}",
@@ -104,7 +103,6 @@ class RankGroup:
         for r, conn in enumerate(self.conns):
             if r in self.lost:
                 continue
-            now = time.monotonic()
             try:
                 while conn.poll(0):
                     busy = True
@@ -116,7 +114,6 @@ class RankGroup:
             if not self.procs[r].is_alive() and not conn.poll(0):
                 self._lose(r)
             elif now - self.last_heard[r] > self.silent_limit and r not in self.summaries:
-                self.hung.add(r)
                 self.procs[r].kill()
                 self._lose(r)
         return busy

@@ -111,7 +111,6 @@ class RankSummary:
     engines_evicted: int  # remote engines the plane evicted during the run
     engines_closed_at_shutdown: int
     anomalies: dict  # the plane's fail-closed and anomaly counts, by name
-    clock_offsets: dict  # remote engine -> the handshake's clock-offset estimate
     nixl_calls: dict  # the slowest NIXL call of each kind
 
 

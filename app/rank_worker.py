@@ -21,6 +21,11 @@ import traceback
 import zlib
 from collections import Counter
 
+from kvplane.statemachines.actions import FreeBlocks
+from kvplane.statemachines.events import HandshakeOk, LeaseHeartbeat
+from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed
+
+from .messages import handlers
 from .rank_messages import (TO_RANK, Fill, Poison, RankCrashed, RankOptions, RankReady, RankStep, RankSummary, Step,
                             Stop, Verify)
 
@@ -41,27 +46,24 @@ class RankWorker:
         from kvplane.connector.ranks import rank_engine_id
         from kvplane.connector.worker import ConnectorWorker
         from kvplane.statemachines.config import PlaneConfig
-        from kvplane.statemachines.events import LeaseHeartbeat
+        from kvplane.statemachines.eventlog import EventLogWriter
+        from kvplane.transport.faults import DropNotifications
         from kvplane.transport.nixl_agent import NixlEndpoint
 
         self.torch = torch
         self.conn = conn
         self.opts = opts
-        self._heartbeat_event = LeaseHeartbeat
         skew = opts.clock_skew
         clock = (lambda: time.monotonic() + skew) if skew else time.monotonic
         self.rank_id = rank_engine_id(opts.engine_id, opts.rank)
-        from kvplane.transport.faults import DropNotifications
-
         self.ep = NixlEndpoint(self.rank_id)
         self.faults = DropNotifications(self.ep, rate=opts.drop_notifications, seed=opts.seed)
-        self.driver = PlaneDriver(engine_id=self.rank_id, endpoint=self.faults if self.faults.rate else self.ep, config=PlaneConfig(**opts.plane_fields),
-                                  clock=clock, tp_rank=opts.rank, curve_keypair=tuple(opts.keypair),
-                                  trusted_peers=opts.peers)
+        self.driver = PlaneDriver(engine_id=self.rank_id, endpoint=self.faults if self.faults.rate else self.ep,
+                                  config=PlaneConfig(**opts.plane_fields), clock=clock, tp_rank=opts.rank,
+                                  curve_keypair=tuple(opts.keypair), trusted_peers=opts.peers)
         self._log_stream = None
         self.log = None
         if opts.log_path is not None:
-            from kvplane.statemachines.eventlog import EventLogWriter
             self._log_stream = open(opts.log_path, "w", encoding="utf-8")
             self.log = EventLogWriter.attach(self.driver.plane, self._log_stream, flush_every=1 << 30)
         self._lease_events: list[tuple[str, str, float, float]] = []
@@ -111,23 +113,21 @@ class RankWorker:
     def _tally(self, step) -> None:
         if self._chain is not None:
             self._chain(step)
-        if isinstance(step.event, self._heartbeat_event) and step.kind == "lease":
+        if isinstance(step.event, LeaseHeartbeat) and step.kind == "lease":
             lease = self.driver.plane.get("lease", step.event.request_id)
             if lease is not None:
                 self._lease_events.append((step.event.request_id, "heartbeat", time.monotonic(), lease.expiry))
-        if step.kind == "remote_engine" and type(step.event).__name__ == "HandshakeOk":
+        if isinstance(step.event, HandshakeOk) and step.kind == "remote_engine":
             engine = self.driver.plane.get("remote_engine", step.key)
             if engine is not None and math.isfinite(engine.best_rtt):
                 self._offsets.append((str(step.key), engine.clock_offset))
         for a in step.actions:
-            if type(a).__name__ == "FreeBlocks":
+            if isinstance(a, FreeBlocks):
                 self._ended[a.reason] += 1
                 self._lease_events.append((a.request_id, a.reason, time.monotonic(), 0.0))
 
     # ------------------------------------------------------------ loop
     def run(self) -> None:
-        from .messages import handlers
-
         handle = handlers(TO_RANK, {Step: self.on_step, Fill: self.on_fill, Verify: self.on_verify,
                                     Poison: self.on_poison, Stop: self.on_stop})
         self.conn.send(RankReady(info=self.worker.rank_info(), os_pid=os.getpid()))
@@ -163,18 +163,14 @@ class RankWorker:
 
     def _finish(self) -> None:
         d = self.driver
-        offsets_before = {k: e.clock_offset for k, e in d.plane.instances["remote_engine"].items()}
         evicted = d.counters["engines_evicted"]
         closed = d.disconnect_idle_engines()
         report = self.worker.report()
         self.conn.send(RankStep(report=report, verified=tuple(self._verified), lease_events=tuple(self._lease_events)))
         ended = dict(self._ended)
-        from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed
-
         held = [[k, str(key), s, list(h)] for k, key, s, h in d.plane.held()]
         anomalies = {str(k): v for k, v in d.plane.stats.items() if isinstance(k, FailClosed)
                      or isinstance(k, Anomaly) and k.what in (UNKNOWN_ID, UNKNOWN_KIND, PROTOCOL_VIOLATION)}
-        offsets = offsets_before
         counters = dict(d.counters)
         if self.faults.dropped:
             counters["notifs_dropped_injected"] = self.faults.dropped
@@ -182,7 +178,7 @@ class RankWorker:
         self.conn.send(RankSummary(
             rank=self.opts.rank, engine_id=self.rank_id, counters=counters, busy_s=self.busy_s,
             engines_evicted=evicted, engines_closed_at_shutdown=closed,
-            anomalies=anomalies, clock_offsets=offsets, nixl_calls=self.ep.call_times.to_dict(),
+            anomalies=anomalies, nixl_calls=self.ep.call_times.to_dict(),
             heartbeats_received=d.counters.get("heartbeats_received", 0),
             heartbeats_sent=d.plane.stats.get("heartbeats_sent", 0), leases_ended=ended, plane_held=held,
             held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"]))
