@@ -42,7 +42,6 @@ class ConnectorScheduler:
         self.host = host
         self.ranks: dict[int, RankInfo] = {}
         self._remote: dict[str, RemoteKV] = {}  # requests whose KV a remote engine holds
-        self._push_recv: set[str] = set()
         self._awaited: set[str] = set()  # of those, the ones whose recv the scheduler awaits
         self._serve: dict[str, bool] = {}  # requests a remote will read from us -> push mode
         self._lease_ranks = RankResults(self.tp_size)  # leases (and holds) until every rank ended them
@@ -63,10 +62,6 @@ class ConnectorScheduler:
         if not 0 <= info.rank < self.tp_size:
             raise ValueError(f"rank {info.rank} out of range for TP {self.tp_size}")
         self.ranks[info.rank] = info
-
-    @property
-    def ready(self) -> bool:
-        return len(self.ranks) == self.tp_size
 
     # ------------------------------------------------------------ requests
     def on_new_request(self, request_id: str, kv_transfer_params: dict | None) -> None:
@@ -92,8 +87,6 @@ class ConnectorScheduler:
         if push and (rk.tp_size > 1 or self.tp_size > 1):
             raise BadTransferParams("kv_transfer_params: push mode needs TP 1 on both sides")
         self._remote[request_id] = rk
-        if push:
-            self._push_recv.add(request_id)
         self._meta["new_requests"].append(NewRemoteRequest(request_id=request_id, remote=rk, push=push))
 
     def get_num_new_matched_tokens(self, request_id: str, num_prompt_tokens: int,
@@ -144,7 +137,6 @@ class ConnectorScheduler:
         block_ids = tuple(block_ids)
         rk = self._remote.pop(request_id, None)
         if rk is not None:
-            self._push_recv.discard(request_id)
             awaited = request_id in self._awaited
             self._awaited.discard(request_id)
             if not awaited:
@@ -167,7 +159,6 @@ class ConnectorScheduler:
 
     def abort(self, request_id: str) -> None:
         self._serve.pop(request_id, None)
-        self._push_recv.discard(request_id)
         if self._remote.pop(request_id, None) is not None:
             self._meta["aborts"].append(request_id)
             # An awaited recv is still reported by every rank (failed).
@@ -251,10 +242,6 @@ class ConnectorScheduler:
         return blocks
 
     # ------------------------------------------------------------ reports
-    def leases_pending(self) -> int:
-        """Leases and holds not yet ended on every rank."""
-        return len(self._lease_ranks)
-
     def waiting_on(self, request_id: str) -> tuple[int, ...]:
         """The ranks that have not ended the request's lease yet."""
         return self._lease_ranks.waiting_on(request_id)
