@@ -297,17 +297,6 @@ class RankModel(Model):
                     pairs.extend((src, r) for r in hb.ranks(eng))
         return pairs
 
-    def drain_move(self, w: World) -> Move | None:
-        if w.net:
-            return Deliver(0)
-        for i in range(self.n):
-            step = self._enabled_step(w, i, 1)
-            if step is not None and not step.arrival:
-                return Schedule(step, i)
-        if self._next_time(w) is not None:
-            return Tick()
-        return None
-
     def describe(self, w: World, move: Move) -> str:
         at = f"(t={w.t:g})"
         if isinstance(move, CrashRank):
