@@ -25,6 +25,21 @@ def clock():
     return Clock()
 
 
+@pytest.fixture
+def engines(clock):
+    """``engines(p_tp, d_tp)`` -> (fabric, P, D) on the test's clock, closed after the test."""
+    made: list[SplitEngine] = []
+
+    def make(p_tp: int, d_tp: int):
+        fabric, p, d = engine_pair(p_tp, d_tp, clock, **CFG)
+        made.extend((p, d))
+        return fabric, p, d
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
 def pull(p: SplitEngine, d: SplitEngine, blocks=(1, 2, 3), local=(5, 6, 7), hold=False):
     p.fill(7, blocks)
     p.sched.on_new_request("r1", {"do_remote_decode": True})
@@ -41,161 +56,125 @@ def settle(clock, p, d, seconds, until):
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 2), (4, 2), (1, 2), (2, 1)])
-def test_every_rank_reads_its_heads_and_every_lease_ends(clock, p_tp, d_tp):
-    _, p, d = engine_pair(p_tp, d_tp, clock, **CFG)
-    try:
-        pull(p, d)
-        assert settle(clock, p, d, 5, lambda: "d1" in d.recving and "r1" in p.sending)
-        for src, dst in zip((1, 2, 3), (5, 6, 7)):
-            assert torch.equal(d.whole_block(dst), block_value(7, src)), f"block {dst}"
-        # Every P rank's lease was consumed by its planned readers (none expired).
-        for w in p.workers:
-            assert w.driver.counters["blocks_freed_consumed"] == 3, w.driver.engine_id
-        assert p.held() == [] and d.held() == []
-        assert d.failed == set()
-    finally:
-        p.close()
-        d.close()
+def test_every_rank_reads_its_heads_and_every_lease_ends(engines, clock, p_tp, d_tp):
+    _, p, d = engines(p_tp, d_tp)
+    pull(p, d)
+    assert settle(clock, p, d, 5, lambda: "d1" in d.recving and "r1" in p.sending)
+    for src, dst in zip((1, 2, 3), (5, 6, 7)):
+        assert torch.equal(d.whole_block(dst), block_value(7, src)), f"block {dst}"
+    # Every P rank's lease was consumed by its planned readers (none expired).
+    for w in p.workers:
+        assert w.driver.counters["blocks_freed_consumed"] == 3, w.driver.engine_id
+    assert p.held() == [] and d.held() == []
+    assert d.failed == set()
 
 
-def test_finished_sending_waits_for_every_rank(clock):
-    fabric, p, d = engine_pair(2, 2, clock, **CFG)
-    try:
-        fabric.drop_notifs(receiver="P/tp1")  # rank 1's completion is lost
-        pull(p, d)
-        assert settle(clock, p, d, 2, lambda: "d1" in d.recving)
-        assert p.workers[0].driver.counters["blocks_freed_consumed"] == 3
-        assert "r1" not in p.sending and p.sched.waiting_on("r1") == (1,)
-        # Rank 1's lease expires on its own; only then is the request finished sending.
-        assert settle(clock, p, d, 30, lambda: "r1" in p.sending)
-        assert p.workers[1].driver.counters["blocks_freed_expired"] == 3
-        assert p.held() == [] and d.held() == []
-    finally:
-        p.close()
-        d.close()
+def test_finished_sending_waits_for_every_rank(engines, clock):
+    fabric, p, d = engines(2, 2)
+    fabric.drop_notifs(receiver="P/tp1")  # rank 1's completion is lost
+    pull(p, d)
+    assert settle(clock, p, d, 2, lambda: "d1" in d.recving)
+    assert p.workers[0].driver.counters["blocks_freed_consumed"] == 3
+    assert "r1" not in p.sending and p.sched.waiting_on("r1") == (1,)
+    # Rank 1's lease expires on its own; only then is the request finished sending.
+    assert settle(clock, p, d, 30, lambda: "r1" in p.sending)
+    assert p.workers[1].driver.counters["blocks_freed_expired"] == 3
+    assert p.held() == [] and d.held() == []
 
 
-def test_a_completion_before_the_grant_reaches_the_rank_still_consumes_the_lease(clock):
+def test_a_completion_before_the_grant_reaches_the_rank_still_consumes_the_lease(engines, clock):
     # The scheduler hands out the params at request_finished; the grant
     # reaches the ranks with the next metadata.  A reader that is faster
     # than that must not leave the lease to expire.
-    _, p, d = engine_pair(2, 2, clock, **CFG)
-    try:
-        p.late_meta = []
-        pull(p, d)
-        assert settle(clock, p, d, 3, lambda: "d1" in d.recving)
-        assert all(w.driver.plane.get("lease", "r1") is None for w in p.workers)
-        p.deliver_late_meta()
-        assert settle(clock, p, d, 1, lambda: "r1" in p.sending)
-        for w in p.workers:
-            assert w.driver.counters["completions_early_replayed"] == 1
-            assert w.driver.counters["blocks_freed_consumed"] == 3
-        assert p.held() == [] and d.held() == []
-    finally:
-        p.close()
-        d.close()
+    _, p, d = engines(2, 2)
+    p.late_meta = []
+    pull(p, d)
+    assert settle(clock, p, d, 3, lambda: "d1" in d.recving)
+    assert all(w.driver.plane.get("lease", "r1") is None for w in p.workers)
+    p.deliver_late_meta()
+    assert settle(clock, p, d, 1, lambda: "r1" in p.sending)
+    for w in p.workers:
+        assert w.driver.counters["completions_early_replayed"] == 1
+        assert w.driver.counters["blocks_freed_consumed"] == 3
+    assert p.held() == [] and d.held() == []
 
 
-def test_a_dead_decode_rank_fails_the_request_and_every_p_rank_frees(clock):
-    fabric, p, d = engine_pair(2, 2, clock, **CFG)
-    try:
-        fabric.hang_transfers(initiator="D/tp1")
-        pull(p, d)
-        assert settle(clock, p, d, 1, lambda: "r1" in p.sending or p.workers[0].driver.counters["blocks_freed_consumed"])
-        d.kill(1)
-        assert settle(clock, p, d, 30, lambda: "d1" in d.failed and "r1" in p.sending)
-        assert "rank 1 lost" in d.sched.fail_reasons["d1"]
-        assert p.workers[0].driver.counters["blocks_freed_consumed"] == 3
-        assert p.workers[1].driver.counters["blocks_freed_expired"] == 3  # its reader died: the lease expired
-        assert p.held() == [] and d.held() == []
-    finally:
-        p.close()
-        d.close()
+def test_a_dead_decode_rank_fails_the_request_and_every_p_rank_frees(engines, clock):
+    fabric, p, d = engines(2, 2)
+    fabric.hang_transfers(initiator="D/tp1")
+    pull(p, d)
+    assert settle(clock, p, d, 1, lambda: "r1" in p.sending or p.workers[0].driver.counters["blocks_freed_consumed"])
+    d.kill(1)
+    assert settle(clock, p, d, 30, lambda: "d1" in d.failed and "r1" in p.sending)
+    assert "rank 1 lost" in d.sched.fail_reasons["d1"]
+    assert p.workers[0].driver.counters["blocks_freed_consumed"] == 3
+    assert p.workers[1].driver.counters["blocks_freed_expired"] == 3  # its reader died: the lease expired
+    assert p.held() == [] and d.held() == []
 
 
-def test_a_request_after_a_rank_died_fails_instead_of_waiting_for_it(clock):
-    _, p, d = engine_pair(2, 2, clock, **CFG)
-    try:
-        d.kill(1)
-        pull(p, d)
-        assert settle(clock, p, d, 30, lambda: "d1" in d.failed and "r1" in p.sending)
-        assert d.sched.fail_reasons["d1"] == "rank 1 lost"
-        assert p.held() == [] and d.held() == []
-    finally:
-        p.close()
-        d.close()
+def test_a_request_after_a_rank_died_fails_instead_of_waiting_for_it(engines, clock):
+    _, p, d = engines(2, 2)
+    d.kill(1)
+    pull(p, d)
+    assert settle(clock, p, d, 30, lambda: "d1" in d.failed and "r1" in p.sending)
+    assert d.sched.fail_reasons["d1"] == "rank 1 lost"
+    assert p.held() == [] and d.held() == []
 
 
-def test_a_dead_prefill_rank_does_not_leave_the_others_holding(clock):
-    fabric, p, d = engine_pair(2, 2, clock, **CFG)
-    try:
-        p.fill(7, (1, 2))
-        p.sched.on_new_request("r1", {"do_remote_decode": True})
-        p.sched.request_finished("r1", (1, 2))
-        p.step()
-        p.kill(1)  # nobody comes to read: rank 0 expires its lease, rank 1 is gone
-        assert settle(clock, p, d, 30, lambda: "r1" in p.sending)
-        assert p.workers[0].driver.counters["blocks_freed_expired"] == 2
-        assert p.held() == []
-    finally:
-        p.close()
-        d.close()
+def test_a_dead_prefill_rank_does_not_leave_the_others_holding(engines, clock):
+    fabric, p, d = engines(2, 2)
+    p.fill(7, (1, 2))
+    p.sched.on_new_request("r1", {"do_remote_decode": True})
+    p.sched.request_finished("r1", (1, 2))
+    p.step()
+    p.kill(1)  # nobody comes to read: rank 0 expires its lease, rank 1 is gone
+    assert settle(clock, p, d, 30, lambda: "r1" in p.sending)
+    assert p.workers[0].driver.counters["blocks_freed_expired"] == 2
+    assert p.held() == []
 
 
-def test_turn_two_reads_every_decode_rank_hold(clock):
-    _, p, d = engine_pair(2, 1, clock, **CFG)
-    try:
-        pull(p, d)
-        assert settle(clock, p, d, 5, lambda: "d1" in d.recving)
-        d.sched.request_running("d1")
-        delay, hold = d.sched.request_finished("d1", (5, 6, 7), hold_for_next_turn=True, reader_tp=p.tp)
-        assert delay and hold["remote_renewable"] is False and hold["expected_consumers"] == 2
-        p.sched.on_new_request("p2", hold)
-        n, _ = p.sched.get_num_new_matched_tokens("p2", 48, 0)
-        p.sched.update_state_after_alloc("p2", (9, 10, 11), n)
-        assert settle(clock, p, d, 5, lambda: "p2" in p.recving and "d1" in d.sending)
-        for src, dst in zip((1, 2, 3), (9, 10, 11)):
-            assert torch.equal(p.whole_block(dst), block_value(7, src))
-        p.sched.request_running("p2")
-        p.sched.request_finished("p2", (9, 10, 11))
-        p.step()
-        assert p.held() == [] and d.held() == []
-    finally:
-        p.close()
-        d.close()
+def test_turn_two_reads_every_decode_rank_hold(engines, clock):
+    _, p, d = engines(2, 1)
+    pull(p, d)
+    assert settle(clock, p, d, 5, lambda: "d1" in d.recving)
+    d.sched.request_running("d1")
+    delay, hold = d.sched.request_finished("d1", (5, 6, 7), hold_for_next_turn=True, reader_tp=p.tp)
+    assert delay and hold["remote_renewable"] is False and hold["expected_consumers"] == 2
+    p.sched.on_new_request("p2", hold)
+    n, _ = p.sched.get_num_new_matched_tokens("p2", 48, 0)
+    p.sched.update_state_after_alloc("p2", (9, 10, 11), n)
+    assert settle(clock, p, d, 5, lambda: "p2" in p.recving and "d1" in d.sending)
+    for src, dst in zip((1, 2, 3), (9, 10, 11)):
+        assert torch.equal(p.whole_block(dst), block_value(7, src))
+    p.sched.request_running("p2")
+    p.sched.request_finished("p2", (9, 10, 11))
+    p.step()
+    assert p.held() == [] and d.held() == []
 
 
-def test_reports_are_counted_once_per_rank(clock):
-    _, p, d = engine_pair(2, 2, clock, **CFG)
-    try:
-        p.sched.on_new_request("r1", {"do_remote_decode": True})
-        p.sched.request_finished("r1", (1,))
-        p.sched.update_from_worker(WorkerReport(rank=0, finished_sending={"r1"}))
-        p.sched.update_from_worker(WorkerReport(rank=0, finished_sending={"r1"}))  # a duplicate
-        p.sched.update_from_worker(WorkerReport(rank=1, finished_sending={"nope"}))  # unknown
-        assert p.sched.get_finished()[0] == set()
-        p.sched.update_from_worker(WorkerReport(rank=1, finished_sending={"r1"}))
-        assert p.sched.get_finished()[0] == {"r1"}
-    finally:
-        p.close()
-        d.close()
+def test_reports_are_counted_once_per_rank(engines):
+    _, p, d = engines(2, 2)
+    p.sched.on_new_request("r1", {"do_remote_decode": True})
+    p.sched.request_finished("r1", (1,))
+    p.sched.update_from_worker(WorkerReport(rank=0, finished_sending={"r1"}))
+    p.sched.update_from_worker(WorkerReport(rank=0, finished_sending={"r1"}))  # a duplicate
+    p.sched.update_from_worker(WorkerReport(rank=1, finished_sending={"nope"}))  # unknown
+    assert p.sched.get_finished()[0] == set()
+    p.sched.update_from_worker(WorkerReport(rank=1, finished_sending={"r1"}))
+    assert p.sched.get_finished()[0] == {"r1"}
 
 
-def test_a_hold_planned_for_fewer_reader_ranks_is_refused_not_raced(clock):
+def test_a_hold_planned_for_fewer_reader_ranks_is_refused_not_raced(engines, clock):
     # D (TP 1) holds for one reader rank, P reads it with TP 2: D would free
     # after P rank 0's completion while P rank 1 still reads.
-    _, p, d = engine_pair(2, 1, clock, **CFG)
-    try:
-        pull(p, d)
-        assert settle(clock, p, d, 5, lambda: "d1" in d.recving)
-        d.sched.request_running("d1")
-        _, hold = d.sched.request_finished("d1", (5, 6, 7), hold_for_next_turn=True)  # reader_tp left out
-        assert hold["expected_consumers"] == 1
-        with pytest.raises(BadTransferParams, match="expected_consumers.*2 of our ranks read each"):
-            p.sched.on_new_request("p2", hold)
-    finally:
-        p.close()
-        d.close()
+    _, p, d = engines(2, 1)
+    pull(p, d)
+    assert settle(clock, p, d, 5, lambda: "d1" in d.recving)
+    d.sched.request_running("d1")
+    _, hold = d.sched.request_finished("d1", (5, 6, 7), hold_for_next_turn=True)  # reader_tp left out
+    assert hold["expected_consumers"] == 1
+    with pytest.raises(BadTransferParams, match="expected_consumers.*2 of our ranks read each"):
+        p.sched.on_new_request("p2", hold)
 
 
 def test_records_check_kind_and_version():
@@ -206,18 +185,14 @@ def test_records_check_kind_and_version():
         check({"loads": []}, StepMeta)
 
 
-def test_params_with_a_tp_that_cannot_map_are_refused(clock):
-    _, p, d = engine_pair(1, 2, clock, **CFG)
-    try:
-        params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
-                  "remote_port": 5000, "remote_request_id": "x", "remote_block_ids": [1], "tp_size": 3}
-        with pytest.raises(BadTransferParams, match="tp_size"):
-            d.sched.on_new_request("d1", params)
-        with pytest.raises(BadTransferParams, match="remote_rank_ports"):
-            d.sched.on_new_request("d1", {**params, "tp_size": 2, "remote_rank_ports": [5000]})
-    finally:
-        p.close()
-        d.close()
+def test_params_with_a_tp_that_cannot_map_are_refused(engines, clock):
+    _, p, d = engines(1, 2)
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "127.0.0.1",
+              "remote_port": 5000, "remote_request_id": "x", "remote_block_ids": [1], "tp_size": 3}
+    with pytest.raises(BadTransferParams, match="tp_size"):
+        d.sched.on_new_request("d1", params)
+    with pytest.raises(BadTransferParams, match="remote_rank_ports"):
+        d.sched.on_new_request("d1", {**params, "tp_size": 2, "remote_rank_ports": [5000]})
 
 
 # ---------------------------------------------------------------- no sharing
@@ -246,21 +221,17 @@ def reachable(root, clock) -> dict[int, object]:
     return seen
 
 
-def test_scheduler_and_workers_share_no_object(clock):
-    _, p, d = engine_pair(2, 2, clock, **CFG)
-    try:
-        pull(p, d)
-        assert settle(clock, p, d, 5, lambda: "d1" in d.recving and "r1" in p.sending)
-        for engine in (p, d):
-            mine = reachable(engine.sched, clock)
-            assert len(mine) > 20  # the walk does reach the scheduler's state
-            for w in engine.workers:
-                theirs = reachable(w, clock)
-                shared = [type(o).__name__ for k, o in mine.items() if k in theirs and not _frozen_empty(o)]
-                assert shared == [], f"{engine.name}: scheduler and rank {w.rank} share {shared[:10]}"
-    finally:
-        p.close()
-        d.close()
+def test_scheduler_and_workers_share_no_object(engines, clock):
+    _, p, d = engines(2, 2)
+    pull(p, d)
+    assert settle(clock, p, d, 5, lambda: "d1" in d.recving and "r1" in p.sending)
+    for engine in (p, d):
+        mine = reachable(engine.sched, clock)
+        assert len(mine) > 20  # the walk does reach the scheduler's state
+        for w in engine.workers:
+            theirs = reachable(w, clock)
+            shared = [type(o).__name__ for k, o in mine.items() if k in theirs and not _frozen_empty(o)]
+            assert shared == [], f"{engine.name}: scheduler and rank {w.rank} share {shared[:10]}"
 
 
 def _frozen_empty(o) -> bool:
