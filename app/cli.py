@@ -100,9 +100,23 @@ def _explore(args) -> int:
 
 
 def _run(args) -> int:
+    if args.engine == "vllm":
+        from kvplane.app.vllm_run import cmd_run_vllm
+
+        return cmd_run_vllm(args)
+    for flag in ("connector", "late_forward"):
+        if hasattr(args, flag):
+            print(f"kvplane run: --{flag.replace('_', '-')} needs --engine vllm", file=sys.stderr)
+            return 2
     from kvplane.app.orchestrator import cmd_run
 
     return cmd_run(args)
+
+
+def _proxy(args) -> int:
+    from kvplane.app.vllm_proxy import cmd_proxy
+
+    return cmd_proxy(args)
 
 
 def _sequence(args) -> int:
@@ -159,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      "that nothing leaks, and write the event logs and summary.json under --out.")
     add_run_arguments(run)
     run.set_defaults(fn=_run)
+
+    from kvplane.app.vllm_proxy import add_proxy_arguments
+
+    px = sub.add_parser("proxy", help="a disaggregated-serving proxy for two vLLM engines (P, then D)",
+                        formatter_class=HelpFormatter,
+                        description="Serve /v1/completions: each request goes to P with max_tokens 1 and "
+                                    "do_remote_decode, then to D with P's kv_transfer_params (vLLM's protocol).")
+    add_proxy_arguments(px)
+    px.set_defaults(fn=_proxy)
 
     from kvplane.app.sequence import add_sequence_arguments
 

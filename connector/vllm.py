@@ -1,0 +1,294 @@
+"""``KVPlaneConnector``: kvplane as a vLLM KV connector.
+
+Load it in vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "KVPlaneConnector",
+                           "kv_connector_module_path": "kvplane.connector.vllm",
+                           "kv_role": "kv_both"}'
+
+P and D run the same line; a proxy sends each request to P with
+``kv_transfer_params: {"do_remote_decode": true}`` and ``max_tokens: 1``,
+then to D with the ``kv_transfer_params`` of P's response (``kvplane
+proxy`` is one).  The settings are NixlConnector's
+(``kv_connector_extra_config``: see ``vllm_settings``).
+
+The only module of kvplane that imports vLLM.  It is a thin facade: the
+scheduler half is ``vllm_scheduler.VllmSchedulerSide`` (over the split
+``ConnectorScheduler``), the worker half ``vllm_worker.VllmWorkerSide``
+(over ``ConnectorWorker`` and a ``PlaneDriver`` per TP rank); what crosses
+between vLLM's processes is the plane's own records (``records``),
+wrapped in vLLM's metadata classes.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from . import vllm_stats
+from .records import RankInfo, StepMeta, WorkerReport
+from .vllm_scheduler import SchedulerStep, VllmSchedulerSide
+from .vllm_settings import COMPAT_HASH, settings_from
+from .vllm_worker import VllmWorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("kvplane.vllm")
+
+
+@dataclass
+class KVPlaneMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, one per engine step."""
+
+    step: SchedulerStep = field(default_factory=lambda: SchedulerStep(meta=StepMeta()))
+
+
+@dataclass
+class KVPlaneHandshake(KVConnectorHandshakeMetadata):
+    """Worker rank -> scheduler at start-up: where the rank's side channel is."""
+
+    info: RankInfo
+
+
+@dataclass
+class KVPlaneWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker ranks -> scheduler, each step: the ranks' reports."""
+
+    reports: list[WorkerReport] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVPlaneWorkerMeta)
+        return KVPlaneWorkerMeta(reports=self.reports + other.reports)
+
+
+@dataclass
+class KVPlaneStats(KVConnectorStats):
+    """Counts since the last interval plus each rank's gauges (vllm_stats)."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        return KVPlaneStats(data=vllm_stats.merge(self.data, other.data))
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(vllm_stats.reduce(self.data))
+
+    def is_empty(self) -> bool:
+        return vllm_stats.is_empty(self.data)
+
+
+class KVPlanePromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvplane_<count>_total`` counters and ``vllm:kvplane_<gauge>``
+    gauges, per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+        self.counters = {key: per_engine(self._counter_cls(
+            name=f"vllm:{_metric_name(key)}", documentation=f"kvplane connector: {key}",
+            labelnames=labelnames)) for key in vllm_stats.COUNT_KEYS}
+        self.gauges = {key: per_engine(self._gauge_cls(
+            name=f"vllm:{_metric_name(key)}", documentation=f"kvplane connector: {key} (all ranks)",
+            labelnames=labelnames, multiprocess_mode="mostrecent")) for key in vllm_stats.GAUGE_KEYS}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        reduced = vllm_stats.reduce(transfer_stats_data)
+        for key in vllm_stats.COUNT_KEYS:
+            if reduced[key]:
+                self.counters[key][engine_idx].inc(reduced[key])
+        if transfer_stats_data.get("gauges"):
+            for key in vllm_stats.GAUGE_KEYS:
+                self.gauges[key][engine_idx].set(reduced[key])
+
+
+def _metric_name(key: str) -> str:
+    return key if key.startswith("kvplane_") else f"kvplane_{key}"
+
+
+class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        from vllm import envs
+
+        ktc = vllm_config.kv_transfer_config
+        self.engine_id: str = ktc.engine_id
+        host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
+        self.settings = settings_from(ktc.kv_connector_extra_config,
+                                      kv_load_failure_policy=ktc.kv_load_failure_policy,
+                                      side_channel_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
+                                      side_channel_host="127.0.0.1" if host == "localhost" else host)
+        if self.settings.unknown_keys:
+            log.warning("kvplane: unknown kv_connector_extra_config keys ignored: %s",
+                        ", ".join(self.settings.unknown_keys))
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1 or getattr(parallel, "decode_context_parallel_size", 1) != 1 or \
+                getattr(parallel, "prefill_context_parallel_size", 1) != 1:
+            raise ValueError("KVPlaneConnector supports tensor parallelism only (PP, DCP and PCP must be 1)")
+        self.tp_size: int = parallel.tensor_parallel_size
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(f"KVPlaneConnector moves models with one KV cache group (full attention); this one "
+                             f"has {len(kv_cache_config.kv_cache_groups)}")
+        self._load_error_blocks: set[int] = set()
+        self.scheduler_side: VllmSchedulerSide | None = None
+        self.worker_side: VllmWorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = VllmSchedulerSide(self.engine_id, self.settings, tp_size=self.tp_size,
+                                                    warn=log.warning)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker_side = VllmWorkerSide(
+                self.engine_id, self.settings, rank=get_tensor_model_parallel_rank(), tp_size=self.tp_size,
+                dp_index=getattr(parallel, "data_parallel_index", 0) or 0,
+                compat_hash=_compat_hash(vllm_config, kv_cache_config, self.settings.enforce_handshake_compat))
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        assert self.worker_side is not None
+        return KVPlaneHandshake(info=self.worker_side.rank_info())
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert self.worker_side is not None and isinstance(connector_metadata, KVPlaneMetadata)
+        # Applied before the forward pass: READs start while it runs.
+        self.worker_side.bind(connector_metadata.step)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass  # bind_connector_metadata started this step's loads
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads are asynchronous: a request runs once its recv is reported
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass  # nothing to save: the reader pulls from our KV cache
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker_side is not None
+        sending, recving, failed, blocks = self.worker_side.results()
+        self._load_error_blocks = blocks
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        blocks: set[int] = self._load_error_blocks
+        self._load_error_blocks = set()
+        return blocks
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self.worker_side is not None
+        report = self.worker_side.take_report()
+        return None if report is None or report.empty else KVPlaneWorkerMeta(reports=[report])
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_side is None:
+            return None
+        counts, gauges = self.worker_side.stats()
+        return KVPlaneStats(data=vllm_stats.stats_data(self.worker_side.rank, counts, gauges))
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # ================================================================ scheduler side
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        assert self.scheduler_side is not None
+        infos = {}
+        for rank, meta in metadata.items():
+            if not isinstance(meta, KVPlaneHandshake):
+                raise ValueError(f"rank {rank}: handshake metadata {type(meta).__name__}, not kvplane's")
+            infos[rank] = meta.info
+        self.scheduler_side.add_ranks(infos)
+
+    def on_new_request(self, request: Any) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return (0,)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.scheduler_side is not None
+        ids = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else [[]]
+        self.scheduler_side.update_state_after_alloc(request, tuple(ids[0]) if ids else (), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        scheduled += list(scheduler_output.scheduled_cached_reqs.req_ids)
+        return KVPlaneMetadata(step=self.scheduler_side.build_step(scheduled))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.scheduler_side is not None
+        meta = connector_output.kv_connector_worker_meta
+        reports = meta.reports if isinstance(meta, KVPlaneWorkerMeta) else []
+        self.scheduler_side.update_from_workers(reports, set(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, tuple(block_ids[0]) if block_ids else ())
+
+    # ================================================================ classmethods
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPlaneStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KVPlanePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # any: blocks are moved whole, in the layout both sides share
+
+
+def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool) -> str:
+    """What both sides must agree on for their blocks to mean the same: with
+    ``enforce_handshake_compat`` (default) the model's KV shape, dtype and
+    block size; without it only the protocol version."""
+    if not enforce or kv_cache_config is None:
+        return COMPAT_HASH
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    model = vllm_config.model_config
+    parts = [COMPAT_HASH, str(getattr(model, "architecture", "")), str(len(group.layer_names)),
+             str(getattr(spec, "block_size", "")), str(getattr(spec, "num_kv_heads", "")),
+             str(getattr(spec, "head_size", "")), str(getattr(spec, "dtype", ""))]
+    return f"{COMPAT_HASH}:{hashlib.sha256(':'.join(parts).encode()).hexdigest()[:24]}"

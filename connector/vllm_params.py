@@ -1,0 +1,62 @@
+"""``kv_transfer_params`` in vLLM's shape, both ways.
+
+A vLLM proxy passes P's response params to D unchanged, so kvplane's
+params carry every key NixlConnector's do (``do_remote_prefill``,
+``do_remote_decode``, ``remote_block_ids`` as one list per KV cache group,
+``remote_engine_id``, ``remote_request_id``, ``remote_host``,
+``remote_port``, ``tp_size``, ``remote_num_tokens``,
+``remote_blocks_expiry_time``, ...) with their meaning, plus kvplane's
+extra keys (``remote_expiry``, ``remote_renewable``, ``expected_consumers``,
+``remote_rank_ports``) that a proxy carries along without looking.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .params import BadTransferParams
+
+TRANSFER_MODE = "pull"
+
+
+def to_vllm(params: dict[str, Any], *, num_tokens: int) -> dict[str, Any]:
+    """ConnectorScheduler's params (flat block ids) -> what vLLM returns in
+    the request output."""
+    out = dict(params)
+    out["do_remote_prefill"] = True
+    out["do_remote_decode"] = False
+    out["remote_block_ids"] = [list(params["remote_block_ids"])]
+    out["dcp_size"] = 1
+    out["pp_size"] = 1
+    out["remote_num_tokens"] = num_tokens
+    # NixlConnector states an expiry only for a decoder's hold (a lease is
+    # renewed by heartbeats); so does kvplane, in the holder's clock.
+    out["remote_blocks_expiry_time"] = None if params.get("remote_renewable") else params.get("remote_expiry")
+    out["transfer_mode"] = TRANSFER_MODE
+    return out
+
+
+def from_vllm(params: dict[str, Any]) -> dict[str, Any]:
+    """Params a proxy handed D -> what ConnectorScheduler validates (block
+    ids of the one KV cache group kvplane moves).  Shape errors raise
+    BadTransferParams naming the key; values are checked by RemoteKV."""
+    if not isinstance(params, dict):
+        raise BadTransferParams(f"kv_transfer_params must be a dict, got {type(params).__name__}")
+    out = dict(params)
+    blocks = params.get("remote_block_ids")
+    if isinstance(blocks, (list, tuple)) and blocks and all(isinstance(g, (list, tuple)) for g in blocks):
+        groups = [g for g in blocks if len(g)]
+        if len(groups) > 1:
+            raise BadTransferParams(
+                f"kv_transfer_params: 'remote_block_ids': {len(groups)} KV cache groups with blocks; "
+                "kvplane moves models with one (full-attention) group")
+        out["remote_block_ids"] = list(groups[0]) if groups else []
+    for key in ("dcp_size", "pp_size"):
+        size = params.get(key, 1)
+        if size not in (1, None):
+            raise BadTransferParams(f"kv_transfer_params: {key!r}: {size!r}; kvplane supports 1")
+    mode = params.get("transfer_mode", TRANSFER_MODE)
+    if mode not in (TRANSFER_MODE, None):
+        raise BadTransferParams(f"kv_transfer_params: 'transfer_mode': {mode!r}; kvplane's vLLM connector pulls")
+    if "remote_expiry" not in params and params.get("remote_blocks_expiry_time") is not None:
+        out["remote_expiry"] = params["remote_blocks_expiry_time"]
+    return out

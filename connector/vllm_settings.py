@@ -1,0 +1,141 @@
+"""What a vLLM engine's ``kv_transfer_config`` tells the connector.
+
+The keys of ``kv_connector_extra_config`` and their defaults are
+NixlConnector's, so a deployment switches connectors by changing the
+class name only: ``kv_lease_duration`` (30 s; heartbeats every
+lease // 6, each extending the lease by lease * 2 // 3),
+``decoder_kv_blocks_ttl`` (480 s), ``bidirectional_kv_xfer`` (False),
+``engine_ttl`` (3600 s), ``enforce_handshake_compat`` (True),
+``push_registration_timeout``; ``kv_load_failure_policy`` is vLLM's
+top-level key (default "fail").  The other PlaneConfig fields may be set
+the same way.  kvplane's own keys start with ``kvplane_`` (authentication,
+event log, status file, fault injection); every one is optional.
+
+This module imports no vLLM: it reads plain values.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from kvplane.statemachines.config import ConfigError, PlaneConfig
+
+# NixlConnector's defaults where PlaneConfig's differ (PlaneConfig is tuned
+# for the main job, where engines come and go in seconds).
+# The handshake timeout is vLLM's VLLM_P2P_HANDSHAKE_TIMEOUT_S: a busy worker
+# answers its side channel late, and 5 s failed handshakes on a loaded box.
+VLLM_DEFAULTS = {"engine_ttl": 3600.0, "kv_load_failure_policy": "fail", "handshake_timeout": 30.0}
+# NixlConnector keys that are not PlaneConfig fields.
+NIXL_KEYS = ("bidirectional_kv_xfer", "enforce_handshake_compat", "kv_recompute_threshold", "backends")
+COMPAT_HASH = "kvplane-vllm-v1"
+
+
+@attrs.frozen(kw_only=True)
+class VllmSettings:
+    plane: PlaneConfig
+    bidirectional: bool = False
+    enforce_handshake_compat: bool = True
+    # kvplane_side_channel_port: rank r of data-parallel index i listens on
+    # port + i * tp_size + r (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT by default).
+    side_channel_port: int = 5600
+    side_channel_host: str = "127.0.0.1"
+    # kvplane_keypair: a zmq.auth secret certificate (the engine's CURVE key);
+    # kvplane_trusted_peers: engine id -> public certificate path or z85 key.
+    # Neither: the side channel is plaintext and notifications are taken from
+    # any agent, as with NixlConnector (logged as a warning at start-up).
+    keypair_path: str | None = None
+    trusted_peers: Mapping[str, str] = attrs.field(factory=dict)
+    event_log: str | None = None  # kvplane_event_log: JSONL path ("{rank}" is replaced)
+    status_file: str | None = None  # kvplane_status_file: JSON written every step ("{rank}" is replaced)
+    kv_dump_dir: str | None = None  # kvplane_kv_dump_dir: where requests tagged kvplane_dump_kv save their KV
+    drop_notifications: float = 0.0  # kvplane_drop_notifications: fault injection, fraction dropped
+    fault_seed: int = 0
+    unknown_keys: tuple[str, ...] = ()
+
+    @property
+    def insecure(self) -> bool:
+        return self.keypair_path is None
+
+    def rank_path(self, template: str | None, rank: int) -> str | None:
+        return None if template is None else template.replace("{rank}", str(rank))
+
+
+_OWN = {
+    "kvplane_side_channel_port": "side_channel_port",
+    "kvplane_side_channel_host": "side_channel_host",
+    "kvplane_keypair": "keypair_path",
+    "kvplane_trusted_peers": "trusted_peers",
+    "kvplane_event_log": "event_log",
+    "kvplane_status_file": "status_file",
+    "kvplane_kv_dump_dir": "kv_dump_dir",
+    "kvplane_drop_notifications": "drop_notifications",
+    "kvplane_fault_seed": "fault_seed",
+}
+
+
+def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: str | None = None,
+                  side_channel_port: int = 5600, side_channel_host: str = "127.0.0.1") -> VllmSettings:
+    """Settings from ``kv_connector_extra_config`` (and vLLM's top-level
+    ``kv_load_failure_policy``); a wrong value raises ``ConfigError`` naming
+    the key."""
+    extra = dict(extra or {})
+    if not all(isinstance(k, str) for k in extra):
+        raise ConfigError("kv_connector_extra_config", "keys must be strings")
+    plane_fields = {f.name for f in attrs.fields(PlaneConfig)}
+    plane_values: dict[str, Any] = {k: v for k, v in VLLM_DEFAULTS.items()}
+    if kv_load_failure_policy is not None:
+        plane_values["kv_load_failure_policy"] = kv_load_failure_policy
+    own: dict[str, Any] = {"side_channel_port": side_channel_port, "side_channel_host": side_channel_host}
+    unknown = []
+    for key, value in extra.items():
+        if key in plane_fields:
+            plane_values[key] = value
+        elif key in _OWN:
+            own[_OWN[key]] = value
+        elif key == "bidirectional_kv_xfer":
+            own["bidirectional"] = _bool(key, value)
+        elif key == "enforce_handshake_compat":
+            own["enforce_handshake_compat"] = _bool(key, value)
+        elif key not in NIXL_KEYS:
+            unknown.append(key)
+    plane = PlaneConfig(**plane_values)
+    _check_port("kvplane_side_channel_port", own["side_channel_port"])
+    if not isinstance(own["side_channel_host"], str) or not own["side_channel_host"]:
+        raise ConfigError("kvplane_side_channel_host", "must be a host name or address")
+    for key in ("keypair_path", "event_log", "status_file", "kv_dump_dir"):
+        value = own.get(key)
+        if value is not None and not isinstance(value, (str, Path)):
+            raise ConfigError(_key_of(key), f"must be a path, got {type(value).__name__}")
+        if value is not None:
+            own[key] = str(value)
+    peers = own.get("trusted_peers", {})
+    if not isinstance(peers, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in peers.items()):
+        raise ConfigError("kvplane_trusted_peers", "must map engine ids to a certificate path or z85 key")
+    own["trusted_peers"] = dict(peers)
+    rate = own.get("drop_notifications", 0.0)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or not 0 <= rate <= 1:
+        raise ConfigError("kvplane_drop_notifications", f"must be a fraction in 0..1, got {rate!r}")
+    seed = own.get("fault_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError("kvplane_fault_seed", f"must be an int, got {seed!r}")
+    if own.get("keypair_path") is None and peers:
+        raise ConfigError("kvplane_trusted_peers", "needs kvplane_keypair (this engine's own CURVE key)")
+    return VllmSettings(plane=plane, unknown_keys=tuple(sorted(unknown)), **own)
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _check_port(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(key, f"must be a port in 1..65535, got {value!r}")
+
+
+def _key_of(field: str) -> str:
+    return next(k for k, f in _OWN.items() if f == field)

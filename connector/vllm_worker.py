@@ -1,0 +1,205 @@
+"""The worker half of kvplane's vLLM connector, without vLLM.
+
+One per TP rank, in vLLM's worker process: a NIXL agent, a ``PlaneDriver``
+(side channel, remote engines, leases, heartbeats, timers) and a
+``ConnectorWorker`` over the rank's KV cache (vLLM's per-layer tensors,
+each ``[num_blocks, ...]``, registered as regions of one layout).  A
+``Ticker`` thread steps the driver between engine steps (heartbeats,
+lease expiry, transfer progress during a long forward pass); every call
+from vLLM takes the same lock.
+
+Besides the plane's records, a step may ask for KV dumps (``DumpKV``):
+the rank saves the tokens' KV of every layer to ``kv_dump_dir`` and reports
+the request finished sending, which is when vLLM frees its blocks.  The
+main job's KV check compares these files; nothing else uses them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from kvplane.statemachines.eventlog import EventLogWriter
+from kvplane.transport.faults import DropNotifications
+
+from .driver import PlaneDriver
+from .kv_dump import DumpKV, dump_kv, dump_path
+from .ranks import rank_engine_id
+from .records import RankInfo, WorkerReport
+from .ticker import Ticker
+from .vllm_scheduler import SchedulerStep
+from .vllm_settings import VllmSettings
+from .vllm_stats import PlaneTally, snapshot
+from .worker import ConnectorWorker
+
+log = logging.getLogger("kvplane.vllm")
+STATUS_EVERY_S = 0.5
+LOG_FLUSH_EVERY_S = 0.2
+
+
+class VllmWorkerSide:
+    def __init__(self, engine_id: str, settings: VllmSettings, *, rank: int = 0, tp_size: int = 1,
+                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1"):
+        from kvplane.transport.nixl_agent import NixlEndpoint
+
+        self.settings = settings
+        self.rank = rank
+        self.engine_id = engine_id
+        rank_id = rank_engine_id(engine_id, rank)
+        self.endpoint = NixlEndpoint(rank_id)
+        endpoint: Any = self.endpoint
+        if settings.drop_notifications:
+            endpoint = DropNotifications(self.endpoint, rate=settings.drop_notifications,
+                                         seed=settings.fault_seed + rank)
+        self.faults = endpoint if settings.drop_notifications else None
+        keypair = None
+        if settings.keypair_path is not None:
+            import zmq.auth
+
+            public, secret = zmq.auth.load_certificate(settings.keypair_path)
+            if secret is None:
+                raise ValueError(f"kvplane_keypair {settings.keypair_path}: no secret key in it")
+            keypair = (public, secret)
+        else:
+            log.warning("kvplane: no kvplane_keypair: the side channel is plaintext and notifications are "
+                        "accepted from any agent (as with NixlConnector)")
+        port = settings.side_channel_port + dp_index * tp_size + rank
+        self.driver = PlaneDriver(engine_id=rank_id, endpoint=endpoint, config=settings.plane,
+                                  compat_hash=compat_hash, host=settings.side_channel_host, port=port,
+                                  curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
+                                  insecure=settings.insecure, tp_rank=rank)
+        self._log_stream = None
+        self.log_writer: EventLogWriter | None = None
+        log_path = settings.rank_path(settings.event_log, rank)
+        if log_path is not None:
+            self._log_stream = open(log_path, "w", encoding="utf-8")
+            self.log_writer = EventLogWriter.attach(self.driver.plane, self._log_stream, flush_every=4096)
+            self._log_stream.flush()
+        self._log_flushed_at = 0.0
+        self.tally = PlaneTally(self.driver.plane)
+        self.worker = ConnectorWorker(self.driver, rank=rank, tp_size=tp_size)
+        self.lock = threading.RLock()
+        self.ticker = Ticker(self.driver, lock=self.lock, max_idle_wait=0.05)
+        self._kv: list[Any] = []
+        self._dumped: set[str] = set()
+        self._last_counts: dict[str, int] = {}
+        self._status_path = settings.rank_path(settings.status_file, rank)
+        self._status_at = 0.0
+        self._status_last: Any = None
+        self.report: WorkerReport | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------ start-up
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        tensors = list(kv_caches.values())
+        if not tensors:
+            raise ValueError("no KV cache tensors to register")
+        first = tensors[0]
+        for name, t in kv_caches.items():
+            if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype or not t.is_contiguous():
+                raise ValueError(f"KV cache layer {name}: {tuple(t.shape)} {t.dtype} (contiguous: "
+                                 f"{t.is_contiguous()}); kvplane needs every layer contiguous and shaped alike "
+                                 f"({tuple(first.shape)} {first.dtype})")
+        with self.lock:
+            self.worker.register_kv_caches(kv_caches)
+        self._kv = tensors
+        self.ticker.start()
+
+    def rank_info(self) -> RankInfo:
+        return self.worker.rank_info()
+
+    # ------------------------------------------------------------ per step
+    def bind(self, step: SchedulerStep) -> None:
+        with self.lock:
+            self.worker.bind(step.meta)
+            for dump in step.dumps:
+                self._dump(dump)
+            self.driver.step()
+        self.ticker.wake()
+
+    def results(self) -> tuple[set[str], set[str], set[str], set[int]]:
+        """(finished_sending, finished_recving, failed_recving, load-error
+        blocks) since the last call; a failed recv is also finished (vLLM
+        releases the request on finished_recving)."""
+        with self.lock:
+            self.driver.step()
+            report = self.worker.report()
+            if self._dumped:
+                report = WorkerReport(rank=report.rank, finished_sending=report.finished_sending | self._dumped,
+                                      finished_recving=report.finished_recving,
+                                      failed_recving=report.failed_recving,
+                                      load_error_blocks=report.load_error_blocks, fail_reasons=report.fail_reasons)
+                self._dumped = set()
+            self.report = report
+            self._write_status()
+            now = time.monotonic()
+            if self.log_writer is not None and now - self._log_flushed_at >= LOG_FLUSH_EVERY_S:
+                # vLLM may kill a worker at shutdown: what is flushed survives.
+                self._log_flushed_at = now
+                self.log_writer.flush()
+        return (set(report.finished_sending), set(report.finished_recving | report.failed_recving),
+                set(report.failed_recving), set(report.load_error_blocks))
+
+    def take_report(self) -> WorkerReport | None:
+        report, self.report = self.report, None
+        return report
+
+    def stats(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(counts since the last call, gauges now)."""
+        with self.lock:
+            counts, gauges = snapshot(self.driver, self.tally)
+        delta = {k: v - self._last_counts.get(k, 0) for k, v in counts.items()}
+        self._last_counts = counts
+        return {k: v for k, v in delta.items() if v}, gauges
+
+    # ------------------------------------------------------------ dumps
+    def _dump(self, dump: DumpKV) -> None:
+        directory = self.settings.kv_dump_dir
+        try:
+            if directory is None:
+                raise ValueError("no kvplane_kv_dump_dir")
+            dump_kv(self._kv, dump, dump_path(directory, dump.tag, self.rank))
+        except (OSError, ValueError, RuntimeError) as exc:  # a dump is a check's input, never the plane's
+            log.warning("kvplane: KV dump of %s failed: %s", dump.request_id, exc)
+        if dump.holds_blocks:
+            self._dumped.add(dump.request_id)
+
+    # ------------------------------------------------------------ status
+    def _write_status(self, force: bool = False) -> None:
+        if self._status_path is None:
+            return
+        counts, gauges = snapshot(self.driver, self.tally)
+        now = time.monotonic()
+        if not force and gauges == self._status_last and now - self._status_at < STATUS_EVERY_S:
+            return
+        self._status_at, self._status_last = now, gauges
+        status = {"engine_id": self.engine_id, "rank": self.rank, "pid": os.getpid(), "time": time.time(),
+                  "counts": counts, "gauges": gauges, "closed": self.closed,
+                  "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in self.driver.plane.held()]}
+        tmp = self._status_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(status, f)
+        os.replace(tmp, self._status_path)
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.ticker.stop(timeout=2.0)
+        with self.lock:
+            self.closed = True
+            # Graceful: engines no request uses are closed, so the plane (and
+            # its event log) ends holding nothing.
+            self.driver.disconnect_idle_engines("shutdown")
+            self.driver.step()
+            try:
+                self._write_status(force=True)
+            except OSError as exc:
+                log.warning("kvplane: status file: %s", exc)
+            if self.log_writer is not None:
+                self.log_writer.close()
+            if self._log_stream is not None:
+                self._log_stream.close()
+            self.worker.shutdown()
