@@ -11,7 +11,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 #         replay, monitors, the loopback transport and the driver over it;
 #   nixl  needs a real NIXL agent (UCX over loopback on a CPU machine);
 #   e2e   runs the main job, the CLI or the benchmarks as processes;
-#   vllm  needs vLLM (no such tests yet);
+#   vllm  needs vLLM installed (scripts/install-vllm); skipped, with the reason, without it;
 #   None  in-process but slower, so only in the full suite: the explorer's
 #         exhaustive runs, the hypothesis fuzzers, the ZMQ side channel.
 # A test that differs from its file says so with its own marker
@@ -59,6 +59,8 @@ FILE_KINDS: dict[str, str | None] = {
     "test_transport_parts.py": "nixl",
     "test_transport_wire.py": "core",
     "test_tp_mapping.py": "core",
+    "test_vllm_adapter.py": "core",
+    "test_vllm_worker_side.py": "nixl",
 }
 KINDS = ("core", "nixl", "e2e", "vllm")
 

@@ -1,0 +1,202 @@
+"""Both halves of the vLLM connector, P and D, over real NIXL and ZMQ, in one
+process and without vLLM: the scheduler halves' steps drive the worker
+halves the way vLLM's engine loop would, with vLLM-shaped per-layer KV
+tensors.  The data, the stats, the status files, the KV dumps and the
+event logs are what the vLLM job relies on."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import attrs
+import pytest
+import torch
+
+from kvplane.app.kv_check import check_all
+from kvplane.connector.kv_dump import DUMP_KEY, DumpKV
+from kvplane.connector.vllm_scheduler import VllmSchedulerSide
+from kvplane.connector.vllm_settings import settings_from
+from kvplane.connector.vllm_worker import VllmWorkerSide
+from kvplane.statemachines.replay import replay
+
+BLOCKS, BLOCK_TOKENS, WIDTH = 32, 16, 8
+
+
+@attrs.define
+class Status:
+    name: str
+
+
+@attrs.define
+class Req:
+    request_id: str
+    kv_transfer_params: dict | None
+    num_prompt_tokens: int = 40
+    num_computed_tokens: int = 40
+    status: Status = attrs.Factory(lambda: Status("FINISHED_LENGTH_CAPPED"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_layers(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}": torch.randn(BLOCKS, 2, BLOCK_TOKENS, WIDTH, generator=g).to(torch.bfloat16)
+            for i in range(2)}
+
+
+class Engine:
+    def __init__(self, name: str, tmp, seed: int, **extra):
+        self.settings = settings_from({"kvplane_event_log": str(tmp / f"{name}.events.jsonl"),
+                                       "kvplane_status_file": str(tmp / f"{name}.status.json"),
+                                       "kvplane_kv_dump_dir": str(tmp), **extra},
+                                      side_channel_port=free_port())
+        self.sched = VllmSchedulerSide(name, self.settings)
+        self.worker = VllmWorkerSide(name, self.settings)
+        self.kv = kv_layers(seed)
+        self.worker.register_kv_caches(self.kv)
+        self.sched.add_ranks({0: self.worker.rank_info()})
+        self.finished: dict[str, set[str]] = {"sending": set(), "recving": set(), "failed": set()}
+
+    def step(self, scheduled=()) -> None:
+        """One engine step: metadata to the worker, results back."""
+        self.worker.bind(self.sched.build_step(list(scheduled)))
+        sending, recving, failed, _ = self.worker.results()
+        self.finished["sending"] |= sending
+        self.finished["recving"] |= recving
+        self.finished["failed"] |= failed
+        report = self.worker.take_report()
+        self.sched.update_from_workers([report] if report else [], recving)
+
+
+def run_until(cond, *engines: Engine, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        for e in engines:
+            e.step()
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    p = Engine("prefill-0", tmp_path, seed=1)
+    d = Engine("decode-0", tmp_path, seed=2)
+    yield p, d
+    for e in (p, d):
+        e.worker.shutdown()
+
+
+def test_d_reads_ps_blocks_and_both_end_holding_nothing(pair, tmp_path):
+    p, d = pair
+    x = Req("x", {"do_remote_decode": True, DUMP_KEY: "t.p"})
+    p.sched.on_new_request(x)
+    delay, params = p.sched.request_finished(x, (3, 4, 5))
+    assert delay
+    p.step()
+    a = Req("a", dict(params, **{DUMP_KEY: "t"}))
+    d.sched.on_new_request(a)
+    assert d.sched.get_num_new_matched_tokens(a, 0) == (40, True)
+    d.sched.update_state_after_alloc(a, (10, 11, 12), 40)
+    run_until(lambda: "a" in d.finished["recving"], p, d)
+    assert not d.finished["failed"]
+    for name in p.kv:
+        assert torch.equal(d.kv[name][[10, 11, 12]], p.kv[name][[3, 4, 5]])
+    run_until(lambda: "x" in p.finished["sending"], p, d)  # D's completion consumed P's lease
+    d.step(["a"])
+    assert d.sched.request_finished(a, (10, 11, 12)) == (True, None)  # held for its dump
+    run_until(lambda: "a" in d.finished["sending"], p, d)
+
+    counts_d, gauges_d = d.worker.stats()
+    counts_p, gauges_p = p.worker.stats()
+    assert counts_d["bytes_transferred"] == 3 * 2 * p.kv["layer0"][0].numel() * 2
+    assert counts_d["num_successful_transfers"] == 1
+    assert counts_p["kvplane_leases_consumed"] == 1
+    assert gauges_p["kvplane_blocks_held"] == 0 and gauges_d["kvplane_recvs_in_flight"] == 0
+    assert d.worker.stats()[0] == {}  # counts are per interval
+    # The dumps: D's read blocks are P's, byte for byte (the job's KV check,
+    # with P's dump as D's "recompute" too: there is no model here).
+    (tmp_path / "t.local.rank0.pt").write_bytes((tmp_path / "t.p.rank0.pt").read_bytes())
+    (verdict,) = check_all(tmp_path, ["t"])
+    assert verdict.ok and verdict.read_tokens == 32 and not verdict.declined, verdict
+    d.kv["layer1"][10, 0, 0, 0] += 1  # a wrong byte in a read block, dumped again: caught
+    d.worker._dump(DumpKV(request_id="again", tag="t", block_ids=(10, 11, 12), num_tokens=40, holds_blocks=False))
+    (bad,) = check_all(tmp_path, ["t"])
+    assert not bad.ok and "1 of 2 blocks" in bad.why, bad
+
+    for e in (p, d):
+        e.worker.shutdown()
+        status = json.loads((tmp_path / f"{e.sched.sched.engine_id}.status.json").read_text())
+        assert status["closed"] and status["plane_held"] == []
+        result = replay(tmp_path / f"{e.sched.sched.engine_id}.events.jsonl")
+        assert result.ok, (result.divergence, result.held)
+
+
+def test_an_expired_lease_is_declined_not_read(tmp_path):
+    p = Engine("prefill-0", tmp_path, seed=1, kv_lease_duration=6)
+    d = Engine("decode-0", tmp_path, seed=2, kv_lease_duration=6)
+    try:
+        x = Req("x", {"do_remote_decode": True})
+        p.sched.on_new_request(x)
+        _, params = p.sched.request_finished(x, (3, 4, 5))
+        p.step()
+        # A late forward: D gets the params only after the lease is over.
+        run_until(lambda: "x" in p.finished["sending"], p, timeout=20)
+        before = d.kv["layer0"][[10, 11, 12]].clone()
+        a = Req("a", params)
+        d.sched.on_new_request(a)
+        d.sched.get_num_new_matched_tokens(a, 0)
+        d.sched.update_state_after_alloc(a, (10, 11, 12), 40)
+        run_until(lambda: "a" in d.finished["recving"], p, d)
+        assert "a" in d.finished["failed"]
+        assert torch.equal(d.kv["layer0"][[10, 11, 12]], before)  # nothing was read
+        counts, _ = d.worker.stats()
+        assert counts["kvplane_declined_reads"] == 1 and counts.get("bytes_transferred", 0) == 0
+        assert p.worker.stats()[0]["num_kv_expired_reqs"] == 1
+    finally:
+        for e in (p, d):
+            e.worker.shutdown()
+
+
+def test_curve_keys_from_certificate_files(tmp_path):
+    import zmq.auth
+
+    for n in ("prefill-0", "decode-0"):
+        zmq.auth.create_certificates(str(tmp_path), n)
+
+    def keys(me, other):
+        return {"kvplane_keypair": str(tmp_path / f"{me}.key_secret"),
+                "kvplane_trusted_peers": {other: str(tmp_path / f"{other}.key")}}
+
+    p = Engine("prefill-0", tmp_path, seed=1, **keys("prefill-0", "decode-0"))
+    d = Engine("decode-0", tmp_path, seed=2, **keys("decode-0", "prefill-0"))
+    try:
+        assert not p.settings.insecure and p.worker.rank_info().public_key is not None
+        x = Req("x", {"do_remote_decode": True})
+        p.sched.on_new_request(x)
+        _, params = p.sched.request_finished(x, (3,))
+        p.step()
+        a = Req("a", params, num_prompt_tokens=10, num_computed_tokens=10)
+        d.sched.on_new_request(a)
+        d.sched.get_num_new_matched_tokens(a, 0)
+        d.sched.update_state_after_alloc(a, (9,), 10)
+        run_until(lambda: "a" in d.finished["recving"], p, d)
+        assert not d.finished["failed"]
+        assert torch.equal(d.kv["layer1"][9], p.kv["layer1"][3])
+    finally:
+        for e in (p, d):
+            e.worker.shutdown()
+
+
+def test_layers_must_agree(tmp_path):
+    settings = settings_from({}, side_channel_port=free_port())
+    w = VllmWorkerSide("e", settings)
+    try:
+        with pytest.raises(ValueError, match="shaped alike"):
+            w.register_kv_caches({"a": torch.zeros(4, 2, 4, 4), "b": torch.zeros(4, 2, 4, 2)})
+    finally:
+        w.shutdown()
