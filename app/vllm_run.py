@@ -108,6 +108,10 @@ class VllmRun:
         for name, http, side in (("P", http_p, side_p), ("D", http_d, side_d)):
             role = "prefill" if name == "P" else "decode"
             extra: dict[str, Any] = {"kv_lease_duration": o.lease, "kvplane_kv_dump_dir": str(self.dumps)}
+            if o.connector == "nixl":
+                # One UCX worker thread, as kvplane's agent has: NixlConnector's 4
+                # spin on the one core each engine gets here (see split_cores).
+                extra["num_threads"] = 1
             if o.connector == "kvplane":
                 extra.update({
                     "kvplane_event_log": str(self.out / f"{role}.events.jsonl"),
@@ -221,7 +225,7 @@ class VllmRun:
             if not waiting:
                 time.sleep(0.2)
                 continue
-            prompt = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(8 * BLOCK_TOKENS)]
+            prompt = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(16 * BLOCK_TOKENS)]
             try:
                 post_json(f"{p}/v1/completions", {"model": str(self.model), "prompt": prompt, "max_tokens": 1},
                           timeout=120, leg="filler")
@@ -352,7 +356,8 @@ def run_vllm(opts: VllmRunOptions, say: Callable[[str], None] = print) -> dict:
             last_grant = max([run.killed_at] + run.p_done_at)
             summary["reclaim_after_kill_s"] = settled - last_grant
         summary["metrics"] = {n: {k: v for k, v in run.metrics(n).items()
-                                  if "kvplane" in k or "nixl" in k or k in ("vllm:kv_cache_usage_perc",)}
+                                  if ("kvplane" in k or "nixl" in k or k == "vllm:kv_cache_usage_perc")
+                                  and not k.endswith("_created")}
                               for n in names}
     except EngineStartError as exc:
         run.stop()

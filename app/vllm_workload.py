@@ -57,7 +57,9 @@ def make_stream(n: int, *, seed: int = 0, burst: int = 8, spacing: float = 0.5, 
             t += gap  # the steady stream starts once the burst is under way
         elif i > burst:
             t += spacing
-        out.append(VllmRequest(index=i, prompt=prompt, max_tokens=rng.randrange(8, 32), arrival=t,
+        # The burst decodes long, so it stays in D's queue for seconds (heartbeats).
+        max_tokens = rng.randrange(160, 224) if i < burst else rng.randrange(8, 32)
+        out.append(VllmRequest(index=i, prompt=prompt, max_tokens=max_tokens, arrival=t,
                                family=family, repeat_of=repeat_of,
                                late=bool(late_every) and i % late_every == late_every - 1, burst=i < burst))
     return out

@@ -65,9 +65,15 @@ class PlaneConfig:
     decoder_kv_blocks_ttl: float = attrs.field(default=480.0, validator=_positive)
     # Turn-2 reads are declined this close to the remote expiry.
     expiry_safety_margin: float = attrs.field(default=5.0, validator=_number(0))
-    # A connected engine with no activity for this long becomes STALE, and is
-    # evicted one more TTL later unless a transfer still references it.
+    # A connected engine with no activity for this long is evicted (STALE at
+    # half of it) unless a transfer still references it.
     engine_ttl: float = attrs.field(default=60.0, validator=_positive)
+    # Silence until STALE; evicted at twice this.  None: engine_ttl / 2, so an
+    # idle engine is gone one TTL after its last activity.  Event logs whose
+    # config lacks the key are from before, when STALE came at engine_ttl
+    # (eviction at two TTLs): the log reader sets it so they replay as recorded.
+    engine_stale_after: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive))
     handshake_timeout: float = attrs.field(default=5.0, validator=_positive)
     handshake_backoff: float = attrs.field(default=1.0, validator=_positive)
     handshake_max_attempts: int = attrs.field(
@@ -79,6 +85,11 @@ class PlaneConfig:
     # Push mode: how long P keeps a D registration, and D waits for P's WRITE.
     push_registration_timeout: float = attrs.field(default=60.0, validator=_positive)
     kv_load_failure_policy: str = attrs.field(default="recompute", validator=_policy)
+
+    @property
+    def stale_after(self) -> float:
+        """Seconds of silence until a connected engine is STALE (eviction: twice that)."""
+        return self.engine_ttl / 2 if self.engine_stale_after is None else self.engine_stale_after
 
     @property
     def heartbeat_interval(self) -> float:

@@ -568,6 +568,9 @@ def parse_config(obj: Any, line: int) -> PlaneConfig:
             problem = _value_problem(key, _type_options(fields[key]), value)
             if problem is not None:
                 raise MalformedLine(line, f"bad config: {key!r} {problem}")
+    if "engine_stale_after" not in obj and isinstance(obj.get("engine_ttl"), (int, float)):
+        # A log from before the key: STALE came at engine_ttl then.
+        obj = {**obj, "engine_stale_after": obj["engine_ttl"]}
     try:
         return PlaneConfig(**obj)
     except (TypeError, ValueError) as exc:

@@ -436,7 +436,7 @@ def test_active_push_keeps_the_engine_connected_then_silence_evicts_it():
     p = Side(plane())
     ttl = p.plane.config.engine_ttl
     last_activity = None
-    for k, t in enumerate(range(0, 300, 40)):  # a WRITE every 40 s, TTL 60 s
+    for k, t in enumerate(range(0, 300, 25)):  # a WRITE every 25 s: within half the 60 s TTL
         p.until(t)
         _lease_and_push(p, f"p{k}", float(t), "reg_first")
         p.until(t + 1.0)
@@ -447,15 +447,15 @@ def test_active_push_keeps_the_engine_connected_then_silence_evicts_it():
     assert last_activity > 3 * ttl  # the pushes spanned several TTL boundaries
     assert p.sent(A.RemoveRemoteAgent) == []
     assert len(p.sent(A.StartHandshake)) == 1
-    # Silence: STALE one TTL after the last activity, evicted one TTL later.
-    assert p.plane.next_deadline() == last_activity + ttl
-    p.until(last_activity + ttl)
+    # Silence: STALE half a TTL after the last activity, evicted one TTL after it.
+    assert p.plane.next_deadline() == last_activity + ttl / 2
+    p.until(last_activity + ttl / 2)
     assert p.plane.get("remote_engine", D_ENGINE).state == "STALE"
-    p.until(last_activity + 2 * ttl - 0.001)
+    p.until(last_activity + ttl - 0.001)
     assert p.sent(A.RemoveRemoteAgent) == []
-    p.until(last_activity + 2 * ttl)
+    p.until(last_activity + ttl)
     assert [(t, a) for t, a in p.log if isinstance(a, A.RemoveRemoteAgent)] == [
-        (last_activity + 2 * ttl, A.RemoveRemoteAgent(D_ENGINE))]
+        (last_activity + ttl, A.RemoveRemoteAgent(D_ENGINE))]
     assert p.plane.get("remote_engine", D_ENGINE) is None and p.plane.held() == []
 
 
@@ -470,8 +470,10 @@ def test_engine_referenced_by_an_in_flight_write_is_never_evicted():
     assert p.sent(A.RemoveRemoteAgent) == []
     p.handle(E.WriteDone(request_id="p1"), 10 * ttl + 1)
     assert p.plane.get("remote_engine", D_ENGINE).state == "CONNECTED"
-    # Unreferenced now: evicted after two TTLs of silence.
-    p.until(10 * ttl + 1 + 2 * ttl)
+    # Unreferenced now: evicted after one TTL of silence, not before.
+    p.until(10 * ttl + 1 + ttl - 0.001)
+    assert p.sent(A.RemoveRemoteAgent) == []
+    p.until(10 * ttl + 1 + ttl)
     assert p.sent(A.RemoveRemoteAgent) == [A.RemoveRemoteAgent(D_ENGINE)]
 
 

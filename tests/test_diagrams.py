@@ -73,7 +73,7 @@ def test_each_deadline_shows_its_configured_value():
         "push_write": {"push_registration_timeout": cfg.push_registration_timeout,
                        "transfer_timeout": cfg.transfer_timeout},
         "remote_engine": {"handshake_timeout": cfg.handshake_timeout, "handshake_backoff": cfg.handshake_backoff,
-                          "engine_ttl": cfg.engine_ttl},
+                          "stale_after": cfg.stale_after},
     }
     for name, settings in expected.items():
         text = (COMMITTED / f"{name}.mmd").read_text()

@@ -56,7 +56,7 @@ no violation by itself, but D accepting its completion is (the READ
 deadline must refuse it); no WRITE posted or executed from a lease that is
 not held (the push outliving its lease); FreeBlocks at most once per lease; ReportRecv only
 for an awaited recv, at most once; no request holds an engine_ref to an
-engine that is gone (evicted under it); no engine STALE within engine_ttl
+engine that is gone (evicted under it); no engine STALE within stale_after
 of observed activity; no protocol violation.  Liveness: from every
 explored state a deterministic, fault-free drain (deliver, schedule, tick)
 must reach quiescence with nothing held, no request alive and every

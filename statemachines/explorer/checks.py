@@ -3,7 +3,7 @@
 Safety: no READ posted or executed against a lease that is not held, or
 whose expiry (in the reader's clock) is <= now; no WRITE posted or executed
 from a lease that is not held; no request holds an engine_ref to an engine
-that is gone; no engine STALE within engine_ttl of observed activity; no
+that is gone; no engine STALE within stale_after (engine_ttl / 2) of observed activity; no
 protocol violation.  (FreeBlocks at most once and ReportRecv only when
 awaited, at most once, are checked where the model executes those actions.)
 """
@@ -23,10 +23,10 @@ class Found(Exception):
 
 
 class Checks:
-    def __init__(self, clocks: Clocks, holds: dict[str, dict[str, frozenset]], engine_ttl: float):
+    def __init__(self, clocks: Clocks, holds: dict[str, dict[str, frozenset]], stale_after: float):
         self.clocks = clocks
         self.holds = holds  # machine kind -> state -> resources held there
-        self.ttl = engine_ttl
+        self.ttl = stale_after  # silence before an engine may be STALE
 
     def lease_problem(self, w: World, src: str, dst: str, rrid: str) -> str | None:
         """Why ``src`` may not read ``dst``'s lease ``rrid`` now, or None."""
@@ -90,7 +90,7 @@ class Checks:
                     if seen is not None and seen + ttl > now:
                         raise Found("stale_despite_activity",
                                     f"{pname} marked engine {key} STALE at t={now:g}, but saw activity at "
-                                    f"t={seen:g} (engine_ttl {ttl:g})")
+                                    f"t={seen:g} (STALE after {ttl:g} s of silence)")
 
     def quiescent_problems(self, w: World) -> list[str]:
         """What a state where nothing more happens must not have: anything

@@ -100,7 +100,7 @@ class Model:
         self.n = len(self.profiles)
         self.clocks = Clocks(cfg.skew)
         self.skew = self.clocks.skew
-        self.ttl = cfg.plane.engine_ttl
+        self.ttl = cfg.plane.stale_after  # silence until STALE, what the check bounds
         self.names = {f"{pre}{i}": (pre, i) for i in range(self.n) for pre in "dpq"}
         self.holds = {k: {s.name: s.holds for s in m.spec.states} for k, m in self.machines.items()}
         self.checks = Checks(self.clocks, self.holds, self.ttl)

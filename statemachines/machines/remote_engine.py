@@ -3,7 +3,9 @@
 Requests acquire a reference before they use the engine and release it on
 every path out; the engine is never evicted while a reference (an in-flight
 transfer, a pending push) exists.  Any activity refreshes liveness; silence
-for ``engine_ttl`` makes it STALE and one more TTL evicts it.  The clock
+for ``stale_after`` (half of ``engine_ttl``) makes it STALE and twice that
+evicts it: an idle engine is gone one TTL after its last activity, as vLLM's
+engine_ttl means.  The clock
 offset is the one from the lowest-RTT handshake sample; a sample that is not
 a pair of finite numbers is not taken, and an engine with samples but none
 usable has an unknown (NaN) offset, which every expiry gate declines.
@@ -123,9 +125,9 @@ def _touch(e: RemoteEngine, ev, cfg, now) -> None:
 
 
 def _recheck_later(e: RemoteEngine, ev, cfg, now) -> None:
-    """Referenced: last activity = now - engine_ttl, so STALE looks again one TTL later."""
-    # Never evict a referenced engine: look again one TTL from now.
-    e.last_activity = now - cfg.engine_ttl
+    """Referenced: last activity = now - stale_after, so STALE looks again stale_after later."""
+    # Never evict a referenced engine: look again later.
+    e.last_activity = now - cfg.stale_after
 
 
 def retries_left(e: RemoteEngine, ev, cfg, now) -> bool:
@@ -191,10 +193,10 @@ STATES = (
     State(S.HANDSHAKING, waits_on_remote=True, deadline=lambda e, cfg, now: e.retry_at),
     State(S.HANDSHAKE_FAILED, deadline=lambda e, cfg, now: e.retry_at, doc="backing off before a retry"),
     State(S.CONNECTED, holds={"remote_agent"}, waits_on_remote=True,
-          deadline=lambda e, cfg, now: e.last_activity + cfg.engine_ttl),
+          deadline=lambda e, cfg, now: e.last_activity + cfg.stale_after),
     State(S.STALE, holds={"remote_agent"}, waits_on_remote=True,
-          deadline=lambda e, cfg, now: e.last_activity + 2 * cfg.engine_ttl,
-          doc="silent for engine_ttl; evicted one more TTL later unless referenced"),
+          deadline=lambda e, cfg, now: e.last_activity + 2 * cfg.stale_after,
+          doc="silent for stale_after (engine_ttl / 2); evicted at twice that unless referenced"),
     State(S.EVICTED, terminal=True),
 )
 EVENTS = (EngineAcquire, EngineRelease, HandshakeOk, HandshakeFailed, EngineActivity, PeerDisconnected, TimerFired)
