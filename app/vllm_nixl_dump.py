@@ -1,14 +1,18 @@
-"""vLLM's own NixlConnector plus the KV dumps of the side-by-side run.
+"""vLLM's own NixlConnector plus what the side-by-side run needs of it.
 
 The job checks NixlConnector with the same KV check as kvplane: a request
 tagged ``kvplane_dump_kv`` has its blocks held at the end until the worker
-has saved their KV (``connector.kv_dump``).  Nothing else of NixlConnector
-changes: its transfers, leases and errors are its own.  Loaded by vLLM
-through ``kv_connector_module_path`` in the ``--connector nixl`` run only.
+has saved their KV (``connector.kv_dump``).  ``kvplane_drop_notifications``
+loses that fraction of the NIXL notifications its worker receives (seeded),
+the job's ``--drop-notifications`` fault, as kvplane's connector does with
+``transport.faults``.  Nothing else of NixlConnector changes: its
+transfers, leases and errors are its own.  Loaded by vLLM through
+``kv_connector_module_path`` in the ``--connector nixl`` run only.
 """
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
@@ -28,6 +32,27 @@ class DumpingNixlConnector(NixlConnector):
         self._layers: list[Any] = []
         self._dumped: set[str] = set()
         self._local_hit: dict[str, int] = {}
+        rate = float(extra.get("kvplane_drop_notifications", 0.0))
+        if rate and self.connector_worker is not None:
+            self._drop_notifications(rate, int(extra.get("kvplane_fault_seed", 0)))
+
+    def _drop_notifications(self, rate: float, seed: int) -> None:
+        wrapper = self.connector_worker.nixl_wrapper
+        receive = wrapper.get_new_notifs
+        rng = random.Random(seed)
+        self.notifications_dropped = 0
+
+        def lossy() -> dict:
+            got = receive()
+            kept = {}
+            for agent, msgs in got.items():
+                keep = [m for m in msgs if rng.random() >= rate]
+                self.notifications_dropped += len(msgs) - len(keep)
+                if keep:
+                    kept[agent] = keep
+            return kept
+
+        wrapper.get_new_notifs = lossy
 
     # scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -111,7 +111,8 @@ class VllmRun:
             if o.connector == "nixl":
                 # One UCX worker thread, as kvplane's agent has: NixlConnector's 4
                 # spin on the one core each engine gets here (see split_cores).
-                extra["num_threads"] = 1
+                extra.update({"num_threads": 1, "kvplane_drop_notifications": o.drop_notifications,
+                              "kvplane_fault_seed": o.seed})
             if o.connector == "kvplane":
                 extra.update({
                     "kvplane_event_log": str(self.out / f"{role}.events.jsonl"),
@@ -161,19 +162,23 @@ class VllmRun:
         if self.opts.kill_decode_at is not None:
             killer = threading.Timer(self.opts.kill_decode_at, self._kill_d)
             killer.start()
-        done = 0
         with ThreadPoolExecutor(max_workers=16) as pool:
-            futures = []
-            for r in stream:
-                delay = t0 + r.arrival - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                futures.append(pool.submit(self._one, p, d, r))
-            for f in futures:
-                f.result()
-                done += 1
-                if not self.opts.quiet and done % 8 == 0:
-                    self.say(f"{done}/{len(stream)} requests done ({time.monotonic() - t0:.0f} s)")
+            # The burst first, to the end (it is what waits in D's queue); then the
+            # steady stream on its own schedule, so its TTFT is not that queue's.
+            for phase in ([r for r in stream if r.burst], [r for r in stream if not r.burst]):
+                if not phase:
+                    continue
+                start, first = time.monotonic(), phase[0].arrival
+                futures = []
+                for r in phase:
+                    delay = start + (r.arrival - first) - time.monotonic()
+                    if delay > 0:
+                        time.sleep(delay)
+                    futures.append(pool.submit(self._one, p, d, r))
+                for f in futures:
+                    f.result()
+                self.say(f"{sum(1 for x in self.results.values() if x.ok)}/{len(stream)} requests done "
+                         f"({time.monotonic() - t0:.0f} s)")
         stop_filler.set()
         if filler is not None:
             filler.join(timeout=60)

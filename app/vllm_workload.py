@@ -7,8 +7,8 @@ one exactly (D has every full block and reads only the last).  Lengths
 vary from under one block to several.  The first ``burst`` requests
 arrive at once, more than D's ``max_num_seqs``, so they wait in D's queue
 while the connector's heartbeats keep P's leases alive (the overload);
-the rest (the steady stream, whose TTFT the job reports) start ``gap``
-seconds later, ``spacing`` seconds apart.
+the rest (the steady stream, whose TTFT the job reports) are sent once
+the burst is done, ``spacing`` seconds apart.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class VllmRequest:
         return f"r{self.index}"
 
 
-def make_stream(n: int, *, seed: int = 0, burst: int = 8, spacing: float = 0.5, gap: float = 5.0,
+def make_stream(n: int, *, seed: int = 0, burst: int = 8, spacing: float = 0.5,
                 families: int = 4, late_every: int = 0) -> list[VllmRequest]:
     """``late_every``: every k-th request (k >= 1) is forwarded late; 0: none."""
     rng = random.Random(seed)
@@ -53,9 +53,7 @@ def make_stream(n: int, *, seed: int = 0, burst: int = 8, spacing: float = 0.5, 
         else:
             suffix = tuple(rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(rng.randrange(1, 3 * BLOCK_TOKENS)))
             prompt = (prefixes[family] if rng.random() < 0.75 else ()) + suffix
-        if i == burst:
-            t += gap  # the steady stream starts once the burst is under way
-        elif i > burst:
+        if i > burst:
             t += spacing
         # The burst decodes long, so it stays in D's queue for seconds (heartbeats).
         max_tokens = rng.randrange(160, 224) if i < burst else rng.randrange(8, 32)

@@ -209,3 +209,16 @@ def test_dumps_hold_blocks_except_under_a_lease(tmp_path):
     # No dump folder: the tag is ignored.
     plain = side()
     assert plain.request_finished(Req("l", {DUMP_KEY: "t"}), (1,)) == (False, None)
+
+
+def test_only_the_facades_import_vllm():
+    """vLLM is an optional extra: the core, the transport, the connector's
+    halves and the job never import it; only what vLLM itself loads does."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    importing = sorted(str(p.relative_to(root)) for folder in ("statemachines", "transport", "connector", "app")
+                       for p in (root / folder).rglob("*.py")
+                       if re.search(r"^\s*(from|import) vllm\b", p.read_text(), re.M))
+    assert importing == ["app/vllm_nixl_dump.py", "connector/vllm.py"]
