@@ -198,6 +198,8 @@ def arrange(kind, row):
         if src == "HANDSHAKING" and ev is E.EngineReady:
             opts = {"remote_blocks_expired": dict(remote_expiry=5.0), "full_prefix_hit": dict(full=True),
                     "push_mode": dict(push=True), None: {}}[g]
+        elif src == "HANDSHAKING" and ev in (E.EngineLost, TimerFired):
+            opts = {"full_prefix_hit": dict(full=True), None: {}}[g]
         d = decode_path(src, **opts)
         if ev is E.BlocksAllocated:
             event = E.BlocksAllocated(request_id="r1", block_ids=(1,), num_remote_tokens=32 if g == "has_remote_tokens" else 0,

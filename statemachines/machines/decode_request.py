@@ -273,7 +273,11 @@ TABLE = rows(
     on(S.NOTIFYING, EngineReady, S.RELEASED, send_notif, stop_heartbeat, release_engine),
     ignore(NO_ENGINE_WAIT, EngineReady, "stale wake-up: the request no longer waits for the engine"),
 
-    on(S.HANDSHAKING, [EngineLost, TimerFired], S.RECV_FAILED, *GIVE_UP),
+    # A full prefix hit loads nothing: the recv is done even when P cannot be
+    # told (no block failed to load; P's lease then runs out on its own).
+    *(rows(on(S.HANDSHAKING, ev, S.RECV_DONE, stop_heartbeat, release_engine, report_done, when=full_prefix_hit),
+           on(S.HANDSHAKING, ev, S.RECV_FAILED, *GIVE_UP))
+      for ev in (EngineLost, TimerFired)),
     on(S.NOTIFYING, [EngineLost, TimerFired], S.RELEASED, stop_heartbeat, release_engine),
     on(S.READING, [EngineLost, TimerFired], S.RECV_FAILED, cancel_xfer, *GIVE_UP),
     on(S.AWAITING_PUSH, [EngineLost, TimerFired], S.RECV_FAILED, *GIVE_UP),
