@@ -24,6 +24,10 @@ from .report import Table, ratio
 TARGET = 1.05
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def run(quick: bool) -> list[Table]:
     import importlib.util
 
@@ -56,6 +60,7 @@ def run(quick: bool) -> list[Table]:
                                progress=lambda line: print(f"  {line}", flush=True))
         rng = random.Random(0)
         ttft: dict[str, list[float]] = {"kvplane": [], "nixl": []}
+        legs: dict[str, list[tuple[float, float]]] = {"kvplane": [], "nixl": []}  # (P leg, D to first token)
         failed: dict[str, int] = {"kvplane": 0, "nixl": 0}
         for i in range(rounds):
             prompt = [rng.randrange(3, 1023) for _ in range(rng.randrange(128, 1024))]
@@ -69,6 +74,7 @@ def run(quick: bool) -> list[Table]:
                     failed[connector] += 1
                     continue
                 ttft[connector].append(got.p_seconds + got.d_ttft_seconds)
+                legs[connector].append((got.p_seconds, got.d_ttft_seconds))
             time.sleep(0.05)
     finally:
         for pair in engines.values():
@@ -80,8 +86,10 @@ def run(quick: bool) -> list[Table]:
     r = med["kvplane"] / med["nixl"]
     detail = Table(
         key="vllm.ttft", title="vLLM P/D TTFT, kvplane vs NixlConnector (4 engines at once, alternating requests)",
-        columns=["connector", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms"],
-        rows=[[c, len(ttft[c]), failed[c], round(med[c] * 1000, 1), round(p99[c] * 1000, 1)]
+        columns=["connector", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "P leg p50 ms",
+                 "D to first token p50 ms"],
+        rows=[[c, len(ttft[c]), failed[c], round(med[c] * 1000, 1), round(p99[c] * 1000, 1),
+               round(_median([p for p, _ in legs[c]]) * 1000, 1), round(_median([d for _, d in legs[c]]) * 1000, 1)]
               for c in ("kvplane", "nixl")],
         notes=[f"engines started in {startup:.0f} s; prompts 128-1023 tokens, 4 output tokens; TTFT = client "
                "send to D's first token (P's leg included); NixlConnector with one UCX thread"])
