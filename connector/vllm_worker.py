@@ -194,12 +194,13 @@ class VllmWorkerSide:
             # its event log) ends holding nothing.
             self.driver.disconnect_idle_engines("shutdown")
             self.driver.step()
-            try:
-                self._write_status(force=True)
-            except OSError as exc:
-                log.warning("kvplane: status file: %s", exc)
+            # The log first: vLLM may kill a worker soon after asking it to stop.
             if self.log_writer is not None:
                 self.log_writer.close()
             if self._log_stream is not None:
                 self._log_stream.close()
+            try:
+                self._write_status(force=True)
+            except OSError as exc:
+                log.warning("kvplane: status file: %s", exc)
             self.worker.shutdown()
