@@ -5,9 +5,12 @@ import attrs
 
 from ..config import PlaneConfig
 
-# Small durations keep the interesting interleavings within a few ticks.
+# Small durations keep the interesting interleavings within a few ticks.  An
+# engine goes STALE after 3 s of silence and is evicted after 6 (engine_stale_after
+# pins the scale the explored paths and the mutation tests were built on).
 EXPLORER_PLANE_CONFIG = PlaneConfig(
-    kv_lease_duration=6.0, decoder_kv_blocks_ttl=8.0, expiry_safety_margin=5.0, engine_ttl=3.0,
+    kv_lease_duration=6.0, decoder_kv_blocks_ttl=8.0, expiry_safety_margin=5.0, engine_ttl=6.0,
+    engine_stale_after=3.0,
     handshake_timeout=2.0, handshake_backoff=1.0, handshake_max_attempts=2, transfer_timeout=4.0,
     recv_timeout=10.0, push_registration_timeout=4.0,
 )
