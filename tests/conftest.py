@@ -39,6 +39,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_explorer_ranks.py": None,
     "test_fuzz_decoders.py": None,
     "test_fuzz_handshake.py": None,
+    "test_heartbeat_phase.py": "core",
     "test_layering.py": "core",
     "test_monitors.py": "core",
     "test_params.py": "core",
