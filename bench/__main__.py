@@ -30,6 +30,7 @@ SECTIONS = {
     "dispatch": "bench.dispatch",
     "memory": "bench.memory",
     "step": "bench.step",
+    "scale": "bench.scale",
     "nixl": "bench.nixl",
     "eventlog": "bench.eventlog",
     "explorer": "bench.explorer",
