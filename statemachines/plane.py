@@ -242,7 +242,11 @@ class ControlPlane:
                 # machine times out now, through its ordinary release path.
                 self._anomaly(NONFINITE_DEADLINE, kind, key, event, repr(deadline))
                 deadline = inst.deadline = now
-            self._arm(deadline, kind, key)
+            self._seq += 1
+            timers = self._timers
+            _heappush(timers, (deadline, self._seq, kind, key))
+            if len(timers) > self._compact_at:
+                self._compact_timers()
         if top and self.recorder is not None:
             timer = timer_action(kind, key, old_deadline, deadline)
             own = [*acts] if timer is None else [*acts, timer]
@@ -325,7 +329,12 @@ class ControlPlane:
         moved): lazy deletion otherwise keeps one per deadline change until it
         would have come due, 30-120 s on.  Amortized O(1) per arm: the next
         compaction waits until the heap has doubled again."""
-        live = [entry for entry in self._timers if self._timer_live(entry)]
+        instances = self.instances
+        live = []
+        for entry in self._timers:  # _timer_live, inlined: this visits every entry
+            inst = instances[entry[2]].get(entry[3])
+            if inst is not None and inst.deadline == entry[0]:
+                live.append(entry)
         heapq.heapify(live)
         self._timers = live
         self._compact_at = max(_MIN_COMPACT, 2 * len(live))
@@ -339,6 +348,7 @@ class ControlPlane:
 # The smallest heap size at which superseded timer entries are compacted.
 _MIN_COMPACT = 4096
 _isfinite = math.isfinite
+_heappush = heapq.heappush
 _NO_ROWS: dict = {}
 
 
