@@ -74,7 +74,10 @@ class Machine:
         declared ignore; raises ``ProtocolViolation`` for a declared error.
         """
         old = inst.deadline
-        actions = self.apply(inst, event, config, now)
+        by_event = self._rows.get(inst.state)
+        row = None if by_event is None else by_event.get(event.__class__)
+        # (apply's lookup, inlined: one frame less per event)
+        actions = self.apply(inst, event, config, now) if row is None else row(inst, event, config, now)
         if actions.__class__ is list:  # not IGNORED
             new = inst.deadline
             if new is not None:
