@@ -3,6 +3,11 @@
 Benchmarks that compare implementations side by side in one run and report
 ratios.  Nothing here passes or fails on a timing; the exit status is
 non-zero only when a section crashes.
+
+A section may return tables titled ``"targets: ..."`` with the columns
+(target, measured, goal, met), met "YES" or "NO" (``report.targets_table``):
+their rows are printed together as the final "Targets" table, and written
+once, as that table, to --json and --markdown.
 """
 from __future__ import annotations
 
@@ -18,13 +23,14 @@ from pathlib import Path
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 
-from .report import Table, environment, print_table, to_json, to_markdown  # noqa: E402
+from .report import Table, collect_targets, environment, is_targets, print_table, to_json, to_markdown  # noqa: E402
 
 # Section name -> module with ``run(quick) -> list[Table]``, in run order.
 SECTIONS = {
     "dispatch": "bench.dispatch",
     "memory": "bench.memory",
     "step": "bench.step",
+    "scale": "bench.scale",
     "nixl": "bench.nixl",
     "eventlog": "bench.eventlog",
     "explorer": "bench.explorer",
@@ -70,14 +76,26 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]section {name} crashed:[/red]", highlight=False)
             console.print(traceback.format_exc(), markup=False, highlight=False)
             continue
+        n_targets = 0
         for t in got:
-            print_table(t, console)
+            if is_targets(t):  # printed once, with every section's, at the end
+                n_targets += len(t.rows)
+            else:
+                print_table(t, console)
         tables += got
+        if n_targets:
+            console.print(f"[dim]{n_targets} target row(s): see the Targets table at the end[/dim]")
         console.print(f"[dim]{name}: {time.perf_counter() - t0:.1f} s[/dim]\n")
+    summary = collect_targets(tables)
+    shown = [t for t in tables if not is_targets(t)]
+    if summary is not None:
+        console.rule("targets")
+        print_table(summary, console)
+        shown.append(summary)
     if args.json:
-        Path(args.json).write_text(to_json(tables, env) + "\n")
+        Path(args.json).write_text(to_json(shown, env) + "\n")
     if args.markdown:
-        Path(args.markdown).write_text(to_markdown(tables, env))
+        Path(args.markdown).write_text(to_markdown(shown, env))
     return 1 if failed else 0
 
 

@@ -15,10 +15,20 @@ comparison is of dispatch style, not of features:
   ordered so the expiry scan stops at the first live lease, as vLLM's
   does), consumers seen per request and ``_done_sending``.
 
+With ``heap=True`` (what the dispatch targets compare against) deadlines
+are kept the way the plane keeps them: one heap of (deadline, seq, id)
+with lazy deletion, pushed whenever a deadline is set or moves; with
+``heap=False`` they are an insertion-ordered dict scanned from the oldest
+entry, vLLM-style (cheaper, but a deadline that moves earlier, a READ's
+inside its recv's, may be noticed late).
+
 World-visible effects are appended to ``out`` as small tuples, standing in
 for the action objects the plane returns.
 """
 from __future__ import annotations
+
+import heapq
+import itertools
 
 from kvplane.statemachines.config import PlaneConfig
 
@@ -53,8 +63,11 @@ class _Engine:
 class DictDecodeSide:
     """Decode side: what on_new_request ... request_finished keep, per step."""
 
-    def __init__(self, config: PlaneConfig | None = None, *, index_heartbeats: bool = True):
+    def __init__(self, config: PlaneConfig | None = None, *, index_heartbeats: bool = True, heap: bool = False):
         cfg = config or PlaneConfig()
+        self.heap = heap
+        self._timers: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
         self.recv_timeout = cfg.recv_timeout
         self.transfer_timeout = cfg.transfer_timeout
         self.hb_interval = cfg.heartbeat_interval
@@ -113,8 +126,13 @@ class DictDecodeSide:
         r.ntok = num_remote_tokens
         r.recv_deadline = now + self.recv_timeout
         r.phase = 1
-        self._recv_deadlines[rid] = r.recv_deadline
+        self._set_deadline(rid, r.recv_deadline)
         self._reqs_need_recv[rid] = block_ids
+
+    def _set_deadline(self, rid, at):
+        self._recv_deadlines[rid] = at
+        if self.heap:
+            heapq.heappush(self._timers, (at, next(self._seq), rid))
 
     def start_load(self, rid, now):
         if self._reqs_need_recv.pop(rid, None) is None:
@@ -131,7 +149,7 @@ class DictDecodeSide:
     def _post_read(self, rid, r, now):
         r.phase = 3
         r.xfer_deadline = now + self.transfer_timeout
-        self._recv_deadlines[rid] = min(r.recv_deadline, r.xfer_deadline)
+        self._set_deadline(rid, min(r.recv_deadline, r.xfer_deadline))
         self._recving_transfers[rid] = (r.engine, r.remote_rid)
         self.out.append(("read", rid, r.engine, r.remote_rid, r.blocks, r.remote_blocks, r.consumers))
 
@@ -173,9 +191,15 @@ class DictDecodeSide:
 
     # ---- per step: deadlines and heartbeats
     def step(self, now):
+        if self.heap:
+            timers = self._timers
+            while timers and timers[0][0] <= now:
+                at, _, rid = heapq.heappop(timers)
+                if self._recv_deadlines.get(rid) == at:  # else superseded or done
+                    self._recv_failed(rid)
         # Recv deadlines, oldest first, stopping at the first live one (as
         # vLLM's expiry loop does; a READ's shorter deadline may be noticed late).
-        while self._recv_deadlines:
+        while not self.heap and self._recv_deadlines:
             rid, at = next(iter(self._recv_deadlines.items()))
             if now < at:
                 break
@@ -210,8 +234,11 @@ class DictDecodeSide:
 class DictPrefillSide:
     """Prefill side: leases as vLLM's ``_reqs_to_send`` with heartbeat extension."""
 
-    def __init__(self, config: PlaneConfig | None = None):
+    def __init__(self, config: PlaneConfig | None = None, *, heap: bool = False):
         cfg = config or PlaneConfig()
+        self.heap = heap
+        self._timers: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
         self.lease = cfg.kv_lease_duration
         self.extension = cfg.lease_extension
         self._reqs_to_send: dict[str, float] = {}
@@ -222,7 +249,9 @@ class DictPrefillSide:
         self.out: list[tuple] = []
 
     def lease_granted(self, rid, block_ids, consumers, now):
-        self._reqs_to_send[rid] = now + self.lease
+        self._reqs_to_send[rid] = at = now + self.lease
+        if self.heap:
+            heapq.heappush(self._timers, (at, next(self._seq), rid))
         self._blocks[rid] = block_ids
         self._expected[rid] = consumers
 
@@ -232,6 +261,10 @@ class DictPrefillSide:
             return
         new = now + self.extension
         if new > old:
+            if self.heap:
+                self._reqs_to_send[rid] = new
+                heapq.heappush(self._timers, (new, next(self._seq), rid))
+                return
             # Move to the end so the early-exit expiry scan stays (nearly) ordered.
             del self._reqs_to_send[rid]
             self._reqs_to_send[rid] = new
@@ -256,6 +289,13 @@ class DictPrefillSide:
         self._done_sending.add(rid)
 
     def step(self, now):
+        if self.heap:
+            timers = self._timers
+            while timers and timers[0][0] <= now:
+                at, _, rid = heapq.heappop(timers)
+                if self._reqs_to_send.get(rid) == at:  # else extended or freed
+                    self._free(rid, "expired")
+            return
         # vLLM-style: oldest first, stop at the first lease still live.
         while self._reqs_to_send:
             rid, expires = next(iter(self._reqs_to_send.items()))

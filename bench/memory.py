@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import time
 import tracemalloc
+from pathlib import Path
 
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
@@ -20,10 +21,16 @@ from kvplane.statemachines.plane import ControlPlane
 
 from . import workload as W
 from .dictbaseline import DictDecodeSide
-from .report import Table, ratio
+from .report import Table, add_target, ratio, targets_table
 from .tmodels import ref_machines, shared_machines
 
 CFG = PlaneConfig()
+BYTES_GOAL = 300  # issue 13, target 2: per in-flight request at 1M, without ids and block tuples
+TRACKED_GOAL = 2
+# Allocations made by these files are the implementation's own; the request
+# ids, engine ids, block-id tuples and times the bench builds are not.
+_STATEMACHINES = str(Path(__file__).resolve().parent.parent / "statemachines") + "/*"
+_DICTS = str(Path(__file__).resolve().parent / "dictbaseline.py")
 
 
 def _populate_plane(machines):
@@ -32,6 +39,7 @@ def _populate_plane(machines):
         W.connect_plane(plane, 1000.0)
         return plane, lambda: _fill_plane(plane, n)
 
+    build.own_files = _STATEMACHINES  # type: ignore[attr-defined]
     return build
 
 
@@ -68,6 +76,9 @@ def _populate_dict(n: int):
     return d, fill
 
 
+_populate_dict.own_files = _DICTS  # type: ignore[attr-defined]
+
+
 def measure(build, n: int, traced: bool = True) -> dict[str, float]:
     gc.collect()
     holder, fill = build(n)
@@ -75,6 +86,7 @@ def measure(build, n: int, traced: bool = True) -> dict[str, float]:
     if traced:
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
+        before = tracemalloc.take_snapshot()
     t0 = time.perf_counter()
     fill()
     fill_s = time.perf_counter() - t0
@@ -82,7 +94,17 @@ def measure(build, n: int, traced: bool = True) -> dict[str, float]:
     out = {"fill_s": fill_s}
     if traced:
         out["bytes_per_request"] = (tracemalloc.get_traced_memory()[0] - base) / n
+        own = getattr(build, "own_files", None)
+        if own is not None:
+            # What the implementation's own code allocated and still holds.
+            keep = [tracemalloc.Filter(True, own)]
+            after = tracemalloc.take_snapshot().filter_traces(keep)
+            grown = sum(st.size_diff for st in after.compare_to(before.filter_traces(keep), "filename"))
+            out["own_bytes_per_request"] = grown / n
         tracemalloc.stop()
+    if isinstance(holder, ControlPlane):
+        live = sum(1 for insts in holder.instances.values() for i in insts.values() if i.deadline is not None)
+        out["timer_entries_per_live"] = len(holder._timers) / live
     out["tracked_per_request"] = (len(gc.get_objects()) - tracked0) / n
     out["gc_ms"] = _gc_ms()
     del holder, fill
@@ -101,7 +123,7 @@ def _gc_ms(repeat: int = 5) -> float:
 
 
 def run(quick: bool) -> list[Table]:
-    sizes = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
+    sizes = (1_000, 10_000) if quick else (1_000, 10_000, 100_000, 1_000_000)
     # The transitions variants are capped: a Machine per request costs ~40 KB
     # and ~0.5 ms to build (100k: ~4 GB, minutes), and add_model/remove_model
     # scan the Machine's model list, so the shared variant grows quadratically.
@@ -117,8 +139,9 @@ def run(quick: bool) -> list[Table]:
     gc.collect()
     base_gc = _gc_ms(5)
     t = Table("memory.per_request", "Memory and GC per in-flight request (decode requests with a READ posted, 64 engines)",
-              ["implementation", "in flight", "bytes / request", "GC-tracked objects / request",
-               "full gc.collect() ms", "bytes vs (b)", "gc.collect vs (b)"])
+              ["implementation", "in flight", "bytes / request", "own bytes / request (no ids, blocks)",
+               "GC-tracked objects / request", "timer heap entries / live deadline", "full gc.collect() ms",
+               "bytes vs (b)", "gc.collect vs (b)"])
     rows = []
     for name, build, cap in impls:
         traced_bytes = None
@@ -137,22 +160,36 @@ def run(quick: bool) -> list[Table]:
     dict_at = {n: m for name, n, m in rows if name.startswith("(b)") and m}
     for name, n, m in rows:
         if m is None:
-            t.add(name, f"{n:,}", "not run", None, None, None, None, implementation=name, in_flight=n, skipped=True)
+            t.add(name, f"{n:,}", "not run", None, None, None, None, None, None, implementation=name, in_flight=n,
+                  skipped=True)
             continue
         b = dict_at.get(n)
         by = m["bytes_per_request"]
-        t.add(name, f"{n:,}", f"≈{by:,.0f}" if m.get("bytes_from_1k_sample") else by, m["tracked_per_request"],
-              m["gc_ms"], ratio(by, b and b["bytes_per_request"]), ratio(m["gc_ms"], b and b["gc_ms"]),
+        t.add(name, f"{n:,}", f"≈{by:,.0f}" if m.get("bytes_from_1k_sample") else by, m.get("own_bytes_per_request"),
+              m["tracked_per_request"], m.get("timer_entries_per_live"), m["gc_ms"], ratio(by, b and b["bytes_per_request"]), ratio(m["gc_ms"], b and b["gc_ms"]),
               implementation=name, in_flight=n, **{k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})
     t.notes += [
         "bytes / request: tracemalloc, retained after the population is built and a gc.collect(); includes the "
         "request-id strings and block-id tuples (every implementation keeps those) and, for the plane, the timer "
-        "heap's entries (lazy deletion keeps a superseded deadline's entry until it comes due). ≈: from the traced "
-        "1k run of the same implementation.",
+        "heap's entries. own bytes: what the implementation's own files (statemachines/, bench/dictbaseline.py) "
+        "allocated and still hold, i.e. without the request and engine ids, block-id tuples and times the bench "
+        "builds. ≈: from the traced 1k run of the same implementation.",
+        "timer heap entries / live deadline: lazy deletion leaves a superseded entry when a deadline moves (a READ "
+        "posted moves its recv deadline earlier); the plane compacts the heap when it doubles.",
         f"full gc.collect() ms: best of 5 with the population alive; the same collection with no population "
         f"takes {base_gc:.1f} ms in this process.",
         f"The transitions variants stop at {t_cap:,}: a Machine per request is ~40 KB and ~0.5 ms to build (~4 GB "
         "and minutes at 100k); a shared Machine's add_model/remove_model scan its model list (O(models) each, "
         "quadratic to fill), so 100k would take tens of minutes.",
     ]
-    return [t]
+    goals = targets_table("memory.targets", "memory (issue 13, target 2)")
+    big = max(sizes)
+    m = next(m for name, n, m in rows if name == "kvplane ControlPlane" and n == big)
+    own, tracked, entries = m["own_bytes_per_request"], m["tracked_per_request"], m["timer_entries_per_live"]
+    add_target(goals, f"2. bytes per in-flight request at {big:,}, without ids and block tuples", f"{own:.0f} B",
+               f"<= {BYTES_GOAL} B", own <= BYTES_GOAL, check="bytes", in_flight=big, bytes=own)
+    add_target(goals, f"2. GC-tracked objects per in-flight request at {big:,}", f"{tracked:.2f}",
+               f"<= {TRACKED_GOAL}", tracked <= TRACKED_GOAL, check="tracked", in_flight=big, tracked=tracked)
+    add_target(goals, f"2. superseded timer entries compacted: heap entries per live deadline at {big:,}",
+               f"{entries:.2f}", "<= 2 (compaction bound)", entries <= 2.0, check="timer_entries", entries=entries)
+    return [t, goals]

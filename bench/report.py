@@ -35,6 +35,47 @@ class Table:
                 "rows": [[_plain(c) for c in r] for r in self.rows], "notes": self.notes, "data": self.data}
 
 
+# The target summary: any section may return tables titled "targets: ..." with
+# exactly these columns; the runner gathers their rows into one final table.
+TARGETS_PREFIX = "targets:"
+TARGET_COLUMNS = ["target", "measured", "goal", "met"]
+TARGET_MET = ("YES", "NO")
+
+
+def targets_table(key: str, title: str) -> Table:
+    """An empty table of target rows for a section to fill (``add_target``)."""
+    return Table(key, f"{TARGETS_PREFIX} {title}", list(TARGET_COLUMNS))
+
+
+def add_target(t: Table, target: str, measured: str, goal: str, met: bool, **data: Any) -> None:
+    t.add(target, measured, goal, "YES" if met else "NO", met=met, **data)
+
+
+def is_targets(t: Table) -> bool:
+    return t.title.startswith(TARGETS_PREFIX)
+
+
+def collect_targets(tables: list[Table]) -> Table | None:
+    """Every target row of ``tables``, in order, as the one "Targets" table
+    (None when no section reported a target).  A targets table with other
+    columns, or a met cell other than YES/NO, is a section's bug: raised."""
+    found = [t for t in tables if is_targets(t)]
+    if not found:
+        return None
+    out = Table("targets", "Targets", list(TARGET_COLUMNS))
+    for t in found:
+        if t.columns != TARGET_COLUMNS:
+            raise ValueError(f"{t.key}: a targets table needs the columns {TARGET_COLUMNS}, has {t.columns}")
+        for r in t.rows:
+            if len(r) != len(TARGET_COLUMNS) or r[3] not in TARGET_MET:
+                raise ValueError(f"{t.key}: target row {r!r} needs 4 cells, met one of {TARGET_MET}")
+            out.rows.append(list(r))
+        out.data += [dict(d, source=t.key) for d in t.data]
+    met = sum(1 for r in out.rows if r[3] == "YES")
+    out.notes.append(f"{met} of {len(out.rows)} targets met.")
+    return out
+
+
 def _plain(cell: Any) -> Any:
     return cell if isinstance(cell, (int, float, str, type(None))) else str(cell)
 

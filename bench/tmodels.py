@@ -2,9 +2,8 @@
 
 ``RefMachine`` wraps ``statemachines.reference.ReferenceMachine`` (one
 ``transitions.Machine`` per instance, the project's own second interpreter
-of the same Spec).  ``SharedMachine`` is the cheaper way to use the library:
-one ``transitions.Machine`` per machine kind, each request added as a model
-(``add_model``) and removed when it reaches a terminal state.  Both run the
+of the same Spec).  ``SharedMachine`` is the cheapest way to use the library:
+one ``transitions.Machine`` and one model per machine kind.  Both run the
 same guards, effects and action builders as the compiled tables, so only the
 dispatch differs.
 
@@ -31,26 +30,30 @@ class RefMachine(ReferenceMachine):
 
 
 class SharedMachine(RefMachine):
-    """(a'): one transitions.Machine for every instance of a kind (``add_model``)."""
+    """(a'): transitions used its cheapest way: one ``transitions.Machine`` and
+    one model per machine kind, the request's state swapped into the model
+    before each event and read back after it.  No Machine is built per
+    request and nothing is added to or removed from the Machine's model list
+    (``add_model``/``remove_model`` scan it, O(models) each)."""
 
     def __init__(self, spec: Spec):
         super().__init__(spec)
-        self.machine = TMachine(model=None, states=[s.name for s in self.spec.states], transitions=self._transitions,
-                                initial=self.spec.initial, auto_transitions=False, send_event=False)
+        self._shared = RefInstance(None, RefModel())
+        TMachine(model=self._shared.model, states=[s.name for s in self.spec.states], transitions=self._transitions,
+                 initial=self.spec.initial, auto_transitions=False, send_event=False)
 
     def new(self, key: Any, **data: Any) -> RefInstance:
-        inst = self.spec.instance_type(key=key, state=self.spec.initial, **data)
-        model = RefModel()
-        self.machine.add_model(model, initial=inst.state)
-        return RefInstance(inst, model)
+        return RefInstance(self.spec.instance_type(key=key, state=self.spec.initial, **data), None)
 
     def apply(self, p: RefInstance, event, config, now: float):
         # handle() goes through apply() too.
-        actions = super().apply(p, event, config, now)
-        if p.state in self.terminal_states:
-            # transitions keeps models in a list: removal is O(models).
-            self.machine.remove_model(p.model)
-        return actions
+        shared = self._shared
+        shared.inst = p.inst
+        shared.model.state = p.inst.state  # swap the request's state in; apply() writes it back to p.inst
+        try:
+            return super().apply(shared, event, config, now)
+        finally:
+            shared.inst = None
 
 
 def ref_machines() -> dict[str, RefMachine]:

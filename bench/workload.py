@@ -17,6 +17,7 @@ from kvplane.statemachines import events as E
 from kvplane.statemachines.plane import ControlPlane
 
 from .dictbaseline import DictDecodeSide, DictPrefillSide
+from .dictminimal import MinDecode, MinPrefill
 
 NUM_ENGINES = 64
 HEARTBEATS_PER_LEASE = 4
@@ -94,3 +95,25 @@ def connect_dict(d: DictDecodeSide, now: float, engines: int = NUM_ENGINES) -> N
         d.new_request(f"keep-{e}", e, f"pkeep-{e}", (), (0,), 1, now)
         d.handshake_ok(e, now)
     d.out.clear()
+
+
+def min_decode_stages(d: MinDecode, ids: range, tag: str) -> list[list]:
+    """The machine-level lifecycle (EngineReady explicit) as the minimal dict's
+    calls, one (method, arguments after the record) per request and stage."""
+    return [
+        [(d.new_request, (engine_of(i), f"p{tag}{i}", (1, 2, 3, 4), (0,), 1)) for i in ids],
+        [(d.blocks_allocated, ((5, 6, 7, 8), 64)) for _ in ids],
+        [(d.start_load, ()) for _ in ids],
+        [(d.engine_ready, ()) for _ in ids],
+        [(d.read_done, ()) for _ in ids],
+        [(d.request_running, ()) for _ in ids],
+        [(d.request_finished, ()) for _ in ids],
+    ]
+
+
+def min_lease_stages(p: MinPrefill, ids: range, tag: str) -> list[list]:
+    return (
+        [[(p.lease_granted, ((1, 2, 3, 4), 1)) for _ in ids]]
+        + [[(p.heartbeat, ()) for _ in ids] for _ in range(HEARTBEATS_PER_LEASE)]
+        + [[(p.consumer_done, ("D0", 1)) for _ in ids]]
+    )

@@ -5,6 +5,12 @@ machine-local builders in ``machines/<machine>.py``, see ``emit``); the
 validator reads the resources declared here statically.  Internal actions
 are carried out by the ControlPlane (cross-machine ones as declared in
 ``composition``); the rest go to the transport or the scheduler.
+
+Actions are mutable attrs slots classes without converters: one is built
+per emitted row entry on the hot path, and a frozen class (object.__setattr__
+per field) or a converter (``tuple()`` of what is already a tuple) made
+that several times dearer.  Nothing mutates an action after it is built;
+they stay hashable.  Builders pass tuples where a field says ``tuple``.
 """
 from __future__ import annotations
 
@@ -15,21 +21,17 @@ import attrs
 from .base import Action, declared
 
 
-def _ids(value) -> tuple:
-    return tuple(value)
-
-
 # ------------------------------------------------------------- heartbeats (internal)
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class StartHeartbeat(Action):
     engine_id: str
     remote_request_id: str
-    ranks: tuple = attrs.field(converter=_ids)
+    ranks: tuple
     internal: ClassVar[bool] = True
     acquires: ClassVar[frozenset[str]] = frozenset({"heartbeat"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class StopHeartbeat(Action):
     engine_id: str
     remote_request_id: str
@@ -37,17 +39,17 @@ class StopHeartbeat(Action):
     releases: ClassVar[frozenset[str]] = frozenset({"heartbeat"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class SendHeartbeat(Action):
     """One batched ``HB:`` message for one remote engine, to every rank."""
 
     engine_id: str
-    ranks: tuple = attrs.field(converter=_ids)
-    request_ids: tuple = attrs.field(converter=_ids)
+    ranks: tuple
+    request_ids: tuple
 
 
 # --------------------------------------------------------- engine references (internal)
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class AcquireEngine(Action):
     engine_id: str
     kind: str
@@ -56,7 +58,7 @@ class AcquireEngine(Action):
     acquires: ClassVar[frozenset[str]] = frozenset({"engine_ref"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class ReleaseEngine(Action):
     engine_id: str
     kind: str
@@ -65,7 +67,7 @@ class ReleaseEngine(Action):
     releases: ClassVar[frozenset[str]] = frozenset({"engine_ref"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class NoteActivity(Action):
     """Internal: refresh the engine's liveness (any READ/WRITE/completion)."""
 
@@ -73,36 +75,36 @@ class NoteActivity(Action):
     internal: ClassVar[bool] = True
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class WakeRequesters(Action):
     engine_id: str
-    requesters: tuple = attrs.field(converter=_ids)
+    requesters: tuple
     clock_offset: float = 0.0
     internal: ClassVar[bool] = True
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class FailRequesters(Action):
     engine_id: str
-    requesters: tuple = attrs.field(converter=_ids)
+    requesters: tuple
     reason: str = ""
     internal: ClassVar[bool] = True
 
 
 # ------------------------------------------------------------------- transport
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class StartHandshake(Action):
     engine_id: str
     attempt: int
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class RemoveRemoteAgent(Action):
     engine_id: str
     releases: ClassVar[frozenset[str]] = frozenset({"remote_agent"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class PostRead(Action):
     """READ the remote blocks into ours.  The transport attaches the completion
     notification (``remote_request_id``, ``expected_consumers``), which NIXL
@@ -111,23 +113,23 @@ class PostRead(Action):
     request_id: str
     engine_id: str
     remote_request_id: str
-    local_block_ids: tuple = attrs.field(converter=_ids)
-    remote_block_ids: tuple = attrs.field(converter=_ids)
+    local_block_ids: tuple
+    remote_block_ids: tuple
     expected_consumers: int = 1
     acquires: ClassVar[frozenset[str]] = frozenset({"xfer"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class PostWrite(Action):
     request_id: str
     engine_id: str
     remote_request_id: str
-    local_block_ids: tuple = attrs.field(converter=_ids)
-    remote_block_ids: tuple = attrs.field(converter=_ids)
+    local_block_ids: tuple
+    remote_block_ids: tuple
     acquires: ClassVar[frozenset[str]] = frozenset({"xfer"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class ReleaseXfer(Action):
     """Release the transfer handle; ``cancel`` when it may still be in flight."""
 
@@ -136,7 +138,7 @@ class ReleaseXfer(Action):
     releases: ClassVar[frozenset[str]] = frozenset({"xfer"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class SendNotif(Action):
     """Notify-only completion: tell the remote its blocks are no longer needed."""
 
@@ -145,7 +147,7 @@ class SendNotif(Action):
     expected_consumers: int = 1
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class SendPushRegistration(Action):
     """``PUSH_REG``: our blocks await the remote's WRITE until ``deadline`` (our
     clock), when we give up and may reuse them."""
@@ -153,39 +155,39 @@ class SendPushRegistration(Action):
     request_id: str
     engine_id: str
     remote_request_id: str
-    block_ids: tuple = attrs.field(converter=_ids)
+    block_ids: tuple
     deadline: float | None = None
 
 
 # ------------------------------------------------------------------- scheduler
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class ReportRecv(Action):
     """Tell the scheduler an awaited recv finished; reported exactly once."""
 
     request_id: str
     ok: bool
-    failed_block_ids: tuple = attrs.field(converter=_ids, default=())
+    failed_block_ids: tuple = ()
     releases: ClassVar[frozenset[str]] = frozenset({"report"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class FreeBlocks(Action):
     request_id: str
-    block_ids: tuple = attrs.field(converter=_ids)
+    block_ids: tuple
     reason: str = ""
     releases: ClassVar[frozenset[str]] = frozenset({"blocks"})
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class GrantHold(Action):
     """Internal: keep a finished decode request's blocks for turn 2 (fixed TTL lease)."""
 
     request_id: str
-    block_ids: tuple = attrs.field(converter=_ids)
+    block_ids: tuple
     internal: ClassVar[bool] = True
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class ConsumeLease(Action):
     """Internal: a push WRITE completed, which consumes the lease like a READ."""
 
@@ -194,7 +196,7 @@ class ConsumeLease(Action):
     internal: ClassVar[bool] = True
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class RefuseNotification(Action):
     """A heartbeat or completion a lease refused; nothing changed.  For the
     embedder to count and log (a forged or misdirected message)."""
@@ -205,12 +207,12 @@ class RefuseNotification(Action):
     abstract: ClassVar[bool] = True  # the common base of the refusals below
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class RefuseForeignSender(RefuseNotification):
     """From a sender the lease is not bound to."""
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class RefuseWrongCount(RefuseNotification):
     """A completion whose consumer count disagrees with the lease's plan."""
 

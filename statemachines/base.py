@@ -1,6 +1,6 @@
 """Base types shared by every machine: events, actions, instances, timers.
 
-Events and actions are attrs frozen slots classes.  Each class says, as
+Events and actions are attrs slots classes, never mutated once built.  Each class says, as
 class variables, which resources it acquires or releases; the definition-time
 validator uses these to prove that every path to a terminal state releases
 everything a state holds.
@@ -39,7 +39,7 @@ def declared(base: type[_T], *modules: str) -> dict[str, type[_T]]:
 
 
 class Event:
-    """A stimulus.  Subclasses are ``@attrs.frozen`` classes.
+    """A stimulus.  Subclasses are attrs slots classes (``@attrs.define(slots=True, unsafe_hash=True)``).
 
     ``machine`` names the machine kind the plane routes it to and ``key_field``
     the attribute holding that machine's id.
@@ -93,7 +93,7 @@ class Instance:
     deadline: float | None = None
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class TimerFired(Event):
     """A deadline armed by ``ArmTimer`` came due.  ``at`` identifies which arm."""
 
@@ -104,7 +104,7 @@ class TimerFired(Event):
     key_field: ClassVar[str] = "key"
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class ArmTimer(Action):
     kind: str
     key: Any
@@ -112,7 +112,7 @@ class ArmTimer(Action):
     internal: ClassVar[bool] = True
 
 
-@attrs.frozen
+@attrs.define(slots=True, unsafe_hash=True)
 class CancelTimer(Action):
     kind: str
     key: Any

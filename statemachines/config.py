@@ -51,6 +51,11 @@ def _positive(inst, attribute, value):
     _number(0, strict=True)(inst, attribute, value)
 
 
+def _flag(inst, attribute, value):
+    if not isinstance(value, bool):
+        raise ConfigError(attribute.name, f"must be true or false, got {type(value).__name__} {value!r}")
+
+
 def _policy(inst, attribute, value):
     if value not in LOAD_FAILURE_POLICIES:
         raise ConfigError(attribute.name, f"must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got {value!r}")
@@ -85,6 +90,11 @@ class PlaneConfig:
     # Push mode: how long P keeps a D registration, and D waits for P's WRITE.
     push_registration_timeout: float = attrs.field(default=60.0, validator=_positive)
     kv_load_failure_policy: str = attrs.field(default="recompute", validator=_policy)
+    # Send each remote engine's heartbeat batches on a grid with the engine's
+    # own phase (heartbeat_phase.py), so engines that started in the same
+    # step do not all send in one step for ever.  Off by default: it moves
+    # when batches go out, which recorded logs (replayed exactly) pin.
+    heartbeat_spread: bool = attrs.field(default=False, validator=_flag)
 
     @property
     def stale_after(self) -> float:

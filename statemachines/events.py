@@ -4,6 +4,11 @@
 Events marked internal in their docstring are produced by the ControlPlane
 from another machine's actions; the rest come from the scheduler, the worker
 or the transport.
+
+Events are mutable attrs slots classes (a frozen one sets each field through
+object.__setattr__, and the plane builds its internal events per dispatch);
+nothing mutates one once built, and they stay hashable.  Fields an embedder
+fills from its own lists keep a converter to a tuple.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ def _ids(value: Any) -> tuple:
 
 
 # ----------------------------------------------------------------- decode side
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class NewRequest(Event):
     """on_new_request: a request with remote KV arrives (before scheduling)."""
 
@@ -40,7 +45,7 @@ class NewRequest(Event):
     machine: ClassVar[str] = "decode_request"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class BlocksAllocated(Event):
     """update_state_after_alloc: local blocks allocated for the request.
 
@@ -55,7 +60,7 @@ class BlocksAllocated(Event):
     machine: ClassVar[str] = "decode_request"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class StartLoad(Event):
     """start_load_kv on the worker: the load may begin."""
 
@@ -63,7 +68,7 @@ class StartLoad(Event):
     machine: ClassVar[str] = "decode_request"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class EngineReady(Event):
     """Internal: the remote engine a requester waits on is connected."""
 
@@ -78,7 +83,7 @@ class EngineReady(Event):
     machine: ClassVar[str] = ""  # routed by ``kind``
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class EngineLost(Event):
     """Internal: the remote engine was evicted, disconnected or never reached."""
 
@@ -89,7 +94,7 @@ class EngineLost(Event):
     machine: ClassVar[str] = ""
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class ReadDone(Event):
     """The posted READ completed (transport)."""
 
@@ -97,14 +102,14 @@ class ReadDone(Event):
     machine: ClassVar[str] = "decode_request"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class ReadFailed(Event):
     request_id: str
     reason: str = ""
     machine: ClassVar[str] = "decode_request"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class PushDone(Event):
     """Push mode, decode side: P notified that its WRITE into our blocks completed."""
 
@@ -112,7 +117,7 @@ class PushDone(Event):
     machine: ClassVar[str] = "decode_request"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class RequestRunning(Event):
     """The scheduler runs the request (after a reported recv)."""
 
@@ -120,7 +125,7 @@ class RequestRunning(Event):
     machine: ClassVar[str] = "decode_request"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class RequestFinished(Event):
     """request_finished on the decode side.  ``hold_for_next_turn`` keeps the
     blocks for a bidirectional turn 2 under a fixed TTL lease."""
@@ -131,7 +136,7 @@ class RequestFinished(Event):
     machine: ClassVar[str] = "decode_request"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class Abort(Event):
     """The scheduler dropped the request.  A recv it awaited is still reported
     (as failed): its blocks may not be freed while a READ could write them."""
@@ -141,7 +146,7 @@ class Abort(Event):
 
 
 # -------------------------------------------------------------- lease (P, or D hold)
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class LeaseGranted(Event):
     """Blocks handed to the lease: P after prefill, or D holding for turn 2.
 
@@ -158,7 +163,7 @@ class LeaseGranted(Event):
     acquires: ClassVar[frozenset[str]] = frozenset({"blocks"})
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class LeaseHeartbeat(Event):
     """One id of a ``HB:`` notification from ``sender`` (the engine the
     transport says sent it; None for a stimulus without one)."""
@@ -168,7 +173,7 @@ class LeaseHeartbeat(Event):
     machine: ClassVar[str] = "lease"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class ConsumerDone(Event):
     """Completion notification ``<id>:<expected_consumers>`` from ``consumer``
     (the engine that sent it)."""
@@ -183,14 +188,14 @@ class ConsumerDone(Event):
         return self.consumer
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class LeaseAbort(Event):
     request_id: str
     machine: ClassVar[str] = "lease"
 
 
 # ------------------------------------------------------------ push write (P side)
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class PushRegistered(Event):
     """``PUSH_REG`` from D: its blocks are registered and waiting for our WRITE."""
 
@@ -204,7 +209,7 @@ class PushRegistered(Event):
     machine: ClassVar[str] = "push_write"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class PushReady(Event):
     """Internal: P's prefill finished and its blocks are leased; WRITE may start."""
 
@@ -213,26 +218,26 @@ class PushReady(Event):
     machine: ClassVar[str] = "push_write"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class WriteDone(Event):
     request_id: str
     machine: ClassVar[str] = "push_write"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class WriteFailed(Event):
     request_id: str
     reason: str = ""
     machine: ClassVar[str] = "push_write"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class PushAbort(Event):
     request_id: str
     machine: ClassVar[str] = "push_write"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class SourceEnded(Event):
     """Internal: the resource this machine uses is no longer held by its
     source (a push's lease expired, was released or aborted, or was never
@@ -246,7 +251,7 @@ class SourceEnded(Event):
 
 
 # ------------------------------------------------------------------ remote engine
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class EngineAcquire(Event):
     """Internal: a requester needs this engine connected and holds a reference."""
 
@@ -257,7 +262,7 @@ class EngineAcquire(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class EngineRelease(Event):
     """Internal: a requester drops its reference."""
 
@@ -268,7 +273,7 @@ class EngineRelease(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class HeartbeatRegister(Event):
     """Internal: keep a peer request id in the engine's heartbeat batches."""
 
@@ -279,7 +284,7 @@ class HeartbeatRegister(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class HeartbeatUnregister(Event):
     """Internal: one registration of the id ends."""
 
@@ -289,7 +294,7 @@ class HeartbeatUnregister(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class HandshakeOk(Event):
     """The side-channel handshake succeeded and the remote agent was added.
 
@@ -309,7 +314,7 @@ class HandshakeOk(Event):
         return A.RemoveRemoteAgent(self.engine_id)
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class HandshakeFailed(Event):
     engine_id: str
     reason: str = ""
@@ -317,7 +322,7 @@ class HandshakeFailed(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class EngineActivity(Event):
     """Anything observed from or done to the engine: READ, WRITE, completion, heartbeat."""
 
@@ -326,7 +331,7 @@ class EngineActivity(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class PeerDisconnected(Event):
     engine_id: str
     reason: str = ""

@@ -43,7 +43,7 @@ class _Compiled(NamedTuple):
 class Machine:
     """A compiled spec.  Stateless: instances carry all per-request data."""
 
-    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard")
+    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard", "_rows")
 
     def __init__(self, spec: Spec, table: dict):
         self.spec = spec
@@ -55,6 +55,10 @@ class Machine:
         # (state, event) -> the reason of the error row closing its guarded
         # transitions: what no guard holding means there.
         self._no_guard = closing_errors(spec)
+        # state -> event class -> the row function of that pair (see _row).
+        self._rows: dict[str, dict[type, Callable]] = {}
+        for (state, event), entry in table.items():
+            self._rows.setdefault(state, {})[event] = _row(self, state, event, entry)
 
     def new(self, key: Any, **data: Any) -> Instance:
         return self.spec.instance_type(key=key, state=self.spec.initial, **data)
@@ -70,46 +74,98 @@ class Machine:
         declared ignore; raises ``ProtocolViolation`` for a declared error.
         """
         old = inst.deadline
-        actions = self.apply(inst, event, config, now)
-        if isinstance(actions, list):  # not IGNORED
-            timer = timer_action(self.name, inst.key, old, inst.deadline)
-            if timer is not None:
-                actions.append(timer)
+        by_event = self._rows.get(inst.state)
+        row = None if by_event is None else by_event.get(event.__class__)
+        # (apply's lookup, inlined: one frame less per event)
+        actions = self.apply(inst, event, config, now) if row is None else row(inst, event, config, now)
+        if actions.__class__ is list:  # not IGNORED
+            new = inst.deadline
+            if new is not None:
+                if new != old:
+                    actions.append(ArmTimer(self.name, inst.key, new))
+            elif old is not None:
+                actions.append(CancelTimer(self.name, inst.key))
         return actions
 
     def apply(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action] | tuple[()]:
         """``handle`` without the timer actions: the new deadline is left in
         ``inst.deadline`` for the ControlPlane, which owns the timer heap and
         so need not build and then consume an ArmTimer per transition."""
-        entry = self._table.get((inst.state, type(event)))
-        if entry is None:
+        by_event = self._rows.get(inst.state)
+        row = None if by_event is None else by_event.get(event.__class__)
+        if row is None:
             # Only reachable for an event type outside the spec's alphabet.
             raise ProtocolViolation(self.name, inst.key, inst.state, event, "event not in this machine's alphabet")
-        if entry.__class__ is tuple:
-            for guard, dest, effect, builders in entry:  # noqa: B007 (the row found is used after the break)
-                if guard is None or guard(inst, event, config, now):
-                    break
-            else:
-                reason = self._no_guard.get((inst.state, type(event)))
-                if reason is None:  # only in a machine compiled with check=False
-                    raise NoGuardMatched(self.name, inst.key, inst.state, event, "no guard matched")
-                raise ProtocolViolation(self.name, inst.key, inst.state, event, reason)
-            if effect is not None:
-                effect(inst, event, config, now)
-            # (A comprehension is a call of its own before Python 3.12: skip it
-            # for the many rows that emit nothing.)
-            actions = [b(inst, event, config, now) for b in builders] if builders else []
-            inst.state = dest
-            dl = self._deadlines.get(dest)
-            inst.deadline = None if dl is None else dl(inst, config, now)
-            return actions
-        if entry.__class__ is Ignore:
-            return IGNORED
-        raise ProtocolViolation(self.name, inst.key, inst.state, event, entry.reason)
+        return row(inst, event, config, now)
 
     def explain(self, state: str, event_type: type) -> Any:
         """The table entry for a pair (for diagrams, docs and tests)."""
         return self._table[(state, event_type)]
+
+
+def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
+    """The function that carries out one (state, event) entry of the table:
+    ``row(inst, event, config, now) -> actions``.
+
+    A guarded group becomes straight-line code, one ``if`` per transition in
+    table order (first match wins, as the table reads), each running its
+    effect, its builders (while the instance is still in ``state``), the
+    state change and the destination's deadline; generated once per pair,
+    the way attrs generates ``__init__``, so a dispatch costs one call and
+    no loop over row records.
+    """
+    if entry.__class__ is Ignore:
+        return _ignored
+    if entry.__class__ is ProtocolError:
+        return _refuser(machine.name, entry.reason)
+    reason = machine._no_guard.get((state, event))
+    scope: dict[str, Any] = {"IGNORED": IGNORED, "ProtocolViolation": ProtocolViolation,
+                             "NoGuardMatched": NoGuardMatched, "name": machine.name, "reason": reason}
+    body = ["def row(inst, ev, cfg, now):"]
+    for i, (guard, dest, effect, builders) in enumerate(entry):
+        indent = "    "
+        if guard is not None:
+            scope[f"g{i}"] = guard
+            body.append(f"    if g{i}(inst, ev, cfg, now):")
+            indent = "        "
+        if effect is not None:
+            scope[f"e{i}"] = effect
+            body.append(f"{indent}e{i}(inst, ev, cfg, now)")
+        calls = []
+        for j, build in enumerate(builders):
+            scope[f"b{i}_{j}"] = build
+            calls.append(f"b{i}_{j}(inst, ev, cfg, now)")
+        body.append(f"{indent}acts = [{', '.join(calls)}]")
+        scope[f"d{i}"] = dest
+        body.append(f"{indent}inst.state = d{i}")
+        deadline = machine._deadlines.get(dest)
+        if deadline is None:
+            body.append(f"{indent}inst.deadline = None")
+        else:
+            scope[f"dl{i}"] = deadline
+            body.append(f"{indent}inst.deadline = dl{i}(inst, cfg, now)")
+        body.append(f"{indent}return acts")
+        if guard is None:
+            break  # an unguarded transition always matches: later rows are unreachable
+    else:
+        if reason is None:  # only in a machine compiled with check=False
+            body.append("    raise NoGuardMatched(name, inst.key, inst.state, ev, 'no guard matched')")
+        else:
+            body.append("    raise ProtocolViolation(name, inst.key, inst.state, ev, reason)")
+    exec("\n".join(body), scope)  # noqa: S102 (generated from the table's own callables, no input text)
+    row: Callable = scope["row"]
+    return row
+
+
+def _ignored(inst: Any, ev: Any, cfg: Any, now: float) -> tuple[()]:
+    return IGNORED
+
+
+def _refuser(name: str, reason: str) -> Callable:
+    def refuse(inst: Any, ev: Any, cfg: Any, now: float) -> Any:
+        raise ProtocolViolation(name, inst.key, inst.state, ev, reason)
+
+    return refuse
 
 
 # Returned by identity for a declared ignore, so the plane can count it.

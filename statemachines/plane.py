@@ -78,9 +78,15 @@ class ControlPlane:
         self.heartbeats = Heartbeats(self.instances.get("heartbeat", {}), self.config)
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = 0
+        # The heap is compacted (superseded entries dropped) when it grows past this.
+        self._compact_at = _MIN_COMPACT
         # Keyed by the records of ``stats`` (and "heartbeats_sent").
         self.stats: Counter = Counter()
         self._stat_key = StatKeys()
+        # Event class -> (kind, or "" when routed by the event's ``kind``; the key getter).
+        self._routes: dict[type, tuple[str, Callable]] = {}
+        self._kinds: dict[str, _Kind] = {}
+        self._bind_kinds()
         # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
         self.anomalies: deque = deque(maxlen=256)
         # Sees one Step per top-level stimulus (the event log); None costs nothing.
@@ -91,7 +97,8 @@ class ControlPlane:
     def handle(self, event: Event, now: float) -> list[Action]:
         """Feed one external stimulus; returns the actions for the world.
         Raises NonFiniteTime, and does nothing, when ``now`` is not finite."""
-        _check_now(now)
+        if not _isfinite(now):
+            _check_now(now)
         out: list[Action] = []
         queue: list[Event] = []  # internal events, FIFO by index (no deque per call)
         self._dispatch(event, now, out, queue, True)
@@ -142,7 +149,16 @@ class ControlPlane:
         q.heartbeats = Heartbeats(q.instances.get("heartbeat", {}), q.config)
         q._timers = list(self._timers)
         q._seq = self._seq
+        q._compact_at = self._compact_at
+        q._bind_kinds()
         return q
+
+    def _bind_kinds(self) -> None:
+        """(Re)build the per-kind records the dispatch reads (after ``instances`` is replaced)."""
+        keys = self._stat_key
+        self._kinds = {
+            kind: _Kind(kind, m, self.instances[kind], self._sources.get(kind), self._users.get(kind), keys)
+            for kind, m in self.machines.items()}
 
     # ---------------------------------------------------------------- queries
     def get(self, kind: str, key: Any):
@@ -166,28 +182,30 @@ class ControlPlane:
     def _dispatch(self, event: Event, now: float, out: list, queue: list, top: bool) -> None:
         # Route: the event class names its machine kind (internal wake-ups
         # carry it as ``kind``) and which field holds the instance id.
-        cls = type(event)
-        kind = cls.machine or event.kind  # type: ignore[attr-defined]  # an event routed by kind has one
-        key = getattr(event, cls.key_field)
-        insts = self.instances.get(kind)
-        if insts is None:
+        cls = event.__class__
+        route = self._routes.get(cls)
+        if route is None:
+            route = self._routes[cls] = (cls.machine, operator.attrgetter(cls.key_field))
+        kind = route[0] or event.kind  # type: ignore[attr-defined]  # an event routed by kind has one
+        key = route[1](event)
+        k = self._kinds.get(kind)
+        if k is None:
             self._anomaly(UNKNOWN_KIND, kind, key, event)
             if top and self.recorder is not None:
                 self.recorder(Step(event, now, kind, key, None, None, IGNORED))
             return
-        machine = self.machines[kind]
+        insts = k.insts
         inst = insts.get(key)
         created = inst is None
         if inst is None:
             if self._creators.get(cls) != kind:
                 self._refuse_uncreated(event, kind, key, UNKNOWN_ID, "", now, out, top)
                 return
-            inst = insts[key] = machine.new(key)
+            inst = insts[key] = k.machine.new(key)
         before, old_deadline = inst.state, inst.deadline
         applied = event
-        wired = self._sources.get(kind)
-        if wired is not None:
-            source, entries = wired
+        if k.source is not None:
+            source, entries = k.source
             if (before in source.needs or (before, cls) in entries) and not self._source_held(source, key):
                 # The resource is gone or was never held: a machine that
                 # needs it ends now, one about to take it never does.
@@ -197,10 +215,15 @@ class ControlPlane:
                     return
                 applied = self._source_ended(source, kind, key, cls)
         try:
-            acts = machine.apply(inst, applied, self.config, now)
+            rows = k.rows
+            row = None if rows is None else rows.get(before, _NO_ROWS).get(applied.__class__)
+            if row is None:  # a wrapped machine (observed, reference), or an event outside the alphabet
+                acts = k.machine.apply(inst, applied, self.config, now)
+            else:
+                acts = row(inst, applied, self.config, now)
         except ProtocolViolation as exc:
             self._anomaly(PROTOCOL_VIOLATION, kind, key, event, exc.reason)
-            acts = self._fail_closed(machine, inst, now)
+            acts = self._fail_closed(k.machine, inst, now)
             refund = event.refund()
             if refund is not None:
                 acts = [*acts, refund]
@@ -210,38 +233,42 @@ class ControlPlane:
                 if refund is not None:
                     acts = [*acts, refund]
         if acts is IGNORED:
-            self.stats[self._stat_key(Ignored, kind, before, cls.__name__)] += 1
+            self.stats[k.ignored_key(before, cls)] += 1
         deadline = inst.deadline
         if deadline is not None and deadline != old_deadline:
-            if not math.isfinite(deadline):
+            if not _isfinite(deadline):
                 # A deadline that is not a number (a NaN or infinite duration
                 # in an event) would never fire, or break the heap: the
                 # machine times out now, through its ordinary release path.
                 self._anomaly(NONFINITE_DEADLINE, kind, key, event, repr(deadline))
                 deadline = inst.deadline = now
             self._seq += 1
-            heapq.heappush(self._timers, (deadline, self._seq, kind, key))
+            timers = self._timers
+            _heappush(timers, (deadline, self._seq, kind, key))
+            if len(timers) > self._compact_at:
+                self._compact_timers()
         if top and self.recorder is not None:
             timer = timer_action(kind, key, old_deadline, deadline)
             own = [*acts] if timer is None else [*acts, timer]
             self._top = (event, kind, key, before, inst.state, own, len(out) + sum(
                 1 for a in acts if not a.internal))
-        if inst.state in machine.terminal_states:
+        state = inst.state
+        if state in k.terminal:
             del insts[key]
-            self.stats[self._stat_key(Final, kind, inst.state)] += 1
-        elif created and inst.state == machine.spec.initial:
+            self.stats[k.final_key(state)] += 1
+        elif created and state == k.initial:
             del insts[key]  # the creating event was refused: keep no empty machine
-        users = self._users.get(kind)
-        if users is not None and inst.state != before:
-            for user_kind, src in users:
-                if before in src.held and inst.state not in src.held and key in self.instances[user_kind]:
+        if k.users is not None and state != before:
+            for user_kind, src in k.users:
+                if before in src.held and state not in src.held and key in self.instances[user_kind]:
                     queue.append(self._source_ended(src, user_kind, key, cls))
         internal = self._internal
         for a in acts:
-            if a.internal:
-                internal[a.__class__](self, a, now, queue)
-            else:
+            run = internal.get(a.__class__)
+            if run is None:
                 out.append(a)
+            else:
+                run(self, a, now, queue)
 
     def _refuse_uncreated(self, event: Event, kind: str, key: Any, what: str, detail: str, now: float,
                           out: list, top: bool) -> None:
@@ -292,12 +319,71 @@ class ControlPlane:
 
     def _arm(self, at: float, kind: str, key: Any) -> None:
         self._seq += 1
-        heapq.heappush(self._timers, (at, self._seq, kind, key))
+        timers = self._timers
+        heapq.heappush(timers, (at, self._seq, kind, key))
+        if len(timers) > self._compact_at:
+            self._compact_timers()
+
+    def _compact_timers(self) -> None:
+        """Drop superseded entries (their instance ended or its deadline
+        moved): lazy deletion otherwise keeps one per deadline change until it
+        would have come due, 30-120 s on.  Amortized O(1) per arm: the next
+        compaction waits until the heap has doubled again."""
+        instances = self.instances
+        live = []
+        for entry in self._timers:  # _timer_live, inlined: this visits every entry
+            inst = instances[entry[2]].get(entry[3])
+            if inst is not None and inst.deadline == entry[0]:
+                live.append(entry)
+        heapq.heapify(live)
+        self._timers = live
+        self._compact_at = max(_MIN_COMPACT, 2 * len(live))
 
     def _timer_live(self, entry) -> bool:
         at, _, kind, key = entry
         inst = self.instances[kind].get(key)
         return inst is not None and inst.deadline == at
+
+
+# The smallest heap size at which superseded timer entries are compacted.
+_MIN_COMPACT = 4096
+_isfinite = math.isfinite
+_heappush = heapq.heappush
+_NO_ROWS: dict = {}
+
+
+class _Kind:
+    """What the dispatch reads of one machine kind, gathered once per plane."""
+
+    __slots__ = ("name", "machine", "rows", "insts", "terminal", "initial", "source", "users", "_keys", "_final",
+                 "_ignored")
+
+    def __init__(self, name: str, machine: Any, insts: dict, source: Any, users: Any, keys: StatKeys):
+        self.name = name
+        self.machine = machine
+        self.insts = insts
+        self.terminal = machine.terminal_states
+        self.initial = machine.spec.initial
+        # The compiled rows, called without Machine.apply's frame; None for any
+        # other machine (an observed or reference one): its apply is called.
+        self.rows = machine._rows if type(machine) is Machine else None
+        self.source = source  # (Source, the pairs entering its needs), or None
+        self.users = users  # ((user kind, Source), ...), or None
+        self._keys = keys
+        self._final: dict[str, Any] = {}
+        self._ignored: dict[tuple[str, type], Any] = {}
+
+    def final_key(self, state: str) -> Any:
+        key = self._final.get(state)
+        if key is None:
+            key = self._final[state] = self._keys(Final, self.name, state)
+        return key
+
+    def ignored_key(self, state: str, event: type) -> Any:
+        key = self._ignored.get((state, event))
+        if key is None:
+            key = self._ignored[(state, event)] = self._keys(Ignored, self.name, state, event.__name__)
+        return key
 
 
 @functools.lru_cache(maxsize=64)
@@ -332,100 +418,54 @@ def _composition(machines: tuple) -> tuple[dict, dict]:
     return creators(specs), internal
 
 
-def _field_getter(source) -> Callable:
-    """getter(plane, action, target instance, requester) for one field of a wire."""
-    if isinstance(source, ActionField):
-        name = source.name
-        return lambda plane, a, inst, req: getattr(a, name)
-    if isinstance(source, ConfigField):
-        name = source.name
-        return lambda plane, a, inst, req: getattr(plane.config, name)
-    if isinstance(source, Const):
-        value = source.value
-        return lambda plane, a, inst, req: value
-    if isinstance(source, TargetField):
-        name = source.name
-        return lambda plane, a, inst, req: getattr(inst, name)
-    if isinstance(source, RequesterKind):
-        return lambda plane, a, inst, req: req[0]
-    if isinstance(source, RequesterKey):
-        return lambda plane, a, inst, req: req[1]
-    if isinstance(source, HeartbeatChain):
-        index = ("since", "last").index(source.which)
-        return lambda plane, a, inst, req: plane.heartbeats.chain(a.engine_id)[index]
-    raise TypeError(f"unknown wire field source {source!r}")
-
-
-def _tuple_getter(names: tuple[str, ...]) -> Callable:
-    """getter(obj) -> the tuple of those attributes (one C call for several)."""
-    if len(names) > 1:
-        return operator.attrgetter(*names)
-    if names:
-        get = operator.attrgetter(names[0])
-        return lambda obj: (get(obj),)
-    return lambda obj: ()
-
-
-def _keyword_maker(cls: type, names: tuple[str, ...]) -> Callable:
-    """make(v0, v1, ...) -> cls(name0=v0, name1=v1, ...).
-
-    Events take keyword arguments only; building the keyword dict per call
-    (``cls(**dict(zip(names, values)))``) cost about as much as the event.
-    The maker is compiled once per wire from the event's own field names,
-    the way attrs compiles ``__init__``."""
-    for name in names:
-        if not name.isidentifier():
-            raise ValueError(f"{cls.__name__}: field name {name!r} is not an identifier")
-    params = ", ".join(f"v{i}" for i in range(len(names)))
-    call = ", ".join(f"{name}=v{i}" for i, name in enumerate(names))
-    return eval(f"lambda {params}: cls({call})", {"cls": cls})  # noqa: S307 (names checked above)
-
-
 def _wire_executor(w: Wire) -> Callable:
-    """The internal-action handler that carries out one wire."""
-    cls = w.event
-    # Fields copied from the action are read in one C call (the common case,
-    # and this runs for most internal actions); the rest through getters.
-    copied = tuple((field, source.name) for field, source in w.fields if isinstance(source, ActionField))
-    read_copied = _tuple_getter(tuple(name for _, name in copied))
-    others = tuple((field, _field_getter(source)) for field, source in w.fields
-                   if not isinstance(source, ActionField))
-    getters = tuple(get for _, get in others)
-    make = _keyword_maker(cls, tuple(field for field, _ in copied) + tuple(field for field, _ in others))
+    """The internal-action handler that carries out one wire:
+    ``run(plane, action, now, queue)`` appends the wire's event(s) to the
+    queue.  Generated from the wire's field sources as one function (the
+    event built with its fields in one call), so an internal action costs
+    one call and the event's ``__init__``."""
+    scope: dict[str, Any] = {"EV": w.event}
+    body = ["def run(plane, a, now, queue):"]
+
+    def expr(field: str, source: Any) -> str:
+        if isinstance(source, ActionField):
+            return f"a.{_identifier(source.name)}"
+        if isinstance(source, ConfigField):
+            return f"plane.config.{_identifier(source.name)}"
+        if isinstance(source, Const):
+            scope[f"c_{field}"] = source.value
+            return f"c_{field}"
+        if isinstance(source, TargetField):
+            return f"inst.{_identifier(source.name)}"
+        if isinstance(source, RequesterKind):
+            return "req[0]"
+        if isinstance(source, RequesterKey):
+            return "req[1]"
+        if isinstance(source, HeartbeatChain):
+            return f"chain[{('since', 'last').index(source.which)}]"
+        raise TypeError(f"unknown wire field source {source!r}")
+
+    sources = [source for _, source in w.fields]
+    if any(isinstance(source, HeartbeatChain) for source in sources):
+        body.append("    chain = plane.heartbeats.chain(a.engine_id)")
+    call = "EV(" + ", ".join(f"{_identifier(field)}={expr(field, source)}" for field, source in w.fields) + ")"
     if isinstance(w.target, Requesters):
-        requesters = w.target.field
+        body += [f"    for req in a.{_identifier(w.target.field)}:", f"        queue.append({call})"]
+    else:
+        if w.only_if_live or any(isinstance(source, TargetField) for source in sources):
+            key = expr("key", dict(w.fields)[w.event.key_field])
+            scope["KIND"] = w.target
+            body += [f"    inst = plane.instances[KIND].get({key})", "    if inst is None:", "        return"]
+        body.append(f"    queue.append({call})")
+    exec("\n".join(body), scope)  # noqa: S102 (field names checked as identifiers)
+    run: Callable = scope["run"]
+    return run
 
-        def fan_out(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
-            values = read_copied(a)
-            for req in getattr(a, requesters):
-                queue.append(make(*values, *[get(plane, a, None, req) for get in getters]))
 
-        return fan_out
-    kind = w.target
-    key_of = _field_getter(dict(w.fields)[cls.key_field])
-    needs_target = w.only_if_live or any(isinstance(source, TargetField) for _, source in w.fields)
-    if not needs_target and not getters:
-        def copy(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
-            queue.append(make(*read_copied(a)))
-
-        return copy
-
-    if not getters:  # only if the target is live: e.g. releasing an engine
-        def copy_if_live(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
-            if key_of(plane, a, None, None) in plane.instances[kind]:
-                queue.append(make(*read_copied(a)))
-
-        return copy_if_live
-
-    def deliver(plane: ControlPlane, a: Action, now: float, queue: list) -> None:
-        inst = None
-        if needs_target:
-            inst = plane.instances[kind].get(key_of(plane, a, None, None))
-            if inst is None:
-                return
-        queue.append(make(*read_copied(a), *[get(plane, a, inst, None) for get in getters]))
-
-    return deliver
+def _identifier(name: str) -> str:
+    if not name.isidentifier():
+        raise ValueError(f"wire field name {name!r} is not an identifier")
+    return name
 
 
 def _copy_instance(inst):

@@ -7,7 +7,7 @@ Nothing parses either back: readers match the record's type and fields.  Event n
 
 ``StatKeys`` interns the keys a plane counts under: counting then costs a
 tuple and a dict lookup, about what formatting a string label cost, and
-the dict compares the interned key by identity.
+the dict compares the interned key by identity; each key caches its hash.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ _ANOMALY_LABELS = {
 }
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class Ignored:
     """A declared ignore: ``event`` in ``state`` of a ``kind`` machine."""
 
@@ -46,7 +46,7 @@ class Ignored:
         return f"ignored {self.event} in {self.kind} {self.state}"
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class Final:
     """A ``kind`` machine ended in terminal ``state``."""
 
@@ -61,7 +61,7 @@ class Final:
         return f"{self.kind} ended {self.state}"
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class FailClosed:
     """A protocol violation made a ``kind`` machine fail closed."""
 
@@ -75,7 +75,7 @@ class FailClosed:
         return f"{self.kind} failed closed on a protocol violation"
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class SourceEnded:
     """A ``kind`` machine was fed its source's end instead of ``cause``
     (or because its source left its held states on ``cause``)."""
@@ -91,7 +91,7 @@ class SourceEnded:
         return f"{self.kind} ended with its source (instead of {self.cause})"
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class Anomaly:
     """An event the plane refused or repaired (see the constants above)."""
 

@@ -19,6 +19,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 # that ``-m core`` never silently misses a new one.
 FILE_KINDS: dict[str, str | None] = {
     "test_bench_smoke.py": "e2e",
+    "test_bench_targets.py": "core",
     "test_cli.py": None,
     "test_composition.py": "core",
     "test_config_kv_transfer.py": "core",
@@ -38,10 +39,12 @@ FILE_KINDS: dict[str, str | None] = {
     "test_explorer_ranks.py": None,
     "test_fuzz_decoders.py": None,
     "test_fuzz_handshake.py": None,
+    "test_heartbeat_phase.py": "core",
     "test_layering.py": "core",
     "test_monitors.py": "core",
     "test_params.py": "core",
     "test_plane_properties.py": "core",
+    "test_plane_timers.py": "core",
     "test_read_gate_property.py": "core",
     "test_reference_interpreter.py": "core",
     "test_replay.py": "core",

@@ -112,13 +112,15 @@ def full_prefix_hit(r: DecodeRequest, ev, cfg, now) -> bool:
 
 def remote_blocks_expired(r: DecodeRequest, ev: EngineReady, cfg, now) -> bool:
     """remote blocks not valid beyond now + margin"""
-    return read_gate.declines(gate_inputs(r, ev), cfg, now)
+    # No expiry sent: the gate does not apply (read_gate.declines says so too;
+    # asked first, it saves building the gate's inputs on every READ).
+    return r.remote_expiry is not None and read_gate.declines(gate_inputs(r, ev), cfg, now)
 
 
 def remote_valid_until(r: DecodeRequest, ev: EngineReady, cfg) -> float | None:
     """Until when (our clock) the remote blocks are surely still held (see
     read_gate.valid_until)."""
-    return read_gate.valid_until(gate_inputs(r, ev), cfg)
+    return None if r.remote_expiry is None else read_gate.valid_until(gate_inputs(r, ev), cfg)
 
 
 def gate_inputs(r: DecodeRequest, ev: EngineReady) -> read_gate.GateInputs:

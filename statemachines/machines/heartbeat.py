@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import attrs
 
-from .. import read_gate
+from .. import heartbeat_phase, read_gate
 from ..actions import SendHeartbeat
 from ..base import Instance, TimerFired
 from ..emit import emits
@@ -54,8 +54,9 @@ class HeartbeatBatch(Instance):
 
 # ----------------------------------------------------------------- effects
 def _first(b: HeartbeatBatch, ev: HeartbeatRegister, cfg, now) -> None:
+    """The first batch goes out at the engine's next phase slot, at most one interval on."""
     b.engine_id = ev.engine_id
-    b.next_at = now + cfg.heartbeat_interval
+    b.next_at = heartbeat_phase.next_slot(ev.engine_id, now, cfg)
     _register(b, ev, cfg, now)
 
 
@@ -75,9 +76,10 @@ def _unregister(b: HeartbeatBatch, ev: HeartbeatUnregister, cfg, now) -> None:
 
 
 def _sent(b: HeartbeatBatch, ev, cfg, now) -> None:
+    """Keep the chain; the next batch at the engine's next phase slot, at most one interval on."""
     b.chain_start = read_gate.chain_start_after_send(b.chain_start, b.last_sent, now, cfg)
     b.last_sent = now
-    b.next_at = now + cfg.heartbeat_interval
+    b.next_at = heartbeat_phase.next_slot(b.engine_id, now, cfg)
 
 
 # ------------------------------------------------------------------ guards

@@ -1,0 +1,159 @@
+"""Issue 13, target 3: per-event cost and the longest step, from 1k to 1M in flight.
+
+N decode requests are in flight (queued, heartbeating: the state a long
+queue on D is in) across E remote engines that all got their first request
+in the same step, the worst case for the heartbeat schedule: every engine's
+batch is then due in one step.  Each step 32 requests change state (8
+arrive, 8 get blocks and start their READ, 8 READs complete, 8 finish: 48
+events), then due timers fire; steps advance time by heartbeat_interval /
+64, for one interval and a bit.  Per-event cost is the events part of a
+step over its 48 events; the longest step includes the timers part (the
+heartbeat batches).  CPU time (``time.process_time``), so the other
+processes of a shared box do not count.
+
+Both heartbeat schedules run: the default (each batch one interval after
+the last: engines that started together stay in lockstep) and
+``heartbeat_spread`` (each engine on its own phase grid).
+"""
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+
+from kvplane.statemachines import actions as A
+from kvplane.statemachines import events as E
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.plane import ControlPlane
+
+from .report import Table, add_target, targets_table
+from .step import PER_STAGE, _plane_ops
+from .timing import median
+
+clock = time.process_time
+STEP_GOAL_MS = 5.0
+FLAT_GOAL = 1.5  # per-event cost at the largest size / at the smallest
+
+
+def engine(i: int, engines: int) -> str:
+    return f"P{i % engines}"
+
+
+def run_one(n: int, engines: int, spread: bool, steps: int) -> dict:
+    cfg = PlaneConfig(heartbeat_spread=spread)
+    plane = ControlPlane(cfg)
+    pipe = _Pipeline(n, engines)
+    t = 1000.0
+    handle = plane.handle
+    for i in range(engines):
+        e = engine(i, engines)
+        handle(E.NewRequest(request_id=f"keep-{e}", engine_id=e, remote_request_id=f"pkeep-{e}"), t)
+        handle(E.HandshakeOk(engine_id=e, samples=((0.0, 1e-4),)), t)
+    for r in pipe.queued:
+        handle(E.NewRequest(request_id=r, engine_id=pipe.engine[r], remote_request_id="p" + r,
+                            remote_block_ids=(1, 2, 3, 4)), t)
+    gc.collect()
+    dt = cfg.heartbeat_interval / 64
+    per_event, step_ms, timers_ms, batches = [], [], [], 0
+    for _ in range(steps):
+        t += dt
+        evs = _plane_ops(pipe, pipe.advance())
+        a = clock()
+        for ev in evs:
+            handle(ev, t)
+        b = clock()
+        acts = plane.fire_due(t)
+        c = clock()
+        per_event.append((b - a) / len(evs) * 1e6)
+        step_ms.append((c - a) * 1e3)
+        timers_ms.append((c - b) * 1e3)
+        batches += sum(1 for x in acts if x.__class__ is A.SendHeartbeat)
+    del plane
+    gc.collect()
+    return {"us_per_event": min(per_event), "us_per_event_median": median(per_event), "max_step_ms": max(step_ms), "median_step_ms": median(step_ms),
+            "max_timers_ms": max(timers_ms), "batches": batches}
+
+
+class _Engines(dict):
+    """request id ("r<i>") -> its engine, computed, for any number of engines."""
+
+    def __init__(self, engines: int):
+        super().__init__()
+        self.engines = engines
+
+    def __missing__(self, r: str) -> str:
+        return engine(int(r[1:]), self.engines)
+
+
+class _Pipeline:
+    """Which requests move each step (as bench/step.py's, over E engines)."""
+
+    def __init__(self, n: int, engines: int):
+        self.queued = deque(f"r{i}" for i in range(n))
+        self.engine = _Engines(engines)
+        self.reading: list[str] = []
+        self.done: list[str] = []
+        self.next_id = n
+
+    def advance(self):
+        new = [f"r{i}" for i in range(self.next_id, self.next_id + PER_STAGE)]
+        self.next_id += PER_STAGE
+        alloc = [self.queued.popleft() for _ in range(PER_STAGE)]
+        ops = (new, alloc, self.reading, self.done)
+        self.done, self.reading = self.reading, alloc
+        self.queued.extend(new)
+        return ops
+
+
+def run(quick: bool) -> list[Table]:
+    sizes = (1_000, 10_000) if quick else (1_000, 10_000, 100_000, 1_000_000)
+    engine_counts = (1, 64, 1024) if not quick else (1, 64, 256)
+    steps = 80 if quick else 72  # a heartbeat interval is 64 steps
+    big = sizes[-1]
+    t = Table("scale.steps", f"Scale: N in flight over E engines started in one step; {steps} steps of 48 events + "
+              "due timers (CPU time)",
+              ["in flight", "engines", "heartbeats", "µs / event (min / median step)", "step ms (median)", "longest step ms",
+               "longest timers part ms", "HB batches"])
+    res: dict[tuple[int, int, bool], dict] = {}
+    cases = [(n, 64, spread) for n in sizes for spread in (False, True)]
+    cases += [(big, e, spread) for e in engine_counts if e != 64 for spread in (False, True)]
+    for n, e, spread in cases:
+        r = res[(n, e, spread)] = run_one(n, e, spread, steps)
+        t.add(f"{n:,}", e, "spread" if spread else "lockstep", f"{r['us_per_event']:.2f} / {r['us_per_event_median']:.2f}",
+              r["median_step_ms"],
+              r["max_step_ms"], r["max_timers_ms"], r["batches"], in_flight=n, engines=e, spread=spread, **r)
+    t.notes += [
+        "lockstep: the default schedule (each engine's next batch one interval after its last); engines that "
+        "started in one step send in one step. spread: PlaneConfig(heartbeat_spread=True), each engine on its "
+        "own phase grid (statemachines/heartbeat_phase.py).",
+        "µs / event: the events part of a step over its 48 events; the targets compare the cheapest step (the "
+        "cases run one after another, and a shared box's load drifts between them; the minimum is what the "
+        "code costs).",
+        f"The pipeline adds {4 * PER_STAGE} requests' state changes per step; heartbeat batches carry every "
+        "queued id of their engine (N / E ids), the wire format's own size.",
+    ]
+    goals = targets_table("scale.targets", "scale (issue 13, target 3)")
+    for spread in (False, True):
+        small, large = res[(sizes[0], 64, spread)], res[(big, 64, spread)]
+        x = large["us_per_event"] / small["us_per_event"]
+        add_target(goals, f"3. per-event cost flat, {sizes[0]:,} -> {big:,} in flight (64 engines, "
+                          f"{'spread' if spread else 'lockstep'})",
+                   f"{x:.2f}x ({small['us_per_event']:.2f} -> {large['us_per_event']:.2f} µs)", f"<= {FLAT_GOAL}x",
+                   x <= FLAT_GOAL, check="flat_in_flight", spread=spread, ratio=x)
+    per_e = [res[(big, e, True)]["us_per_event"] for e in engine_counts]
+    x = max(per_e) / min(per_e)
+    add_target(goals, f"3. per-event cost flat, {engine_counts[0]} -> {engine_counts[-1]:,} engines "
+                      f"({big:,} in flight, spread)",
+               f"{x:.2f}x ({' / '.join(f'{v:.2f}' for v in per_e)} µs)", f"<= {FLAT_GOAL}x", x <= FLAT_GOAL,
+               check="flat_engines", ratio=x)
+    for e in engine_counts[1:]:
+        for spread in (False, True):
+            r = res[(big, e, spread)]
+            add_target(goals, f"3. longest step at {big:,} in flight, {e:,} engines "
+                              f"({'heartbeat_spread' if spread else 'default schedule, lockstep'})",
+                       f"{r['max_step_ms']:.2f} ms", f"<= {STEP_GOAL_MS:g} ms", r["max_step_ms"] <= STEP_GOAL_MS,
+                       check="max_step", engines=e, spread=spread, ms=r["max_step_ms"])
+    one = res[(big, engine_counts[0], True)]
+    goals.notes.append(f"With 1 engine every id is in that engine's one batch per interval: its longest step "
+                       f"({one['max_step_ms']:.1f} ms at {big:,}) is one HB message of {big:,} ids.")
+    return [t, goals]
