@@ -652,44 +652,44 @@ def _action_shapes(actions: list) -> bool:
     return True
 
 
-def read_log(source) -> EventLog:
-    """Parse a log from a path, an open file or an iterable of lines (str or bytes).
+class _LineChecker:
+    """The checks of ``read_log`` line by line, with what they carry from one
+    line to the next (the header, the last time and ``seq``)."""
 
-    Raises an ``EventLogError`` subclass naming the first bad line: bad
-    bytes, JSON or numbers, a field of the wrong type, time going backwards,
-    an explicit ``seq`` that does not increase; ``EmptyLog`` when there is
-    no event line at all.
-    """
-    config = None
-    records: list[LogRecord] = []
-    last_t = float("-inf")
-    last_seq: int | None = None
-    n = 0
-    for n, text in enumerate(_iter_lines(source), start=1):
+    def __init__(self) -> None:
+        self.config: PlaneConfig | None = None
+        self.records = 0  # event lines so far
+        self.lines = 0  # lines so far, blank ones included
+        self.last_t = float("-inf")
+        self.last_seq: int | None = None
+
+    def record(self, n: int, text: Any) -> LogRecord | None:
+        """Line ``n`` as a record; None for a blank line or the header."""
+        self.lines = n
         if isinstance(text, (str, bytes, bytearray)) and (not text or text.isspace()):  # as strip(), no copy
-            continue
+            return None
         obj = parse_line(text, n)
         if "config" in obj and "event" not in obj:
-            if records or config is not None:
+            if self.records or self.config is not None:
                 raise MalformedLine(n, "the config header must be the first line")
-            config = parse_config(obj["config"], n)
-            continue
+            self.config = parse_config(obj["config"], n)
+            return None
         name = obj.get("event")
         if not isinstance(name, str):
             raise MalformedLine(n, f"missing or non-string 'event': {_short(name)}")
         t = obj.get("t")
         if not _is_number(t):
             raise MalformedLine(n, f"missing or non-numeric time 't': {_short(t)}")
-        if t < last_t:
-            raise MalformedLine(n, f"time goes backwards ({t} after {last_t})")
-        last_t = t
+        if t < self.last_t:
+            raise MalformedLine(n, f"time goes backwards ({t} after {self.last_t})")
+        self.last_t = t
         if "seq" in obj:
             seq = obj["seq"]
             if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
                 raise MalformedLine(n, f"'seq' must be a non-negative integer, got {_short(seq)}")
-            if last_seq is not None and seq <= last_seq:
-                raise MalformedLine(n, f"'seq' {seq} does not increase (after {last_seq})")
-            last_seq = seq
+            if self.last_seq is not None and seq <= self.last_seq:
+                raise MalformedLine(n, f"'seq' {seq} does not increase (after {self.last_seq})")
+            self.last_seq = seq
         else:
             seq = n  # hand-written logs may omit it
         data = obj.get("data", {})
@@ -705,7 +705,64 @@ def read_log(source) -> EventLog:
         if not (_str_or_none(machine) and _str_or_none(before) and _str_or_none(after)):
             machine = _optional_str(obj, "machine", n)  # raises, naming the first bad one
             before, after = _optional_str(obj, "state_before", n), _optional_str(obj, "state_after", n)
-        records.append(LogRecord(n, seq, float(t), machine, event, data, recorded, before, after, actions))
+        self.records += 1
+        return LogRecord(n, seq, float(t), machine, event, data, recorded, before, after, actions)
+
+
+def read_log(source) -> EventLog:
+    """Parse a log from a path, an open file or an iterable of lines (str or bytes).
+
+    Raises an ``EventLogError`` subclass naming the first bad line: bad
+    bytes, JSON or numbers, a field of the wrong type, time going backwards,
+    an explicit ``seq`` that does not increase; ``EmptyLog`` when there is
+    no event line at all.
+    """
+    checker = _LineChecker()
+    records: list[LogRecord] = []
+    for n, text in enumerate(_iter_lines(source), start=1):
+        rec = checker.record(n, text)
+        if rec is not None:
+            records.append(rec)
     if not records:
-        raise EmptyLog(n, "no event line")
-    return EventLog(config, tuple(records))
+        raise EmptyLog(checker.lines, "no event line")
+    return EventLog(checker.config, tuple(records))
+
+
+class LogStream:
+    """A log read as it is iterated, one record at a time, with the checks
+    and errors of ``read_log``: what replay uses, so that a long log is
+    neither held in memory nor parsed into objects the garbage collector
+    keeps walking.  The header (``config``) and the first event line are
+    read on construction (``EmptyLog`` there); a bad line raises when the
+    iteration reaches it.  ``check_rest`` reads what is left, so that a
+    caller who stops early still refuses a log ``read_log`` would refuse."""
+
+    def __init__(self, source) -> None:
+        self._checker = _LineChecker()
+        self._lines = enumerate(_iter_lines(source), start=1)
+        self._first = self._next()
+        if self._first is None:
+            raise EmptyLog(self._checker.lines, "no event line")
+
+    @property
+    def config(self) -> PlaneConfig | None:
+        return self._checker.config
+
+    def _next(self) -> LogRecord | None:
+        record = self._checker.record
+        for n, text in self._lines:
+            rec = record(n, text)
+            if rec is not None:
+                return rec
+        return None
+
+    def __iter__(self) -> Iterator[LogRecord]:
+        rec, self._first = self._first, None
+        while rec is not None:
+            yield rec
+            rec = self._next()
+
+    def check_rest(self) -> None:
+        self._first = None
+        while self._next() is not None:
+            pass
