@@ -7,7 +7,9 @@ import json
 import pytest
 
 from kvplane.statemachines import events as E
-from kvplane.statemachines.eventlog import EmptyLog, LogStream, MalformedLine, MemoryLog, read_log
+from kvplane.statemachines.eventlog import (
+    ACTION_TYPES, EmptyLog, EventLogError, LogStream, MalformedLine, MemoryLog, _schema, build, check, read_log,
+)
 from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.replay import replay
 
@@ -86,3 +88,39 @@ def test_stream_refuses_a_header_after_the_first_line():
     lines.insert(3, lines[0])
     with pytest.raises(MalformedLine, match="header must be the first line"):
         replay(lines)
+
+
+def _sample(options: tuple[str, ...]):
+    for opt, value in (("str", "x"), ("int", 1), ("float", 1.5), ("bool", True), ("tuple", [1, 2])):
+        if opt in options:
+            return value
+    return None if "None" in options else "key"
+
+
+def _variants(cls):
+    schema = _schema(cls)
+    whole = {name: _sample(options) for name, options, _ in schema}
+    yield whole
+    yield {**whole, "no_such_field": 1}
+    for name, _, _ in schema:
+        yield {k: v for k, v in whole.items() if k != name}  # a field missing
+        yield {**whole, name: {"an": "object"}}  # of a type no field has
+        yield {**whole, name: 1.5 if whole[name] != 1.5 else "x"}
+
+
+def _outcome(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except EventLogError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(ACTION_TYPES))
+def test_check_accepts_and_refuses_what_build_does(name):
+    # Recorded actions are checked without being built where building could
+    # refuse nothing more: the verdicts and messages must be build's.
+    cls = ACTION_TYPES[name]
+    for data in _variants(cls):
+        assert _outcome(check, ACTION_TYPES, name, data, 3, "action") == \
+            _outcome(build, ACTION_TYPES, name, data, 3, "action"), data
