@@ -26,7 +26,9 @@ serializes, with orjson (``json`` where the two would differ, see
 "encoding").  Lines are the same JSON objects as ever; only the text may
 differ from what ``json.dumps`` wrote (non-ASCII characters as UTF-8, not
 ``\\u`` escapes; floats in orjson's shortest form), which every JSON reader,
-this one included, reads as the same values.  All file I/O of
+this one included, reads as the same values.  ``read_log`` reads a whole
+log into records; ``LogStream`` reads one as it is iterated, with the same
+checks and errors (replay's way).  All file I/O of
 ``statemachines`` lives in this module and takes paths or streams explicitly.
 """
 from __future__ import annotations
