@@ -22,7 +22,7 @@ from kvplane.statemachines.explorer import RANK_FAULTS, STALL_FAULTS, ExploreCon
 from kvplane.statemachines.monitors import DEFAULT_GRACE, check_log
 from kvplane.statemachines.replay import Divergence, replay
 
-from .progress import ExploreProgress
+from .progress import PLAIN_EVERY_S, ExploreProgress
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
 # The version of the --json objects; a field's meaning never changes within one.
@@ -199,7 +199,10 @@ def add_explore_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--all", action="store_true", help="keep going after the first violation")
     parser.add_argument("--out", default=None, metavar="DIR", help="write each counterexample's event logs here")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress on stderr (without it: states found, depth, states waiting and states/s, "
+                             "a live line on a terminal, a plain line every "
+                             f"{PLAIN_EVERY_S:g} s otherwise; none with --json either)")
     return parser
 
 

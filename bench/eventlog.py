@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
+import tempfile
 import time
 
 from kvplane.statemachines.config import PlaneConfig
@@ -81,38 +83,59 @@ def run(quick: bool) -> list[Table]:
     for mode, xs in res.items():
         rec.add(labels[mode], median(xs), ratio(median(xs), base), mode=mode, us_per_event=median(xs))
     jsonl = median(res["jsonl"]) / base
-    rec.notes.append(f"Target: recording with JSONL within 2x of no recorder: {jsonl:.2f}x, "
-                     f"{'YES' if jsonl <= 2 else 'NO'}.")
     rec.notes.append("Serialization into an in-memory stream (no disk I/O); the recorder sees top-level stimuli "
                      "only, so internal events (EngineReady, EngineAcquire...) are not lines of their own.")
 
-    # Replay: one recorded log of the same workload, parsed and re-executed.
+    # Replay: one recorded log of the same workload, written to a file and
+    # replayed from it as ``kvplane replay`` does (reading and parsing included).
     plane = ControlPlane(CFG)
     stream = io.StringIO()
     writer = EventLogWriter.attach(plane, stream)
     W.connect_plane(plane, 1000.0)
     _drive(plane, _events(n * 2, "rp"))
     writer.flush()
-    lines = stream.getvalue().splitlines()
+    text = stream.getvalue()
+    lines = text.splitlines()
     rep = Table("eventlog.replay", "Event log: replay speed", ["measurement", "lines", "seconds", "lines / s"])
     times = []
     result = None
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        result = replay(lines)
-        times.append(time.perf_counter() - t0)
-    rep.add("replay (parse + re-execute + compare states/actions)", len(lines), median(times),
-            len(lines) / median(times), lines=len(lines), seconds=median(times), lines_per_s=len(lines) / median(times))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "decode.events.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        cpu = []
+        for _ in range(rounds):
+            t0, c0 = time.perf_counter(), time.process_time()
+            result = replay(path)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    assert result is not None
+    wall_speed = len(lines) / median(times)
+    speed = len(lines) / median(cpu)
+    rep.add("replay of the log file (read + parse + re-execute + compare states/actions), wall clock", len(lines),
+            median(times), wall_speed, lines=len(lines), seconds=median(times), lines_per_s=wall_speed)
+    rep.add("the same, CPU time", len(lines), median(cpu), speed, lines=len(lines), cpu_seconds=median(cpu),
+            lines_per_cpu_s=speed)
     from kvplane.statemachines.eventlog import read_log
 
     t0 = time.perf_counter()
     read_log(lines)
     parse = time.perf_counter() - t0
-    rep.add("of which: read_log (JSON parse, build events)", len(lines), parse, len(lines) / parse,
+    rep.add("read_log alone (JSON parse, build events, every record kept)", len(lines), parse, len(lines) / parse,
             lines=len(lines), seconds=parse)
-    speed = len(lines) / median(times)
-    rep.notes.append(f"Target: replay at 50,000 lines/s or more: {speed:,.0f}, {'YES' if speed >= 50_000 else 'NO'}.")
+    rep.notes.append("replay reads the log as it replays it (eventlog.LogStream): records die young, so the garbage "
+                     "collector does not walk the whole log; read_log keeps every record (check-log, sequence "
+                     "diagrams).")
     rep.notes.append(f"Replay result: divergence={result.divergence}, held at the end={len(result.held)} (the 64 "
                      "keep-alive requests and their 64 connected engines are deliberately still live, so replay's "
                      "leak check reports them; every benchmarked request and lease finished).")
-    return [rec, rep]
+    targets = Table("eventlog.targets", "targets: event log (issue 13, item 5)", ["target", "measured", "goal", "met"])
+    targets.add("recording with JSONL vs dispatch without a recorder (side by side)", f"{jsonl:.2f}x", "<= 2x",
+                "YES" if jsonl <= 2 else "NO", target="record_ratio", measured=jsonl, goal=2.0)
+    targets.add(f"replay lines/s (a {len(lines):,}-line log file, parsing included; CPU time)",
+                f"{speed:,.0f} ({wall_speed:,.0f} wall)",
+                ">= 50,000", "YES" if speed >= 50_000 else "NO", target="replay_lines_per_s", measured=speed,
+                goal=50_000)
+    targets.notes.append("Replay is one thread: its CPU time is its speed on an idle core, which a shared "
+                         "machine's wall clock understates; both are shown.")
+    return [rec, rep, targets]

@@ -26,7 +26,9 @@ serializes, with orjson (``json`` where the two would differ, see
 "encoding").  Lines are the same JSON objects as ever; only the text may
 differ from what ``json.dumps`` wrote (non-ASCII characters as UTF-8, not
 ``\\u`` escapes; floats in orjson's shortest form), which every JSON reader,
-this one included, reads as the same values.  All file I/O of
+this one included, reads as the same values.  ``read_log`` reads a whole
+log into records; ``LogStream`` reads one as it is iterated, with the same
+checks and errors (replay's way).  All file I/O of
 ``statemachines`` lives in this module and takes paths or streams explicitly.
 """
 from __future__ import annotations
@@ -530,6 +532,36 @@ def build(registry: dict[str, type], name: str, data: Any, line: int, what: str)
         raise MalformedLine(line, f"bad {what} {name} data: {exc}") from None
 
 
+def check(registry: dict[str, type], name: str, data: Any, line: int, what: str) -> None:
+    """What ``build`` checks, without keeping the object (a recorded line's
+    actions are only compared).  Where the fast field check passes and the
+    class can refuse nothing else (no validators, no post-init, every field
+    without a default given; its converters only turn lists into tuples),
+    the object is not built."""
+    cls = registry.get(name)
+    if cls is not None and data.__class__ is dict:
+        required = _REQUIRED.get(cls)
+        if required is None:
+            required = _REQUIRED[cls] = _required_fields(cls)
+        if required is not _MUST_BUILD and len(data) >= len(required) and all(f in data for f in required):
+            if (_FAST_BUILDS.get(cls) or _fast_kwargs(cls))(data) is not None:
+                return
+    build(registry, name, data, line, what)
+
+
+# Per class: the fields without a default, or _MUST_BUILD where only
+# building the object tells whether it can be built.
+_MUST_BUILD: tuple[str, ...] = ("<build>",)
+_REQUIRED: dict[type, tuple[str, ...]] = {}
+
+
+def _required_fields(cls: type) -> tuple[str, ...]:
+    fields = attrs.fields(cls)
+    if any(a.validator is not None for a in fields) or hasattr(cls, "__attrs_post_init__"):
+        return _MUST_BUILD
+    return tuple(a.name for a in fields if a.default is attrs.NOTHING)
+
+
 def _build_reporting(cls: type, name: str, data: dict, line: int, what: str) -> Any:
     """``build`` field by field, naming the first problem."""
     kwargs = {}
@@ -655,44 +687,44 @@ def _action_shapes(actions: list) -> bool:
     return True
 
 
-def read_log(source) -> EventLog:
-    """Parse a log from a path, an open file or an iterable of lines (str or bytes).
+class _LineChecker:
+    """The checks of ``read_log`` line by line, with what they carry from one
+    line to the next (the header, the last time and ``seq``)."""
 
-    Raises an ``EventLogError`` subclass naming the first bad line: bad
-    bytes, JSON or numbers, a field of the wrong type, time going backwards,
-    an explicit ``seq`` that does not increase; ``EmptyLog`` when there is
-    no event line at all.
-    """
-    config = None
-    records: list[LogRecord] = []
-    last_t = float("-inf")
-    last_seq: int | None = None
-    n = 0
-    for n, text in enumerate(_iter_lines(source), start=1):
+    def __init__(self) -> None:
+        self.config: PlaneConfig | None = None
+        self.records = 0  # event lines so far
+        self.lines = 0  # lines so far, blank ones included
+        self.last_t = float("-inf")
+        self.last_seq: int | None = None
+
+    def record(self, n: int, text: Any) -> LogRecord | None:
+        """Line ``n`` as a record; None for a blank line or the header."""
+        self.lines = n
         if isinstance(text, (str, bytes, bytearray)) and (not text or text.isspace()):  # as strip(), no copy
-            continue
+            return None
         obj = parse_line(text, n)
         if "config" in obj and "event" not in obj:
-            if records or config is not None:
+            if self.records or self.config is not None:
                 raise MalformedLine(n, "the config header must be the first line")
-            config = parse_config(obj["config"], n)
-            continue
+            self.config = parse_config(obj["config"], n)
+            return None
         name = obj.get("event")
         if not isinstance(name, str):
             raise MalformedLine(n, f"missing or non-string 'event': {_short(name)}")
         t = obj.get("t")
         if not _is_number(t):
             raise MalformedLine(n, f"missing or non-numeric time 't': {_short(t)}")
-        if t < last_t:
-            raise MalformedLine(n, f"time goes backwards ({t} after {last_t})")
-        last_t = t
+        if t < self.last_t:
+            raise MalformedLine(n, f"time goes backwards ({t} after {self.last_t})")
+        self.last_t = t
         if "seq" in obj:
             seq = obj["seq"]
             if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
                 raise MalformedLine(n, f"'seq' must be a non-negative integer, got {_short(seq)}")
-            if last_seq is not None and seq <= last_seq:
-                raise MalformedLine(n, f"'seq' {seq} does not increase (after {last_seq})")
-            last_seq = seq
+            if self.last_seq is not None and seq <= self.last_seq:
+                raise MalformedLine(n, f"'seq' {seq} does not increase (after {self.last_seq})")
+            self.last_seq = seq
         else:
             seq = n  # hand-written logs may omit it
         data = obj.get("data", {})
@@ -703,12 +735,69 @@ def read_log(source) -> EventLog:
             if not isinstance(actions, list) or not _action_shapes(actions):
                 raise MalformedLine(n, "'actions' must be a list of [name, {fields}]")
             for a_name, a_data in actions:
-                build(ACTION_TYPES, a_name, a_data, n, "action")  # validates names and fields
+                check(ACTION_TYPES, a_name, a_data, n, "action")
         machine, before, after = obj.get("machine"), obj.get("state_before"), obj.get("state_after")
         if not (_str_or_none(machine) and _str_or_none(before) and _str_or_none(after)):
             machine = _optional_str(obj, "machine", n)  # raises, naming the first bad one
             before, after = _optional_str(obj, "state_before", n), _optional_str(obj, "state_after", n)
-        records.append(LogRecord(n, seq, float(t), machine, event, data, recorded, before, after, actions))
+        self.records += 1
+        return LogRecord(n, seq, float(t), machine, event, data, recorded, before, after, actions)
+
+
+def read_log(source) -> EventLog:
+    """Parse a log from a path, an open file or an iterable of lines (str or bytes).
+
+    Raises an ``EventLogError`` subclass naming the first bad line: bad
+    bytes, JSON or numbers, a field of the wrong type, time going backwards,
+    an explicit ``seq`` that does not increase; ``EmptyLog`` when there is
+    no event line at all.
+    """
+    checker = _LineChecker()
+    records: list[LogRecord] = []
+    for n, text in enumerate(_iter_lines(source), start=1):
+        rec = checker.record(n, text)
+        if rec is not None:
+            records.append(rec)
     if not records:
-        raise EmptyLog(n, "no event line")
-    return EventLog(config, tuple(records))
+        raise EmptyLog(checker.lines, "no event line")
+    return EventLog(checker.config, tuple(records))
+
+
+class LogStream:
+    """A log read as it is iterated, one record at a time, with the checks
+    and errors of ``read_log``: what replay uses, so that a long log is
+    neither held in memory nor parsed into objects the garbage collector
+    keeps walking.  The header (``config``) and the first event line are
+    read on construction (``EmptyLog`` there); a bad line raises when the
+    iteration reaches it.  ``check_rest`` reads what is left, so that a
+    caller who stops early still refuses a log ``read_log`` would refuse."""
+
+    def __init__(self, source) -> None:
+        self._checker = _LineChecker()
+        self._lines = enumerate(_iter_lines(source), start=1)
+        self._first = self._next()
+        if self._first is None:
+            raise EmptyLog(self._checker.lines, "no event line")
+
+    @property
+    def config(self) -> PlaneConfig | None:
+        return self._checker.config
+
+    def _next(self) -> LogRecord | None:
+        record = self._checker.record
+        for n, text in self._lines:
+            rec = record(n, text)
+            if rec is not None:
+                return rec
+        return None
+
+    def __iter__(self) -> Iterator[LogRecord]:
+        rec, self._first = self._first, None
+        while rec is not None:
+            yield rec
+            rec = self._next()
+
+    def check_rest(self) -> None:
+        self._first = None
+        while self._next() is not None:
+            pass

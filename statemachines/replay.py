@@ -24,13 +24,13 @@ requests per final state, lease and engine counts, and the leak report
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import attrs
 
 from .base import TimerFired
 from .config import PlaneConfig
-from .eventlog import EventLog, LogRecord, action_json, read_log, same_actions
+from .eventlog import EventLog, EventLogError, LogRecord, LogStream, action_json, read_log, same_actions
 from .events import EngineAcquire, EngineRelease
 from .machines import MACHINES
 from .machines.heartbeat import KIND as HEARTBEAT
@@ -100,9 +100,22 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
            until: float | None = None) -> ReplayResult:
     """Replay ``source`` (a path, an open file, an iterable of lines, or an
     ``EventLog``).  ``until`` advances time after the last line (to see what
-    timers would still release).  Raises ``EventLogError`` on bad input."""
-    log = source if isinstance(source, EventLog) else read_log(source)
-    cfg = config or log.config or PlaneConfig()
+    timers would still release).  Raises ``EventLogError`` on bad input,
+    the first bad line of the whole log, as ``read_log`` does."""
+    stream = None
+    records: Iterable[LogRecord]
+    if isinstance(source, EventLog):
+        records, log_config = source.records, source.config
+    elif observer is None and before_line is None:
+        # Nobody sees a line before the log is known good, so the log can be
+        # read as it is replayed: a bad line still raises (``check_rest``
+        # reads what a divergence leaves), and nothing is held in memory.
+        stream = LogStream(source)
+        records, log_config = stream, stream.config
+    else:
+        log = read_log(source)
+        records, log_config = log.records, log.config
+    cfg = config or log_config or PlaneConfig()
     result = ReplayResult(config=cfg)
     counts = _Counts(result, observer)
     table = dict(machines or MACHINES)
@@ -114,7 +127,28 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
     plane.recorder = produced.append
     result.plane = plane
 
-    for rec in log.records:
+    try:
+        _replay_records(records, plane, produced, result, before_line)
+    except EventLogError:
+        raise  # the stream's: the first bad line
+    except Exception:
+        if stream is not None:
+            stream.check_rest()  # a bad line further on is the error, as when the log was read first
+        raise
+    if stream is not None:
+        stream.check_rest()  # what a divergence left unread: a bad line there still fails the log
+    if until is not None and result.divergence is None:
+        plane.recorder = None
+        plane.fire_due(until)
+        result.end_time = until
+    _summarize(result, plane)
+    return result
+
+
+def _replay_records(records: Iterable[LogRecord], plane: ControlPlane, produced: deque, result: ReplayResult,
+                    before_line: Callable[[LogRecord, ControlPlane], None] | None) -> None:
+    """Feed or match each record; stops at the first divergence (in ``result``)."""
+    for rec in records:
         if before_line is not None:
             before_line(rec, plane)
         result.lines += 1
@@ -157,12 +191,6 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
         if produced and result.divergence is None:
             got = produced[0]
             result.divergence = Divergence(-1, -1, "extra", "end of log", _produced(got))
-    if until is not None and result.divergence is None:
-        plane.recorder = None
-        plane.fire_due(until)
-        result.end_time = until
-    _summarize(result, plane)
-    return result
 
 
 def _old_batcher_reference(rec: LogRecord) -> bool:

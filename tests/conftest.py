@@ -41,6 +41,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_fuzz_handshake.py": None,
     "test_heartbeat_phase.py": "core",
     "test_layering.py": "core",
+    "test_log_stream.py": "core",
     "test_monitors.py": "core",
     "test_params.py": "core",
     "test_plane_properties.py": "core",

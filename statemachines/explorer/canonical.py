@@ -53,51 +53,163 @@ def gate_signature(r, now: float, offset: float, plane: ControlPlane) -> tuple |
 
 
 # --------------------------------------------------------------- canonical
+class PlaneParts:
+    """What one plane contributes to the canonical state at its ``now``.
+
+    Worlds share the planes a move did not touch (copy-on-write), so the
+    parts of a plane are computed once and taken over by the worlds cloned
+    from the one that computed them (``World.canon_parts``), until the plane
+    is copied or the time moves."""
+
+    __slots__ = ("plane", "now", "requests", "engines", "schedule", "chain_since", "renamed")
+
+    def __init__(self, plane: ControlPlane, now: float, requests: tuple, engines: tuple, schedule: tuple,
+                 chain_since: float | None):
+        self.plane = plane
+        self.now = now
+        self.requests = requests  # per request index, the plane's signatures of it
+        # (key, head, refs, waiters, tail, up) per remote engine, by key;
+        # references are renamed per request order (``renamed``).
+        self.engines = engines
+        self.schedule = schedule  # the heartbeat schedule's entries
+        self.chain_since = chain_since  # the first send of the heartbeat chain to the other plane
+        self.renamed: dict[tuple, tuple] = {}  # request order -> the engines' entries without activity
+
+
 class Canonical:
     def __init__(self, profiles: tuple[Profile, ...], clocks: Clocks, horizon: float):
         self.profiles = profiles
-        self.n = len(profiles)
+        self.n = n = len(profiles)
         self.clocks = clocks
         # Past times this far back compare the same against every deadline.
         self.horizon = horizon
+        self._names = [(f"d{i}", f"p{i}", f"q{i}") for i in range(n)]
+        self._reads = [prof.num_remote_tokens > 0 for prof in profiles]
+        # Symmetry sorts the requests by the repr of their local signature,
+        # which opens with the profile's name: requests of distinct profiles
+        # are always in the order of their names' reprs, and only requests
+        # of one profile need their signatures compared.
+        name_reprs = [repr(prof.name) for prof in profiles]
+        self._name_reprs = name_reprs
+        self._twins = [name_reprs.count(r) > 1 for r in name_reprs]
+        self._by_name = tuple(sorted(range(n), key=lambda i: name_reprs[i]))
+        self._renames: dict[tuple, dict] = {}
+
+    def _rename(self, order: tuple) -> dict:
+        rename = self._renames.get(order)
+        if rename is None:
+            rename = self._renames[order] = {f"{pre}{old}": f"{pre}{new}" for new, old in enumerate(order)
+                                             for pre in "dpq" if old != new}
+        return rename
 
     def key(self, w: World, symmetry: bool) -> tuple:
         n = self.n
-        now = self.clocks.now
-        local = [self._local(w, i) for i in range(n)]
+        skew = self.clocks.skew
+        nd, np_ = w.t + skew["D"], w.t + skew["P"]
+        D, P = w.planes["D"], w.planes["P"]
+        cached = w.canon_parts
+        dp = cached[0] if cached is not None else None
+        if dp is None or dp.plane is not D or dp.now != nd:
+            dp = self._d_parts(D, nd)
+        pp = cached[1] if cached is not None else None
+        if pp is None or pp.plane is not P or pp.now != np_:
+            pp = self._p_parts(P, np_)
+        w.canon_parts = (dp, pp)
+        h = self.horizon
+        awaited, reported, freed = w.awaited, w.reported, w.freed
+        phase, phase2, hold = w.phase, w.phase2, w.hold_expiry
+        local = []
+        for i in range(n):
+            d, p, q = self._names[i]
+            dreq, dlease, dhb = dp.requests[i]
+            plea, preq, ppush, phb = pp.requests[i]
+            held = None
+            if phase2[i] == NEW:
+                v = hold[i]
+                if v is not None:
+                    held = v - nd
+                    if held <= -h:
+                        held = -h
+            local.append((
+                self.profiles[i].name, phase[i], phase2[i], dreq, plea, dlease, preq, ppush,
+                ("D", d) in awaited, ("D", d) in reported, ("P", q) in awaited, ("P", q) in reported,
+                ("P", p) in freed, ("D", d) in freed, held, dhb, phb,
+                # Exported and on its way to a stalled D: the expiry D will get,
+                # and how it compares with the chain D's next batches continue.
+                self._exported_sig(w, i, np_, dp.chain_since) if phase[i] == SENT else None,
+            ))
         if symmetry and n > 1:
-            order = sorted(range(n), key=lambda i: repr(local[i]))
+            twins, name_reprs = self._twins, self._name_reprs
+            if any(twins):
+                order = tuple(sorted(range(n), key=lambda i: (name_reprs[i], repr(local[i]) if twins[i] else "")))
+            else:
+                order = self._by_name
         else:
-            order = list(range(n))
-        rename = {}
-        for new, old in enumerate(order):
-            for pre in "dpq":
-                rename[f"{pre}{old}"] = f"{pre}{new}"
+            order = tuple(range(n))
+        rename = self._rename(order)
         shared: list[tuple] = []
-        for pname in ("D", "P"):
-            plane = w.planes[pname]
-            t = now(w, pname)
-            for key, e in sorted(plane.instances["remote_engine"].items()):
-                up = e.state in ("CONNECTED", "STALE")
-                shared.append((pname, key, e.state, self._rel(e.deadline, t),
-                               tuple(sorted((k, rename.get(r, r)) for k, r in e.refs)),
-                               tuple((k, rename.get(r, r)) for k, r in e.waiters),
-                               e.attempts, None if up else self._rel(e.retry_at, t),
-                               self._rel(e.last_activity, t) if up else None,
-                               e.clock_offset, e.notify_only,
-                               self._rel(w.activity.get((pname, key)), t) if up else None))
-            for eng, next_at, ranks, last_sent in heartbeat_schedule(plane):
-                # The chain's last send decides whether the next one breaks it
-                # and how far it extended P's leases (the READ gate).  Its
-                # first send enters only as the gate's comparisons, per request
-                # (``gate_signature``): its raw age would split equivalent states.
-                shared.append((pname, "hb", eng, self._rel(next_at, t), ranks, self._rel(last_sent, t)))
-        net = sorted(self._message(m, rename, w) for m in w.net)
-        stalled = sorted(self._message(m, rename, w) for m in w.stalled)
-        stall = None if w.stall is None else (self._rel(w.stall[0], now(w, "D")),
-                                              self._rel(w.stall[1], now(w, "D")))
-        return (tuple(local[i] for i in order), tuple(shared), tuple(net), tuple(stalled),
-                w.faults, w.aborts, w.crashed, stall)
+        for pname, parts in (("D", dp), ("P", pp)):
+            t = parts.now
+            entries = parts.renamed.get(order)
+            if entries is None:
+                entries = parts.renamed[order] = self._engine_entries(parts, rename)
+            activity = w.activity
+            for key, pre, up in entries:
+                act = None
+                if up:
+                    v = activity.get((pname, key))
+                    if v is not None:
+                        act = v - t
+                        if act <= -h:
+                            act = -h
+                shared.append(pre + (act,))
+            shared.extend(parts.schedule)
+        net = w.canon_net
+        if net is None or net[0] is not w.net or net[1] is not w.stalled or net[2] != order or net[3] != nd:
+            net = w.canon_net = (w.net, w.stalled, order, nd, tuple(sorted(self._message(m, rename, w) for m in w.net)),
+                                 tuple(sorted(self._message(m, rename, w) for m in w.stalled)))
+        stall = None if w.stall is None else (self._rel(w.stall[0], nd), self._rel(w.stall[1], nd))
+        return (tuple(local[i] for i in order), tuple(shared), net[4], net[5], w.faults, w.aborts, w.crashed, stall)
+
+    def _engine_entries(self, parts: PlaneParts, rename: dict) -> tuple:
+        get = rename.get
+        return tuple((key, head + (tuple(sorted((k, get(r, r)) for k, r in refs)),
+                                   tuple((k, get(r, r)) for k, r in waiters)) + tail, up)
+                     for key, head, refs, waiters, tail, up in parts.engines)
+
+    def _engines(self, pname: str, plane: ControlPlane, t: float) -> tuple:
+        rel = self._rel
+        out = []
+        for key, e in sorted(plane.instances["remote_engine"].items()):
+            up = e.state in ("CONNECTED", "STALE")
+            out.append((key, (pname, key, e.state, rel(e.deadline, t)), tuple(e.refs), tuple(e.waiters),
+                        (e.attempts, None if up else rel(e.retry_at, t), rel(e.last_activity, t) if up else None,
+                         e.clock_offset, e.notify_only), up))
+        return tuple(out)
+
+    def _schedule(self, pname: str, plane: ControlPlane, t: float) -> tuple:
+        # The chain's last send decides whether the next one breaks it and
+        # how far it extended P's leases (the READ gate).  Its first send
+        # enters only as the gate's comparisons, per request
+        # (``gate_signature``): its raw age would split equivalent states.
+        rel = self._rel
+        return tuple((pname, "hb", eng, rel(next_at, t), ranks, rel(last_sent, t))
+                     for eng, next_at, ranks, last_sent in heartbeat_schedule(plane))
+
+    def _d_parts(self, D: ControlPlane, nd: float) -> PlaneParts:
+        reqs, leases = D.instances["decode_request"], D.instances["lease"]
+        requests = tuple((self._req_sig(reqs.get(d), nd, "D", D, reads), self._lease_sig(leases.get(d), nd),
+                          heartbeat_registrations(D, "P", p))
+                         for (d, p, _), reads in zip(self._names, self._reads))
+        return PlaneParts(D, nd, requests, self._engines("D", D, nd), self._schedule("D", D, nd),
+                          D.heartbeats.chain("P")[0])
+
+    def _p_parts(self, P: ControlPlane, np_: float) -> PlaneParts:
+        reqs, leases, pushes = P.instances["decode_request"], P.instances["lease"], P.instances["push_write"]
+        requests = tuple((self._lease_sig(leases.get(p), np_), self._req_sig(reqs.get(q), np_, "P", P, True),
+                          self._push_sig(pushes.get(p), np_), heartbeat_registrations(P, "D", d))
+                         for d, p, q in self._names)
+        return PlaneParts(P, np_, requests, self._engines("P", P, np_), self._schedule("P", P, np_), None)
 
     def _message(self, m: Message, rename: dict, w: World) -> tuple:
         if isinstance(m, PushRegistration):  # D's give-up time (D's clock), relative
@@ -111,27 +223,6 @@ class Canonical:
             return None
         r = v - now
         return r if r > -self.horizon else -self.horizon
-
-    def _local(self, w: World, i: int) -> tuple:
-        d, p, q = f"d{i}", f"p{i}", f"q{i}"
-        D, P = w.planes["D"], w.planes["P"]
-        nd, np_ = self.clocks.now(w, "D"), self.clocks.now(w, "P")
-        prof = self.profiles[i]
-        return (
-            prof.name, w.phase[i], w.phase2[i],
-            self._req_sig(D.instances["decode_request"].get(d), nd, "D", D, prof.num_remote_tokens > 0),
-            self._lease_sig(P.instances["lease"].get(p), np_),
-            self._lease_sig(D.instances["lease"].get(d), nd),
-            self._req_sig(P.instances["decode_request"].get(q), np_, "P", P, True),
-            self._push_sig(P.instances["push_write"].get(p), np_),
-            ("D", d) in w.awaited, ("D", d) in w.reported, ("P", q) in w.awaited, ("P", q) in w.reported,
-            ("P", p) in w.freed, ("D", d) in w.freed,
-            self._rel(w.hold_expiry[i], nd) if w.phase2[i] == NEW else None,
-            heartbeat_registrations(D, "P", p), heartbeat_registrations(P, "D", d),
-            # Exported and on its way to a stalled D: the expiry D will get,
-            # and how it compares with the chain D's next batches continue.
-            self._exported_sig(w, i, np_, D) if w.phase[i] == SENT else None,
-        )
 
     def _req_sig(self, r, now, pname, plane, reads: bool) -> tuple | None:
         """``reads``: the request will be allocated remote tokens (else it is
@@ -148,9 +239,9 @@ class Canonical:
                 self._rel(r.push_deadline, now) if s == "AWAITING_PUSH" else None,
                 r.clock_offset)
 
-    def _exported_sig(self, w: World, i: int, np_: float, D: ControlPlane) -> tuple:
+    def _exported_sig(self, w: World, i: int, np_: float, since: float | None) -> tuple:
         # D's NewRequest will set arrived >= now, after every send so far.
-        since, _ = D.heartbeats.chain("P")
+        # ``since``: the first send of D's heartbeat chain to P.
         expiry = w.p_expiry[i]
         assert expiry is not None  # SENT: P exported it with the params
         e = expiry - self.clocks.offset("D", "P")

@@ -127,6 +127,8 @@ class Model:
         w.hold_expiry = [None] * self.n  # D's exported hold deadline (D's clock)
         w.stall = None  # (start, end) while D is stalled
         w.p_expiry = [None] * self.n  # P's lease expiry (P's clock) as exported to D
+        w.ahead = None
+        w.canon_parts = w.canon_net = None
         return w
 
     def now(self, w: World, plane: str) -> float:

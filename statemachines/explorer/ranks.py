@@ -94,6 +94,7 @@ class RankWorld(World):
         w.down = self.down
         w.reports = dict(self.reports)
         w.sent, w.recv = list(self.sent), list(self.recv)
+        w.ahead = None
         return w
 
 
@@ -215,6 +216,8 @@ class RankModel(Model):
         w.hold_expiry, w.p_expiry = [None] * self.n, [None] * self.n
         w.stall = None
         w.down = frozenset()
+        w.ahead = None
+        w.canon_parts = w.canon_net = None
         w.reports = {"P": (), "D": ()}
         w.sent, w.recv = [0] * self.n, [False] * self.n
         return w

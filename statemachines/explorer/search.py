@@ -7,8 +7,10 @@ so the caller computes rates with its own clock.
 """
 from __future__ import annotations
 
+import gc
 from collections import deque
-from typing import Any, Callable, cast
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, cast
 
 import attrs
 
@@ -92,20 +94,50 @@ def explore(config: ExploreConfig | None = None, *, machines: dict[str, Machine]
     model = (model_factory or model_for)(cfg, machines)
     res = ExploreResult(cfg)
     start = clock() if clock is not None else 0.0
+    with _collector_paused():
+        _search(model, cfg, res, progress, progress_every)
+    if clock is not None:
+        res.elapsed = clock() - start
+    return res
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The search keeps every state it finds (keys, worlds waiting to be
+    expanded) and makes no reference cycles: the cyclic garbage collector
+    would only walk that growing heap again and again (a third of the run),
+    and reference counting frees what the search drops without it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(model: Model, cfg: ExploreConfig, res: ExploreResult, progress: Callable[[SearchProgress], None] | None,
+            progress_every: int) -> None:
     sym = cfg.symmetry
+    # Every canonical state met (by the search or a drain) gets a number, so
+    # that a key (a large nested tuple, hashed anew on every lookup) is
+    # hashed once; the search's bookkeeping is by number.
+    ids: dict[tuple, int] = {}
     w0 = model.initial()
-    k0 = model.canon(w0, sym)
-    parent: dict = {k0: None}  # canonical state -> (parent state, move) on a shortest path
-    depth = {k0: 0}
-    frontier = deque([(w0, k0)])
-    drain_ok: set = set()
+    s0 = ids.setdefault(model.canon(w0, sym), 0)
+    parent: dict[int, tuple[int, Move] | None] = {s0: None}  # state -> (parent, move) on a shortest path
+    depth = {s0: 0}
+    frontier = deque([(w0, s0)])
+    drain_ok: set[int] = set()
     found_kinds: set = set()
 
-    def trace(k) -> list[Move]:
+    def trace(s: int) -> list[Move]:
         moves = []
-        while parent[k] is not None:
-            k, m = parent[k]
+        step = parent[s]
+        while step is not None:
+            s, m = step
             moves.append(m)
+            step = parent[s]
         return moves[::-1]
 
     def report(kind, message, moves) -> bool:
@@ -118,74 +150,110 @@ def explore(config: ExploreConfig | None = None, *, machines: dict[str, Machine]
     stop = False
     expanded = 0
     while frontier and not stop:
-        w, k = frontier.popleft()
-        dk = depth[k]
+        w, s = frontier.popleft()
+        ds = depth[s]
         expanded += 1
         if progress is not None and expanded % progress_every == 0:
-            progress(SearchProgress(states=len(parent), expanded=expanded, transitions=res.transitions, depth=dk,
+            progress(SearchProgress(states=len(parent), expanded=expanded, transitions=res.transitions, depth=ds,
                                     frontier=len(frontier), violations=len(res.violations),
                                     max_depth=cfg.max_depth, max_states=cfg.max_states))
-        if cfg.liveness and k not in drain_ok:
-            bad = _drain(model, w, k, drain_ok, sym)
+        if cfg.liveness and s not in drain_ok:
+            bad = _drain(model, w, s, drain_ok, sym, ids, _Ahead(parent, ds, cfg.max_depth))
             res.drained += 1
             if bad is not None:
                 kind, message, extra = bad
-                if report(kind, message, trace(k) + extra):
+                if report(kind, message, trace(s) + extra):
                     break
-        if dk >= cfg.max_depth:
+        if ds >= cfg.max_depth:
             res.frontier_cut += 1
             continue
+        ahead, w.ahead = w.ahead, None
         for m in model.moves(w):
-            w2 = w.clone()
             res.transitions += 1
-            try:
-                model.apply(w2, m)
-            except Found as f:
-                if report(f.kind, f.message, trace(k) + [m]):
-                    stop = True
-                    break
+            if ahead is not None and ahead[0] == m:
+                _, w2, s2 = ahead
+            else:
+                w2 = w.clone()
+                try:
+                    model.apply(w2, m)
+                except Found as f:
+                    if report(f.kind, f.message, trace(s) + [m]):
+                        stop = True
+                        break
+                    continue
+                s2 = ids.setdefault(model.canon(w2, sym), len(ids))
+            if s2 in parent:
                 continue
-            k2 = model.canon(w2, sym)
-            if k2 in parent:
-                continue
-            parent[k2] = (k, m)
-            depth[k2] = dk + 1
-            res.max_depth_reached = max(res.max_depth_reached, dk + 1)
-            frontier.append((w2, k2))
+            parent[s2] = (s, m)
+            depth[s2] = ds + 1
+            res.max_depth_reached = max(res.max_depth_reached, ds + 1)
+            frontier.append((w2, s2))
             if len(parent) >= cfg.max_states:
                 res.truncated = True
                 stop = True
                 break
     res.states = len(parent)
-    if clock is not None:
-        res.elapsed = clock() - start
-    return res
 
 
-def _drain(model: Model, w: World, k, drain_ok: set, sym: bool):
-    """Run the fault-free continuation; None when it ends clean, else
-    (kind, message, moves).  Every state on a clean drain is memoized."""
-    w = w.clone()
-    path_keys = [k]
+class _Ahead:
+    """When a drain step may be kept for the search: the drain starts at the
+    world being expanded, and a step's result is the successor the search
+    would compute for the same move while the drain stays on worlds the
+    search will expand (new states within the depth bound)."""
+
+    __slots__ = ("parent", "depth", "max_depth")
+
+    def __init__(self, parent: dict, depth: int, max_depth: int):
+        self.parent = parent
+        self.depth = depth
+        self.max_depth = max_depth
+
+
+def _drain(model: Model, w: World, s: int, drain_ok: set[int], sym: bool, ids: dict[tuple, int],
+           keep: _Ahead | None = None):
+    """Run the fault-free continuation from state number ``s`` (``ids``
+    numbers the states met); None when it ends clean, else (kind, message,
+    moves).  Every state on a clean drain is memoized in ``drain_ok``.
+
+    With ``keep``, the steps from worlds the search will expand are applied
+    to copies and kept on the world they start from (``World.ahead``), so
+    the search does not apply them again; past that the drain works on one
+    copy in place."""
+    path = [s]
     moves: list[Move] = []
+    depth = keep.depth if keep is not None else 0
+    # ``w`` is shared with the search while the drain keeps its steps.
+    keeping = keep is not None and depth < keep.max_depth
+    if not keeping:
+        w = w.clone()
     for _ in range(model.cfg.drain_limit):
         m = model.drain_move(w)
         if m is None:
             problems = model.quiescent_problems(w)
             if problems:
                 return "liveness", "; ".join(problems), moves
-            drain_ok.update(path_keys)
+            drain_ok.update(path)
             return None
         moves.append(m)
+        src = w
+        if keeping:
+            w = w.clone()
         try:
             model.apply(w, m)
         except Found as f:
             return f.kind, f.message + " (during the fault-free drain)", moves
-        k2 = model.canon(w, sym)
-        if k2 in drain_ok:
-            drain_ok.update(path_keys)
+        s2 = ids.setdefault(model.canon(w, sym), len(ids))
+        if keeping:
+            assert keep is not None
+            src.ahead = (m, w, s2)
+            depth += 1
+            keeping = depth < keep.max_depth and s2 not in keep.parent
+            if not keeping:
+                w = w.clone()  # kept for the search: the rest of the drain works on a copy
+        if s2 in drain_ok:
+            drain_ok.update(path)
             return None
-        path_keys.append(k2)
+        path.append(s2)
     return "liveness", f"no quiescence within {model.cfg.drain_limit} fault-free steps", moves
 
 

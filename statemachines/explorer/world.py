@@ -38,7 +38,8 @@ class World:
     """Mutable while a move is applied; cloned (cheaply) before each move."""
 
     __slots__ = ("t", "planes", "owned", "net", "stalled", "phase", "phase2", "faults", "aborts", "crashed",
-                 "awaited", "reported", "freed", "activity", "hold_expiry", "stall", "p_expiry")
+                 "awaited", "reported", "freed", "activity", "hold_expiry", "stall", "p_expiry", "ahead",
+                 "canon_parts", "canon_net")
     t: float
     planes: dict[str, ControlPlane]
     owned: set[str]  # the planes this world no longer shares with the one it was cloned from
@@ -56,6 +57,15 @@ class World:
     hold_expiry: list[float | None]
     stall: tuple[float, float] | None
     p_expiry: list[float | None]
+    # (move, the world after it, its canonical key): a successor the search
+    # computed ahead (on a liveness drain), taken when this world is
+    # expanded instead of applying the move again.  Never copied by clone.
+    ahead: tuple | None
+    # The canonical state's parts of this world's planes and network
+    # (canonical.py), taken over by its clones: a plane or a network a move
+    # leaves alone keeps its parts.
+    canon_parts: tuple | None
+    canon_net: tuple | None
 
     def clone(self) -> "World":
         w = World.__new__(World)
@@ -73,6 +83,8 @@ class World:
         w.hold_expiry = list(self.hold_expiry)
         w.stall = self.stall
         w.p_expiry = list(self.p_expiry)
+        w.ahead = None
+        w.canon_parts, w.canon_net = self.canon_parts, self.canon_net
         return w
 
     def plane(self, name: str) -> ControlPlane:
@@ -80,4 +92,9 @@ class World:
         if name not in self.owned:
             self.planes[name] = clone_plane(self.planes[name])
             self.owned.add(name)
-        return self.planes[name]
+            return self.planes[name]
+        plane = self.planes[name]
+        parts = self.canon_parts
+        if parts is not None and any(part.plane is plane for part in parts):
+            self.canon_parts = None  # changed in place after its parts were taken (a drain)
+        return plane
