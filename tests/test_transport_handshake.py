@@ -3,6 +3,7 @@
 Servers are authenticated (CURVE, allow-list) unless a test is about the
 insecure opt-out; ``hs`` handshakes with the allowed client key."""
 
+import os
 import threading
 import time
 
@@ -337,3 +338,17 @@ def test_keys_from_certificate_files_and_z85_text(tmp_path):
         load_keypair(pub_file)
     with pytest.raises(ValueError):
         public_key(b"short")
+    # A certificate path exactly as long as a z85 key is still a path (seen: the
+    # vLLM job's "/tmp/sbs_late/kvplane/keys/prefill-0.key").
+    import shutil
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="k", dir="/tmp")  # short, so the padding below fits
+    try:
+        folder = os.path.join(base, "x" * (40 - len(base) - len("//decode-0.key")))
+        os.mkdir(folder)
+        forty, _ = zmq.auth.create_certificates(folder, "decode-0")
+        assert len(forty) == 40
+        assert public_key(forty) == zmq.auth.load_certificate(forty)[0]
+    finally:
+        shutil.rmtree(base)

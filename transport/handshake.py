@@ -109,8 +109,9 @@ def _brief(value: Any, limit: int = 48) -> str:
 def public_key(value: "bytes | str | os.PathLike") -> bytes:
     """A CURVE public key as 40 z85 bytes, from z85 text/bytes, 32 raw bytes,
     or the path of a ``zmq.auth`` certificate file (``*.key`` / ``*.key_secret``)."""
-    if isinstance(value, os.PathLike) or (isinstance(value, str) and len(value) != 40):
-        # Not z85 text (40 characters): a certificate file.
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and (len(value) != 40 or os.path.isfile(value))):
+        # A certificate file: not z85 text (40 characters), or an existing file
+        # (a path can be 40 characters long, and z85 has "/" and ".").
         pub, _ = zmq.auth.load_certificate(os.fspath(value))
         return pub
     if isinstance(value, str):
