@@ -28,6 +28,7 @@ SECTIONS = {
     "nixl": "bench.nixl",
     "eventlog": "bench.eventlog",
     "explorer": "bench.explorer",
+    "datapath": "bench.datapath",
 }
 
 

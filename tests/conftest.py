@@ -29,6 +29,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_core_scenarios.py": "core",
     "test_core_transitions.py": "core",
     "test_core_validation.py": "core",
+    "test_datapath_figures.py": "core",
     "test_diagrams.py": "core",
     "test_driver_loop.py": "core",
     "test_e2e_mainjob.py": "e2e",
