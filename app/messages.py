@@ -215,6 +215,11 @@ class Summary:
     ranks: list = attrs.Factory(list)
     lost_ranks: list = attrs.Factory(list)
     rank_crashes: dict = attrs.Factory(dict)  # rank -> the traceback of a rank that crashed
+    # Every transfer the ranks posted (TransferSample: post -> done), and D rank 0's bare NIXL READ of
+    # the same sizes after the run (report.py turns both into the data-path figures).
+    transfers: list = attrs.Factory(list)
+    bare_reads: list = attrs.Factory(list)
+    bare_read_error: str | None = None
 
 
 TO_PARENT = (Ready, Crashed, Status, Prefilled, Decoded, Turn2Done, Abandoned, Released, Summary)

@@ -131,7 +131,8 @@ class Node:
                                num_blocks=nb, block_elems=be, keypair=tuple(opts.curve.keypair),
                                peers=dict(opts.curve.peers), log_path=self.log_paths[rank], clock_skew=skew,
                                drop_notifications=opts.drop_notifications,
-                               seed=(opts.seed * 2 + (role == "D")) * 1024 + rank)
+                               seed=(opts.seed * 2 + (role == "D")) * 1024 + rank,
+                               measure_bare_read=role == "D" and rank == 0)
 
         self.ranks = RankGroup(self.sched, rank_options, on_verified=self._on_verified,
                                on_lease_event=self._on_lease_event, on_clock_offset=self._on_clock_offset)
@@ -615,9 +616,12 @@ class Node:
                        "plane_held": len(rs.plane_held), "heartbeats_received": rs.heartbeats_received,
                        "lease_heartbeats": self.hb_by_rank.get(rs.rank, 0), "heartbeats_sent": rs.heartbeats_sent,
                        "leases_ended": rs.leases_ended, "bytes_moved": rs.bytes_moved,
-                       "log": self.log_paths[rs.rank]} for rs in ranks],
+                       "cpu_s": round(rs.cpu_s, 3), "waits": rs.waits, "log": self.log_paths[rs.rank]} for rs in ranks],
             "lost_ranks": sorted(self.ranks.lost - set(rank_summaries)),
             "rank_crashes": dict(self.ranks.crashes),
+            "transfers": [t for rs in ranks for t in rs.transfers],
+            "bare_reads": [t for rs in ranks for t in rs.bare_reads],
+            "bare_read_error": next((rs.bare_read_error for rs in ranks if rs.bare_read_error), None),
         }
         self.send(Summary(**summary))
 

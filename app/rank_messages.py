@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 
 from kvplane.connector.records import RankInfo, StepMeta, WorkerReport
+from kvplane.transport.transfer_times import TransferSample
 
 
 @attrs.frozen(kw_only=True)
@@ -29,6 +30,8 @@ class RankOptions:
     clock_skew: float = 0.0  # added to the plane's clock (the engine's, shared by its ranks)
     drop_notifications: float = 0.0  # fault injection: drop this fraction of received notifications
     seed: int = 0
+    # At the end, measure a bare NIXL READ of the sizes this rank read (``bare_read``).
+    measure_bare_read: bool = False
 
 
 # ------------------------------------------------------------ scheduler -> rank
@@ -112,6 +115,12 @@ class RankSummary:
     engines_closed_at_shutdown: int
     anomalies: dict  # the plane's fail-closed and anomaly counts, by name
     nixl_calls: dict  # the slowest NIXL call of each kind
+    transfers: tuple[TransferSample, ...] = ()  # each transfer this rank posted: post -> done
+    # A bare NIXL READ of the same sizes, measured after the run (RankOptions.measure_bare_read).
+    bare_reads: tuple[TransferSample, ...] = ()
+    bare_read_error: str | None = None
+    cpu_s: float = 0.0  # the process's CPU time over its life
+    waits: dict = attrs.Factory(dict)  # loop passes that found nothing to do, by how they waited
 
 
 FROM_RANK = (RankReady, RankStep, RankCrashed, RankSummary)

@@ -5,8 +5,24 @@ The scheduler process spawns one per TP rank.  A rank owns a
 registered with NIXL through its ``ConnectorWorker``, and runs a step
 loop: apply what the scheduler sent (``StepMeta``, fill / verify / poison
 jobs, in pipe order), step its driver, and send a ``RankStep`` whenever
-something finished.  It polls without sleeping while a transfer is
-posted and sleeps ~1 ms, woken by a message, when idle.
+something finished.
+
+The data path (measured here with nixl 1.5.1 over UCX: a READ completes
+only when its reader and its target both progress, and ``Connection.poll``
+with a timeout sleeps at least ~1 ms) sets how the loop waits:
+
+- a transfer of this rank posted less than ``SPIN_LIMIT_S`` ago: no sleep
+  at all (an older one, say to a hung peer, is polled every ``NAP_S``);
+- blocks a peer may READ (the plane holds a lease) and nothing else to do:
+  progress UCX every ``NAP_S`` for up to ``IDLE_WAIT_S``, so a reader's
+  READ is served within ~0.1 ms, not after a 1 ms sleep;
+- nothing at all: sleep up to ``IDLE_WAIT_S``, woken by a message.
+
+Fill and verify work is off the polling path: it waits while a transfer of
+this rank is in flight and otherwise runs in slices of ``SLICE_ELEMS``
+elements, with the loop polling between slices (a reader of this rank's
+blocks is not held up for a whole request's worth of torch work).  Jobs and
+step metadata stay in pipe order: a Step waits behind an unfinished job.
 
 The pattern a block is filled with is the whole block's (``pattern``), of
 which each rank writes and checks its own slice, so ranks of engines with
@@ -19,7 +35,8 @@ import os
 import time
 import traceback
 import zlib
-from collections import Counter
+from collections import Counter, deque
+from typing import Any, Iterator
 
 from kvplane.statemachines.actions import FreeBlocks
 from kvplane.statemachines.events import HandshakeOk, LeaseHeartbeat
@@ -32,6 +49,14 @@ from .rank_messages import (TO_RANK, Fill, Poison, RankCrashed, RankOptions, Ran
 POISON = -1.0
 ALIVE_EVERY_S = 0.2
 _MASK = (1 << 20) - 1  # pattern values stay exact in float32
+# Spin (no sleep) while a transfer of this rank is younger than this; a
+# 3 MiB READ takes ~1 ms here, one to a hung peer stays posted until its
+# deadline (seconds), and must not burn a core all that time.
+SPIN_LIMIT_S = 0.05
+NAP_S = 0.0001  # time.sleep, not Connection.poll: the latter sleeps >= ~1 ms
+IDLE_WAIT_S = 0.001
+SLICE_ELEMS = 1 << 17  # fill / verify work between two polls (512 KiB of float32)
+BARE_SIZES = 32  # transfer sizes the bare NIXL READ replays (each 3 times)
 
 
 def pattern_seed(lid: str, block_index: int) -> int:
@@ -50,6 +75,9 @@ class RankWorker:
         from kvplane.transport.faults import DropNotifications
         from kvplane.transport.nixl_agent import NixlEndpoint
 
+        # One intra-op thread: two on this 2-core box made a 3 MiB compare ~4x
+        # slower under load, and the rank's polling needs the other core.
+        torch.set_num_threads(1)
         self.torch = torch
         self.conn = conn
         self.opts = opts
@@ -82,21 +110,37 @@ class RankWorker:
         self.worker.register_kv_caches(self.kv)
         self._ramp = (torch.arange(lo, lo + self.shard, dtype=torch.int64) * 7)
         self._verified: list[tuple[int, bool]] = []
+        self._queue: deque[Any] = deque()  # messages not applied yet, in pipe order
+        self._job: Iterator[None] | None = None  # the fill or verify job under way, by slices
+        self._handle: dict[type, Any] = {}
+        self.waits: Counter = Counter()  # how the loop waited, by kind (``_wait``)
         self.stopped = False
 
     # ------------------------------------------------------------ blocks
-    def pattern(self, lid: str, index: int):
-        return ((self._ramp + pattern_seed(lid, index)) & _MASK).to(self.torch.float32)
+    def patterns(self, lid: str, first_index: int, count: int):
+        """The patterns of blocks ``first_index ..`` of ``lid``, this rank's slice, one row each."""
+        torch = self.torch
+        seeds = torch.tensor([pattern_seed(lid, first_index + i) for i in range(count)], dtype=torch.int64)
+        return ((self._ramp.unsqueeze(0) + seeds.unsqueeze(1)) & _MASK).to(torch.float32)
 
-    def on_fill(self, job: Fill) -> None:
-        for i, b in enumerate(job.block_ids):
-            self.kv[b] = self.pattern(job.lid, job.first_index + i)
+    def _slices(self, block_ids: tuple[int, ...]) -> Iterator[tuple[int, list[int]]]:
+        """(offset, block ids) of each slice of ``block_ids``: SLICE_ELEMS of work each."""
+        per = max(1, SLICE_ELEMS // self.shard)
+        for i in range(0, len(block_ids), per):
+            yield i, list(block_ids[i:i + per])
+
+    def fill_slices(self, job: Fill) -> Iterator[None]:
+        for i, blocks in self._slices(job.block_ids):
+            self.kv[blocks] = self.patterns(job.lid, job.first_index + i, len(blocks))
+            yield
         if job.token:
             self._verified.append((job.token, True))
 
-    def on_verify(self, job: Verify) -> None:
-        ok = all(self.torch.equal(self.kv[b], self.pattern(job.lid, job.first_index + i))
-                 for i, b in enumerate(job.block_ids))
+    def verify_slices(self, job: Verify) -> Iterator[None]:
+        ok = True
+        for i, blocks in self._slices(job.block_ids):
+            ok = ok and self.torch.equal(self.kv[blocks], self.patterns(job.lid, job.first_index + i, len(blocks)))
+            yield
         self._verified.append((job.token, ok))
 
     def on_poison(self, job: Poison) -> None:
@@ -128,18 +172,16 @@ class RankWorker:
 
     # ------------------------------------------------------------ loop
     def run(self) -> None:
-        handle = handlers(TO_RANK, {Step: self.on_step, Fill: self.on_fill, Verify: self.on_verify,
-                                    Poison: self.on_poison, Stop: self.on_stop})
+        self._handle = handlers(TO_RANK, {Step: self.on_step, Fill: self._start_job, Verify: self._start_job,
+                                          Poison: self.on_poison, Stop: self.on_stop})
         self.conn.send(RankReady(info=self.worker.rank_info(), os_pid=os.getpid()))
         last_flush = last = time.monotonic()
         while not self.stopped:
             busy = False
             while self.conn.poll(0):
-                msg = self.conn.recv()
-                handle[type(msg)](msg)
+                self._queue.append(self.conn.recv())
                 busy = True
-                if self.stopped:
-                    break
+            busy |= self._work_queue()
             busy |= self.worker.step() > 0
             report = self.worker.report()
             now = time.monotonic()
@@ -157,9 +199,61 @@ class RankWorker:
             if self.log is not None and now - last_flush > 0.1:
                 self.log.flush()
                 last_flush = now
-            if not busy and not self.driver.xfers:
-                self.conn.poll(0.001)
+            if not busy and not self.stopped:
+                self._wait()
         self._finish()
+
+    def _start_job(self, job: Fill | Verify) -> None:
+        self._job = self.fill_slices(job) if isinstance(job, Fill) else self.verify_slices(job)
+
+    def _work_queue(self) -> bool:
+        """Apply queued messages in pipe order; of a fill or verify job one
+        slice per call, and none while a transfer of this rank is young."""
+        did = False
+        while self._queue or self._job is not None:
+            if self._job is not None:
+                if self._spinning():
+                    return did
+                if next(self._job, StopIteration) is StopIteration:
+                    self._job = None
+                return True  # one slice, then poll
+            msg = self._queue.popleft()
+            self._handle[type(msg)](msg)
+            did = True
+            if self.stopped:
+                return did
+        return did
+
+    def _spinning(self) -> bool:
+        """A transfer of this rank was posted less than SPIN_LIMIT_S ago."""
+        xfers = self.driver.xfers
+        if not xfers:
+            return False
+        newest = max(handle.posted_at for handle, _op, _engine in xfers.values())
+        return time.perf_counter() - newest < SPIN_LIMIT_S
+
+    def _serving(self) -> bool:
+        """The plane holds blocks a peer may READ now (a lease or a hold)."""
+        return bool(self.driver.plane.instances["lease"])
+
+    def _wait(self) -> None:
+        """Nothing moved this pass: spin, nap or sleep (see the module docstring)."""
+        waits = self.waits
+        if self._spinning():
+            waits["spin"] += 1  # a young transfer
+        elif self._job is not None or self._queue:
+            waits["job"] += 1  # a job the transfer held back may run now
+        elif self.driver.xfers:  # posted long ago: a slow or hung peer
+            waits["nap"] += 1
+            time.sleep(NAP_S)
+        elif self._serving():
+            waits["serve"] += 1
+            end = time.perf_counter() + IDLE_WAIT_S
+            while not self.conn.poll(0) and self.ep.progress() == 0 and time.perf_counter() < end:
+                time.sleep(NAP_S)
+        else:
+            waits["idle"] += 1
+            self.conn.poll(IDLE_WAIT_S)
 
     def _finish(self) -> None:
         d = self.driver
@@ -175,18 +269,42 @@ class RankWorker:
         if self.faults.dropped:
             counters["notifs_dropped_injected"] = self.faults.dropped
         lease_blocks = sum(len(lease.block_ids) for lease in d.plane.instances["lease"].values())
+        transfers = tuple(self.ep.transfer_times.samples)
+        bare, bare_error = self._bare_reads(transfers)
         self.conn.send(RankSummary(
             rank=self.opts.rank, engine_id=self.rank_id, counters=counters, busy_s=self.busy_s,
             engines_evicted=evicted, engines_closed_at_shutdown=closed,
             anomalies=anomalies, nixl_calls=self.ep.call_times.to_dict(),
             heartbeats_received=d.counters.get("heartbeats_received", 0),
             heartbeats_sent=d.plane.stats.get("heartbeats_sent", 0), leases_ended=ended, plane_held=held,
-            held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"]))
+            held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"], transfers=transfers,
+            bare_reads=bare, bare_read_error=bare_error, cpu_s=time.process_time(), waits=dict(self.waits)))
         if self.log is not None:
             self.log.flush()
         self.worker.shutdown()
         if self._log_stream is not None:
             self._log_stream.close()
+
+
+    def _bare_reads(self, transfers) -> tuple[tuple, str | None]:
+        """A bare NIXL READ of the sizes this rank read, when asked (the
+        figure the job's READs are compared with); an error is reported, not
+        raised: the run itself is over and fine."""
+        sizes = [t.nbytes for t in transfers if t.op == "READ"]
+        if not self.opts.measure_bare_read or not sizes:
+            return (), None
+        from .bare_read import bare_reads, size_sample
+
+        def alive() -> None:  # the scheduler kills a rank silent for 5 s
+            if time.monotonic() - self._last_sent > ALIVE_EVERY_S:
+                self._last_sent = time.monotonic()
+                self.conn.send(RankStep(report=self.worker.report()))
+
+        try:
+            return tuple(bare_reads(size_sample(sizes, BARE_SIZES), self.shard * self.kv.element_size(),
+                                    name=f"{self.rank_id}-bare", between=alive)), None
+        except Exception as exc:  # a bare-NIXL failure must not lose the run's summary
+            return (), f"{type(exc).__name__}: {exc}"
 
 
 def rank_main(conn, opts: RankOptions) -> None:

@@ -12,6 +12,7 @@ import attrs
 
 from .messages import Summary
 from .options import ENGINE_IDS, SLACK_S, RunOptions
+from .transfer_stats import TransferStats
 from .workload import Req
 
 
@@ -85,6 +86,7 @@ def build_summary(orch: RunRecord) -> dict:
         "bytes_moved": moved, "bytes_verified": verified, "transfer_busy_s": round(busy, 4),
         "gbps_in_flight": round(moved / busy / 1e9, 3) if busy > 0 else None,
         "gbps_wall": round(moved / wall / 1e9, 4) if wall > 0 else None,
+        "data_path": data_path(P, D),
         "leases": P.leases if P else None, "holds": D.holds if D else None,
         "heartbeats_sent": sum(s.heartbeats_sent for s in (P, D) if s),
         "heartbeats_received": sum(s.heartbeats_received for s in (P, D) if s),
@@ -118,6 +120,19 @@ def build_summary(orch: RunRecord) -> dict:
     summary["ok"] = all(v is not False for v in checks.values())
     summary["check_reasons"] = check_reasons(summary)
     return summary
+
+
+def data_path(P: Summary | None, D: Summary | None) -> dict:
+    """Each transfer from post to done (both sides' ranks), and a bare NIXL
+    READ of the same sizes measured at the end of the run by D's rank 0."""
+    sides = [s for s in (P, D) if s]
+    reads = TransferStats.of(t for s in sides for t in s.transfers if t.op == "READ")
+    writes = TransferStats.of(t for s in sides for t in s.transfers if t.op == "WRITE")
+    bare = TransferStats.of(D.bare_reads) if D else None
+    return {"reads": reads.to_dict() if reads else None, "writes": writes.to_dict() if writes else None,
+            "bare_nixl_read": bare.to_dict() if bare else None,
+            "read_gbps_vs_bare": round(reads.gbps / bare.gbps, 4) if reads and bare else None,
+            "bare_read_error": D.bare_read_error if D else None}
 
 
 def check_reasons(summary: dict) -> dict[str, str]:
@@ -252,7 +267,7 @@ def _slim(s: Summary | None) -> dict | None:
     """A side's report for summary.json, without the per-lease records."""
     if s is None:
         return None
-    return attrs.asdict(s, filter=lambda a, _v: a.name != "lease_records")
+    return attrs.asdict(s, filter=lambda a, _v: a.name not in ("lease_records", "transfers", "bare_reads"))
 
 
 def summary_table(summary: dict):
@@ -285,6 +300,20 @@ def summary_table(summary: dict):
     g = summary["gbps_in_flight"]
     t.add_row("GB/s while transfers in flight / over the run",
               f"{g if g is not None else '-'} / {summary['gbps_wall']}")
+    dp = summary.get("data_path") or {}
+    for what, stats in (("READ", dp.get("reads")), ("WRITE", dp.get("writes"))):
+        if stats:
+            t.add_row(f"{what}s: post -> done p50 / p99, GB/s in flight",
+                      f"{stats['p50_ms']:.2f} / {stats['p99_ms']:.2f} ms, {stats['gbps']:.2f} GB/s "
+                      f"({stats['transfers']} {what}s)")
+    bare = dp.get("bare_nixl_read")
+    if bare:
+        t.add_row("bare NIXL READ, same sizes: p50 / p99, GB/s",
+                  f"{bare['p50_ms']:.2f} / {bare['p99_ms']:.2f} ms, {bare['gbps']:.2f} GB/s")
+    if dp.get("read_gbps_vs_bare") is not None:
+        t.add_row("job READ GB/s / bare NIXL READ GB/s", f"{dp['read_gbps_vs_bare']:.0%}")
+    elif dp.get("bare_read_error"):
+        t.add_row("bare NIXL READ", f"failed: {dp['bare_read_error']}")
     le = summary["leases"]
     t.add_row("P leases granted / extended / expired / consumed",
               _or_na(summary, "P", None) if le is None else

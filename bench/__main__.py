@@ -34,6 +34,7 @@ SECTIONS = {
     "nixl": "bench.nixl",
     "eventlog": "bench.eventlog",
     "explorer": "bench.explorer",
+    "datapath": "bench.datapath",
     "vllm": "bench.vllm_ttft",
 }
 # Run only when named: it starts four vLLM engines (minutes) and needs the vllm extra.

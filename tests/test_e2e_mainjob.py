@@ -68,6 +68,15 @@ def test_normal_path_through_the_cli(e2e_dir):
     assert s["holds"].get("consumed", 0) == t2["ok"]
     assert s["recompute_reasons"]["turn2"] == {"declined by the expiry gate": s["requests"]["late_turn2"]}
     assert s["abandoned"] is None
+    # Every READ was timed from post to done, and D rank 0 measured a bare NIXL READ of the same sizes.
+    dp = s["data_path"]
+    reads_done = sum(side["counters"].get("reads_done", 0) for side in s["sides"].values())
+    assert dp["reads"]["transfers"] == reads_done > 0 and dp["reads"]["bytes"] == s["bytes_moved"]
+    assert 0 < dp["reads"]["p50_ms"] <= dp["reads"]["p99_ms"] and dp["writes"] is None
+    assert dp["bare_nixl_read"]["transfers"] > 0 and dp["bare_read_error"] is None
+    assert dp["read_gbps_vs_bare"] == pytest.approx(dp["reads"]["gbps"] / dp["bare_nixl_read"]["gbps"], rel=0.01)
+    assert "bare NIXL READ, same sizes" in s["_stdout"]
+    assert all(r["cpu_s"] > 0 for side in s["ranks"].values() for r in side)
 
 
 def test_decode_killed_p_reclaims_within_one_extension(e2e_dir):
@@ -131,6 +140,7 @@ def test_push_mode_writes_end_to_end(e2e_dir):
     assert pushed >= 1
     assert d.get("push_regs_sent", 0) == pushed
     assert p.get("writes_done", 0) == pushed and p.get("writes_posted", 0) == pushed
+    assert s["data_path"]["writes"]["transfers"] == pushed
     # D read nothing on turn 1: P wrote every block (turn 2 reads are P's).
     assert d.get("reads_posted", 0) == 0
     assert s["requests"]["turn1"]["ok"] == SCENARIOS["push"]["requests"]

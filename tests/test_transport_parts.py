@@ -249,65 +249,44 @@ def test_unequal_slices_and_region_counts_are_refused_before_posting(net):
 
 
 def assert_nothing_posted(net, d, d_cache, p):
-    """No descriptor list was prepared and no transfer ran: the cache is as it
-    was, and the next (valid) transfer's notification is the only one P gets."""
+    """Nothing was handed to NIXL and no transfer ran: the cache is as it was,
+    and the next (valid) transfer's notification is the only one P gets."""
     assert not d_cache.any()
     if net.kind == "nixl":
-        assert d._local_dlists == {} and d._remote_dlists == {}
+        assert "initialize_xfer" not in d.call_times.max_s
     h = d.post_read(p.name, p.describe_cache(), [0], [0], b"good")
     got = finish(d, h, p, b"good")
     got.extend(p.poll_notifs())
     assert [m for _, m in got] == [b"good"]
 
 
-# ------------------------------------------------------------------ NIXL descriptor lists
+# ------------------------------------------------------------------ parts of different sizes
 
 
-def test_nixl_part_dlists_are_cached_per_size_and_released():
-    nixl = pytest.importorskip("kvplane.transport.nixl_agent")
+def test_parts_of_different_sizes_on_one_endpoint(net):
+    """Halves, then quarters into halves, from the same endpoint: each
+    transfer builds its own descriptors, one per block (parts are strided)."""
     p_cache, d_cache = pattern((NB, BS), 11), torch.zeros(NB, BS // 2, dtype=torch.uint8)
-    p, d = nixl.NixlEndpoint("Pdl"), nixl.NixlEndpoint("Ddl")
-    try:
-        p.register_kv_cache(p_cache, BS)
-        d.register_kv_cache(d_cache, BS // 2)
-        name = d.add_remote(p.local_metadata())
-        p.add_remote(d.local_metadata())
-        desc, layout = p.describe_cache(), CacheLayout.from_dict(p.describe_cache())
-        for blk, part in ((0, (0, 2)), (1, (1, 2)), (2, (1, 2))):
-            finish(d, d.post_read(name, desc, [blk], [blk], remote_part=part), p)
-        assert set(d._local_dlists) == {1} and set(d._remote_dlists) == {(name, layout, 2)}
-        first = d._remote_dlists[(name, layout, 2)]
-        finish(d, d.post_read(name, desc, [3, 4], [3, 4], remote_part=(2, 4), local_part=(1, 2)), p)
-        assert set(d._local_dlists) == {1, 2}
-        assert set(d._remote_dlists) == {(name, layout, 2), (name, layout, 4)}
-        assert d._remote_dlists[(name, layout, 2)] is first  # reused, not rebuilt
-        assert torch.equal(d_cache[[0, 1, 2], :], torch.stack([p_cache[0, :BS // 2], p_cache[1, BS // 2:],
-                                                                p_cache[2, BS // 2:]]))
-        assert torch.equal(d_cache[[3, 4], BS // 4:], p_cache[[3, 4], BS // 2:3 * BS // 4])
-        d.remove_remote(name)
-        assert d._remote_dlists == {}
-        d.close()
-        assert d._local_dlists == {}
-    finally:
-        d.close()
-        p.close()
+    p = net.endpoint("P", p_cache, block_size=BS)
+    d = net.endpoint("D", d_cache, block_size=BS // 2)
+    desc = p.describe_cache()
+    for blk, part in ((0, (0, 2)), (1, (1, 2)), (2, (1, 2))):
+        finish(d, d.post_read(p.name, desc, [blk], [blk], remote_part=part), p)
+    h = d.post_read(p.name, desc, [3, 4], [3, 4], remote_part=(2, 4), local_part=(1, 2))
+    assert h.descriptors == 2
+    finish(d, h, p)
+    assert torch.equal(d_cache[[0, 1, 2], :], torch.stack([p_cache[0, :BS // 2], p_cache[1, BS // 2:],
+                                                            p_cache[2, BS // 2:]]))
+    assert torch.equal(d_cache[[3, 4], BS // 4:], p_cache[[3, 4], BS // 2:3 * BS // 4])
+    assert not d_cache[[3, 4], :BS // 4].any()
 
 
 # ------------------------------------------------------------------ layout
 
 
-def test_part_descriptors_and_indices():
+def test_part_size_and_check_part():
     lay = CacheLayout("DRAM", 0, 64, 3, (0x1000, 0x2000))
-    assert lay.part_descriptors(1) == lay.descriptors()
-    assert lay.part_indices([2, 0], (0, 1)) == lay.indices([2, 0])
-    descs = lay.part_descriptors(4)
-    assert len(descs) == 2 * 3 * 4 and all(n == 16 for _, n, _ in descs)
-    # index = region * num_blocks * of + block * of + part
-    for region, base in enumerate(lay.base_addrs):
-        for block in range(3):
-            for part in range(4):
-                assert descs[region * 12 + block * 4 + part][0] == base + block * 64 + part * 16
-    assert lay.part_indices([2, 0], (3, 4)) == [2 * 4 + 3, 0 * 4 + 3, 12 + 2 * 4 + 3, 12 + 3]
+    assert lay.part_size(4) == 16
     assert check_part([1, 2], "local") == (1, 2)
     with pytest.raises(IncompatibleLayout, match="does not divide into 3"):
-        lay.part_descriptors(3)
+        lay.part_size(3)

@@ -26,5 +26,11 @@ class XferHandle:
     # Bytes the transfer moves: num_blocks x slice size (the block size for
     # whole blocks) x regions.
     nbytes: int = attrs.field(kw_only=True)
+    # Descriptor pairs handed to the backend (contiguous block runs coalesced:
+    # ``descriptors.plan_transfer``).
+    descriptors: int = attrs.field(kw_only=True, default=0)
+    # perf_counter when the post began, and when the transfer was first seen done.
+    posted_at: float = attrs.field(kw_only=True, default=0.0)
+    done_at: float | None = attrs.field(kw_only=True, default=None)
     id: int = attrs.field(factory=lambda: next(_ids))
     released: bool = False

@@ -3,7 +3,7 @@
 A reader needs the peer's addresses to build remote descriptor lists.  A cache
 is one or more regions (e.g. one tensor per layer), each ``num_blocks`` blocks of
 ``block_size`` bytes; block id ``b`` of a transfer moves block ``b`` of every
-region, so descriptor index = ``region * num_blocks + block``.
+region (``descriptors`` turns block lists into byte spans).
 """
 
 from __future__ import annotations
@@ -74,18 +74,6 @@ class CacheLayout:
                     f"{side} block id {b!r} out of range [0, {self.num_blocks})"
                 )
 
-    def descriptors(self) -> list[tuple[int, int, int]]:
-        """All (addr, len, device) triples, region-major, for prep_xfer_dlist."""
-        return [
-            (base + b * self.block_size, self.block_size, self.device_id)
-            for base in self.base_addrs
-            for b in range(self.num_blocks)
-        ]
-
-    def indices(self, block_ids: Sequence[int]) -> list[int]:
-        """Descriptor indices moving ``block_ids`` in every region."""
-        return [r * self.num_blocks + b for r in range(len(self.base_addrs)) for b in block_ids]
-
     def part_size(self, of: int, side: str = "") -> int:
         """Bytes of one of ``of`` equal slices of a block; IncompatibleLayout
         when the block size does not divide by ``of``."""
@@ -95,28 +83,6 @@ class CacheLayout:
                 f"into {of} equal parts"
             )
         return self.block_size // of
-
-    def part_descriptors(self, of: int) -> list[tuple[int, int, int]]:
-        """All (addr, len, device) triples with ``of`` slices per block, for
-        prep_xfer_dlist; ``of == 1`` is :meth:`descriptors`."""
-        if of == 1:
-            return self.descriptors()
-        size = self.part_size(of)
-        return [
-            (base + b * self.block_size + p * size, size, self.device_id)
-            for base in self.base_addrs
-            for b in range(self.num_blocks)
-            for p in range(of)
-        ]
-
-    def part_indices(self, block_ids: Sequence[int], part: BlockPart) -> list[int]:
-        """Indices into :meth:`part_descriptors` (``part[1]`` slices per block)
-        moving part ``part`` of ``block_ids`` in every region."""
-        index, of = part
-        if of == 1:
-            return self.indices(block_ids)
-        nb = self.num_blocks
-        return [(r * nb + b) * of + index for r in range(len(self.base_addrs)) for b in block_ids]
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -1,7 +1,8 @@
 """In-process fake of NixlEndpoint with deterministic, caller-driven faults.
 
 Endpoints share a :class:`LoopbackFabric`.  Transfers copy torch tensors
-between registered caches when they complete (after ``transfer_polls`` calls
+between registered caches, span by span of the same descriptor plan the
+NIXL endpoint posts (``descriptors.plan_transfer``), when they complete (after ``transfer_polls`` calls
 to poll_transfer); notifications are queued per receiver and delivered by
 poll_notifs.  Faults are armed on the fabric and consumed in order, so a test
 states exactly which message or transfer misbehaves; nothing is random.
@@ -13,6 +14,7 @@ import attrs
 import msgpack
 import torch
 
+from .descriptors import TransferPlan, plan_transfer
 from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed
 from .handle import DONE, PROC, XferHandle
 from .layout import WHOLE_BLOCK, BlockPart, CacheLayout, check_part
@@ -60,13 +62,9 @@ class _Xfer:
     op: str
     initiator: str
     remote: str
-    local_regions: list[torch.Tensor]
+    local_regions: list[torch.Tensor]  # flat byte views
     remote_regions: list[torch.Tensor]
-    local_ids: list[int]
-    remote_ids: list[int]
-    # Byte range [start, stop) of each block moved (the whole block: (0, block_size)).
-    local_span: tuple[int, int]
-    remote_span: tuple[int, int]
+    plan: TransferPlan
     notif: bytes
     polls_left: int
     fate: str = "ok"  # "ok" | "fail" | "hang"
@@ -249,8 +247,8 @@ class LoopbackEndpoint:
             ):
                 raise ValueError("region does not match the registered cache")
             layout = attrs.evolve(old, base_addrs=old.base_addrs + (tensor.data_ptr(),))
-        # Byte view per block: copies are then dtype-agnostic.
-        self._regions.append(tensor.view(torch.uint8).reshape(num_blocks, block_size_bytes))
+        # Flat byte view: copies by span are then dtype-agnostic.
+        self._regions.append(tensor.view(torch.uint8).reshape(-1))
         self._layout = layout
         return layout
 
@@ -317,12 +315,11 @@ class LoopbackEndpoint:
         if peer._layout is None or peer._layout.base_addrs != remote_layout.base_addrs:
             raise NotFound(f"{op}: remote descriptors are not registered on {remote_name!r}")
         fate, message = self.fabric._fate(self.name, remote_name)
-        local_span = (local_part[0] * slice_bytes, (local_part[0] + 1) * slice_bytes)
-        remote_span = (remote_part[0] * slice_bytes, (remote_part[0] + 1) * slice_bytes)
-        x = _Xfer(op, self.name, remote_name, self._regions, peer._regions, lids, rids,
-                  local_span, remote_span, bytes(notif), self.fabric.transfer_polls, fate, message)
-        nbytes = len(lids) * slice_bytes * len(self._regions)
-        return XferHandle(op, remote_name, bytes(notif), len(lids), x, nbytes=nbytes)
+        plan = plan_transfer(self._layout, remote_layout, lids, rids, local_part, remote_part, slice_bytes)
+        x = _Xfer(op, self.name, remote_name, self._regions, peer._regions, plan, bytes(notif),
+                  self.fabric.transfer_polls, fate, message)
+        return XferHandle(op, remote_name, bytes(notif), len(lids), x, nbytes=plan.nbytes,
+                          descriptors=plan.descriptors)
 
     def poll_transfer(self, handle: XferHandle) -> str:
         self._check_alive()
@@ -341,15 +338,9 @@ class LoopbackEndpoint:
         if x.fate == "fail":
             raise TransferFailed(f"{x.op} {handle.id} to {x.remote!r} failed: {x.fail_message}")
         src, dst = (x.remote_regions, x.local_regions) if x.op == "READ" else (x.local_regions, x.remote_regions)
-        sids, dids = (x.remote_ids, x.local_ids) if x.op == "READ" else (x.local_ids, x.remote_ids)
-        (s0, s1), (d0, d1) = (
-            (x.remote_span, x.local_span) if x.op == "READ" else (x.local_span, x.remote_span)
-        )
-        for s, d in zip(src, dst):
-            if s0 == d0 == 0 and s1 == s.shape[1] and d1 == d.shape[1]:
-                d[dids] = s[sids]  # whole blocks
-            else:
-                d[dids, d0:d1] = s[sids, s0:s1]
+        sspans, dspans = (x.plan.remote, x.plan.local) if x.op == "READ" else (x.plan.local, x.plan.remote)
+        for s, d in zip(sspans, dspans):
+            dst[d.region][d.offset:d.offset + d.length] = src[s.region][s.offset:s.offset + s.length]
         x.state = DONE
         if x.notif:
             self.fabric._send(self.name, x.remote, x.notif)
