@@ -7,13 +7,15 @@ blocks from D's own prefix cache) and whether the read succeeded, and,
 after the stream, D's KV of the same prompt computed on D from scratch
 (its own ``cache_salt``, so no cached block serves it).
 
-The check, per request: every whole block D read (from the first read
-token up to the block holding the last prompt token) is byte for byte
-P's block and byte for byte D's own recompute.  Whole blocks, because the
-CPU backend's block interior is not token-major (a head's K and V rows,
-tiled for the kernel): the block with the last prompt token is left out,
-as D writes into it itself (vLLM recomputes the last token of a loaded
-prompt, then decodes into the same block).
+The check, per request: (1) every block the read filled, saved the moment
+the recv was done (before D writes into it), is byte for byte P's block;
+(2) every whole block of the prompt D kept, from the first read one up to
+the block holding the last prompt token, is byte for byte D's own
+recompute.  Whole blocks, because the CPU backend's block interior is not
+token-major (a head's K and V rows, tiled for the kernel); (2) leaves out
+the block with the last prompt token, which D writes itself (vLLM
+recomputes the last token of a loaded prompt, then decodes into it), but
+(1) covers it as it arrived.
 
 It cannot pass with wrong or stale KV: a block read after P freed it holds
 what P wrote there next (or the same bytes, if nothing yet: then the read
@@ -36,7 +38,7 @@ import attrs
 class KvVerdict:
     tag: str
     ok: bool
-    read_tokens: int  # tokens of the whole blocks D read from P, compared
+    read_tokens: int  # tokens of the blocks D read from P, compared with P's
     declined: bool  # kvplane declined the read (D recomputed)
     why: str = ""
 
@@ -49,38 +51,49 @@ def _load(path: Path) -> dict | None:
     return torch.load(path)
 
 
-def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None) -> KvVerdict:
+def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: dict | None) -> KvVerdict:
     if d is None:
         return KvVerdict(tag=tag, ok=False, read_tokens=0, declined=False, why="no dump of D's KV")
-    dk = d["kv"]
     declined = d.get("read_ok") is False
     block = int(d.get("block_tokens", 128))
-    n = dk.shape[2]
-    first_block = int(d.get("first_read_token", 0)) // block
-    end = ((n - 1) // block) * block  # up to the block with the last prompt token
-    start = first_block * block
-    span = slice(start, max(start, end))
-    tokens = max(0, end - start)
     problems = []
-    for name, other in (("P's KV", None if declined else p), ("D's recompute", local)):
-        if other is None:
-            if name == "P's KV" and not declined:
-                problems.append("no dump of P's KV")
-            elif name == "D's recompute":
-                problems.append("no dump of D's recompute")
-            continue
-        ok_ = other["kv"]
-        if ok_.shape != dk.shape:
-            problems.append(f"shape differs from {name}: {tuple(dk.shape)} vs {tuple(ok_.shape)}")
-            continue
-        if tokens and not bool((dk[:, :, span] == ok_[:, :, span]).all()):
+    read_tokens = 0
+    # 1. The read: every block it filled, as D had it when the recv was done, is
+    #    byte for byte P's block (the tail of P's blocks: D read what it lacked).
+    if recv is not None and not declined:
+        if p is None:
+            problems.append("no dump of P's KV")
+        else:
+            rk, pk = recv["kv"], p["kv"]
+            k, pb = rk.shape[2] // block, pk.shape[2] // block
+            if rk.shape[:2] != pk.shape[:2] or rk.shape[3] != pk.shape[3] or k > pb:
+                problems.append(f"read blocks {tuple(rk.shape)} do not fit P's {tuple(pk.shape)}")
+            else:
+                theirs = pk[:, :, (pb - k) * block:]
+                bad = sum(1 for b in range(k)
+                          if not bool((rk[:, :, b * block:(b + 1) * block] == theirs[:, :, b * block:(b + 1) * block]).all()))
+                if bad:
+                    problems.append(f"{bad} of the {k} blocks read differ from P's")
+                read_tokens = k * block
+    # 2. The prompt's KV D kept: each whole block from the first read one up to
+    #    the block with the last prompt token (D's own) is D's recompute.
+    if local is None:
+        problems.append("no dump of D's recompute")
+    else:
+        dk, lk = d["kv"], local["kv"]
+        n = int(d.get("num_tokens", dk.shape[2]))
+        start = (int(d.get("first_read_token", 0)) // block) * block
+        end = ((n - 1) // block) * block
+        if dk.shape[:2] != lk.shape[:2] or dk.shape[3] != lk.shape[3] or min(dk.shape[2], lk.shape[2]) < end:
+            problems.append(f"shape differs from D's recompute: {tuple(dk.shape)} vs {tuple(lk.shape)}")
+        else:
             bad = sum(1 for b in range(start, end, block)
-                      if not bool((dk[:, :, b:b + block] == ok_[:, :, b:b + block]).all()))
-            problems.append(f"{bad} of {tokens // block} blocks read differ from {name}")
-    return KvVerdict(tag=tag, ok=not problems, read_tokens=0 if declined else tokens, declined=declined,
-                     why="; ".join(problems))
+                      if not bool((dk[:, :, b:b + block] == lk[:, :, b:b + block]).all()))
+            if bad:
+                problems.append(f"{bad} of {(end - start) // block} blocks differ from D's recompute")
+    return KvVerdict(tag=tag, ok=not problems, read_tokens=read_tokens, declined=declined, why="; ".join(problems))
 
 
 def check_all(dump_dir: Path, tags: list[str], rank: int = 0) -> list[KvVerdict]:
-    return [verdict(t, _load(dump_dir / f"{t}.rank{rank}.pt"), _load(dump_dir / f"{t}.p.rank{rank}.pt"),
-                    _load(dump_dir / f"{t}.local.rank{rank}.pt")) for t in tags]
+    return [verdict(t, *(_load(dump_dir / f"{t}{part}.rank{rank}.pt") for part in ("", ".p", ".local", ".recv")))
+            for t in tags]

@@ -32,6 +32,8 @@ class DumpingNixlConnector(NixlConnector):
         self._layers: list[Any] = []
         self._dumped: set[str] = set()
         self._local_hit: dict[str, int] = {}
+        self._recv_tags: dict[str, str] = {}
+        self._recv_dumps: dict[str, DumpKV] = {}
         rate = float(extra.get("kvplane_drop_notifications", 0.0))
         if rate and self.connector_worker is not None:
             self._drop_notifications(rate, int(extra.get("kvplane_fault_seed", 0)))
@@ -59,6 +61,12 @@ class DumpingNixlConnector(NixlConnector):
         self._local_hit.setdefault(request.request_id, num_computed_tokens)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        tag = (request.kv_transfer_params or {}).get(DUMP_KEY)
+        if num_external_tokens > 0 and isinstance(tag, str) and self._dump_dir:
+            self._recv_tags[request.request_id] = tag
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
         params_in = dict(request.kv_transfer_params or {})
         delay, params = super().request_finished_all_groups(request, block_ids)
@@ -75,6 +83,11 @@ class DumpingNixlConnector(NixlConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
+        for rid, req in getattr(meta, "reqs_to_recv", {}).items():
+            tag = self._recv_tags.pop(rid, None)
+            if tag is not None and req.local_block_ids and req.local_block_ids[0]:
+                self._dumps.append(DumpKV(request_id=rid, tag=f"{tag}.recv", block_ids=tuple(req.local_block_ids[0]),
+                                          num_tokens=0, holds_blocks=False, when="recv"))
         meta.kvplane_dumps = tuple(self._dumps)
         self._dumps = []
         return meta
@@ -87,6 +100,9 @@ class DumpingNixlConnector(NixlConnector):
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         for dump in getattr(connector_metadata, "kvplane_dumps", ()):
+            if dump.when == "recv":
+                self._recv_dumps[dump.request_id] = dump
+                continue
             try:
                 dump_kv(self._layers, dump, dump_path(self._dump_dir, dump.tag, 0))
             except (OSError, ValueError, RuntimeError) as exc:
@@ -96,6 +112,13 @@ class DumpingNixlConnector(NixlConnector):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)
+        for rid in results.finished_recving:
+            dump = self._recv_dumps.pop(rid, None)
+            if dump is not None and rid not in results.failed_recving:
+                try:  # before the request runs: the blocks hold just what was read
+                    dump_kv(self._layers, dump, dump_path(self._dump_dir, dump.tag, 0))
+                except (OSError, ValueError, RuntimeError) as exc:
+                    log.warning("KV dump of %s failed: %s", dump.request_id, exc)
         results.finished_sending |= self._dumped
         self._dumped = set()
         return results

@@ -33,6 +33,10 @@ class DumpKV:
     holds_blocks: bool = True
     first_read_token: int = 0
     read_ok: bool | None = None
+    # "finish": when the request finished (the blocks of its first num_tokens
+    # tokens); "recv": when D's recv completed, before D wrote anything into the
+    # blocks (every block given: the ones the read filled).
+    when: str = "finish"
 
 
 def dump_path(directory: str, tag: str, rank: int) -> str:
@@ -40,9 +44,10 @@ def dump_path(directory: str, tag: str, rank: int) -> str:
 
 
 def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
-    """Write ``{"kv": [layers, 2, tokens, width], "first_read_token",
-    "read_ok"}`` to ``path`` (atomically: a reader never sees half a file).
-    ValueError when the blocks cannot hold the tokens."""
+    """Write ``{"kv": [layers, dim 1, whole blocks' rows, width], "num_tokens",
+    "first_read_token", "read_ok", "block_tokens", "when"}`` to ``path``
+    (atomically: a reader never sees half a file).  ValueError when the
+    blocks cannot hold the tokens."""
     import torch
 
     if not layers:
@@ -52,13 +57,14 @@ def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
         raise ValueError(f"KV cache layer shaped {tuple(first.shape)}, not [blocks, 2, block_size, width]")
     block_ids, num_tokens = dump.block_ids, dump.num_tokens
     block_tokens = first.shape[2]
-    need = -(-num_tokens // block_tokens)
-    if num_tokens <= 0 or need > len(block_ids):
+    need = len(block_ids) if dump.when == "recv" else -(-num_tokens // block_tokens)
+    if need <= 0 or need > len(block_ids):
         raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
     ids = list(block_ids[:need])
-    out = torch.stack([t[ids].transpose(0, 1).reshape(2, need * block_tokens, -1)[:, :num_tokens]
+    # Whole blocks: the block interior is the attention backend's, not token-major.
+    out = torch.stack([t[ids].transpose(0, 1).reshape(first.shape[1], need * block_tokens, -1)
                        for t in layers]).clone()
     tmp = path + ".tmp"
-    torch.save({"kv": out, "first_read_token": dump.first_read_token, "read_ok": dump.read_ok,
-                "block_tokens": block_tokens}, tmp)
+    torch.save({"kv": out, "num_tokens": num_tokens, "first_read_token": dump.first_read_token,
+                "read_ok": dump.read_ok, "block_tokens": block_tokens, "when": dump.when}, tmp)
     os.replace(tmp, path)

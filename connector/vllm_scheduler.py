@@ -103,6 +103,11 @@ class VllmSchedulerSide:
         self._allocated.add(rid)
         if num_external_tokens > 0:
             self._awaited.add(rid)
+            tag = (request.kv_transfer_params or {}).get(DUMP_KEY)
+            if isinstance(tag, str) and tag and self.settings.kv_dump_dir and block_ids:
+                # What the read brings, saved when it is done, before D writes anything.
+                self._dumps.append(DumpKV(request_id=rid, tag=f"{tag}.recv", block_ids=block_ids, num_tokens=0,
+                                          holds_blocks=False, when="recv"))
         else:
             self.counters["full_prefix_hits"] += 1
         self.sched.update_state_after_alloc(rid, block_ids if num_external_tokens > 0 else (),

@@ -85,6 +85,7 @@ class VllmWorkerSide:
         self.ticker = Ticker(self.driver, lock=self.lock, max_idle_wait=0.05)
         self._kv: list[Any] = []
         self._dumped: set[str] = set()
+        self._recv_dumps: dict[str, DumpKV] = {}
         self._last_counts: dict[str, int] = {}
         self._status_path = settings.rank_path(settings.status_file, rank)
         self._status_at = 0.0
@@ -116,7 +117,10 @@ class VllmWorkerSide:
         with self.lock:
             self.worker.bind(step.meta)
             for dump in step.dumps:
-                self._dump(dump)
+                if dump.when == "recv":
+                    self._recv_dumps[dump.request_id] = dump  # taken when the recv is done
+                else:
+                    self._dump(dump)
             self.driver.step()
         self.ticker.wake()
 
@@ -127,6 +131,10 @@ class VllmWorkerSide:
         with self.lock:
             self.driver.step()
             report = self.worker.report()
+            for rid in report.finished_recving | report.failed_recving:
+                dump = self._recv_dumps.pop(rid, None)
+                if dump is not None and rid in report.finished_recving:
+                    self._dump(dump)  # before the request runs: the blocks hold just what was read
             if self._dumped:
                 report = WorkerReport(rank=report.rank, finished_sending=report.finished_sending | self._dumped,
                                       finished_recving=report.finished_recving,

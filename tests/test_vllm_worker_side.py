@@ -122,11 +122,17 @@ def test_d_reads_ps_blocks_and_both_end_holding_nothing(pair, tmp_path):
     # with P's dump as D's "recompute" too: there is no model here).
     (tmp_path / "t.local.rank0.pt").write_bytes((tmp_path / "t.p.rank0.pt").read_bytes())
     (verdict,) = check_all(tmp_path, ["t"])
-    assert verdict.ok and verdict.read_tokens == 32 and not verdict.declined, verdict
+    assert verdict.ok and verdict.read_tokens == 48 and not verdict.declined, verdict  # 3 blocks of 16
     d.kv["layer1"][10, 0, 0, 0] += 1  # a wrong byte in a read block, dumped again: caught
     d.worker._dump(DumpKV(request_id="again", tag="t", block_ids=(10, 11, 12), num_tokens=40, holds_blocks=False))
     (bad,) = check_all(tmp_path, ["t"])
     assert not bad.ok and "1 of 2 blocks" in bad.why, bad
+    # A read of a block P had reused: what arrived in the tail block is not P's.
+    d.kv["layer0"][12, 1, 3, 5] += 1
+    d.worker._dump(DumpKV(request_id="again", tag="t.recv", block_ids=(10, 11, 12), num_tokens=0,
+                          holds_blocks=False, when="recv"))
+    (stale,) = check_all(tmp_path, ["t"])
+    assert "1 of the 3 blocks read differ from P's" in stale.why, stale
 
     for e in (p, d):
         e.worker.shutdown()
