@@ -19,7 +19,8 @@ def checks(s: dict) -> dict[str, bool | None]:
     c: dict[str, bool | None] = {}
     c["every_request_completed"] = None if killed else s["completed"] == s["requests"]
     kv = s["kv_check"]
-    c["kv_is_the_right_kv"] = kv["checked"] > 0 and kv["ok"] == kv["checked"] == s["completed"]
+    # After a kill D cannot recompute the prompts: nothing to compare with.
+    c["kv_is_the_right_kv"] = None if killed else kv["checked"] > 0 and kv["ok"] == kv["checked"] == s["completed"]
     c["bytes_moved"] = (s.get("bytes_moved") or 0) > 0
     held = s.get("connector_blocks_held", {})
     c["p_holds_no_block"] = usage.get("P") == 0.0 and (not kvp or held.get("prefill") == 0)

@@ -290,14 +290,21 @@ def _fault_seed(seed: int, engine: str) -> int:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    """``n`` distinct ports free now, below Linux's ephemeral range (32768+): a
+    port the kernel handed out and took back may go to the next outgoing
+    connection before the engine binds it (seen: "Address already in use")."""
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(20000, 32000)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
     return ports
 
 
