@@ -58,7 +58,7 @@ _MASK = (1 << 20) - 1  # pattern values stay exact in float32
 # 3 MiB READ takes ~1 ms here, one to a hung peer stays posted until its
 # deadline (seconds), and must not burn a core all that time.
 SPIN_LIMIT_S = 0.05
-NAP_S = 0.00002  # time.sleep, not Connection.poll: the latter sleeps >= ~1 ms
+NAP_S = 0.0001  # time.sleep, not Connection.poll: the latter sleeps >= ~1 ms
 IDLE_WAIT_S = 0.001
 SLICE_ELEMS = 1 << 15  # fill / verify work between two progress calls (128 KiB of float32)
 JOB_BUDGET_S = 0.001  # fill / verify work in one loop pass, at most (and one slice more)
