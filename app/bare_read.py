@@ -1,18 +1,21 @@
 """A bare NIXL READ: what the main job's data path is measured against.
 
-Two fresh ``NixlEndpoint`` agents in the calling process, DRAM, no plane,
+Two private ``NixlEndpoint`` agents in the calling process, DRAM, no plane,
 no pipes: the reader posts a READ with a notification (as the job's READs
 carry their completion) and polls it in a tight loop while the source
 progresses UCX in the same loop (such a READ completes only when its target
-progresses), as ``bench/nixl.py`` measures NIXL READ throughput.  Timed as the job's transfers are (the endpoint's
-post-to-done record), for transfers of the sizes given, so the two figures
-compare the same bytes in the same blocks.
+progresses), as ``bench/nixl.py`` measures NIXL READ throughput.  Timed as
+the job's transfers are (the endpoint's post-to-done record).
+
+The main job's D rank 0 makes one such READ of the size of each READ it
+made, when it is next idle, so that the two figures compare the same bytes
+under the same load, in the same run.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 from kvplane.transport.transfer_times import TransferSample
 
@@ -28,57 +31,74 @@ def size_sample(sizes: Sequence[int], at_most: int) -> list[int]:
     return [xs[(i * (len(xs) - 1)) // (at_most - 1)] for i in range(at_most)] if at_most > 1 else [xs[len(xs) // 2]]
 
 
-def bare_reads(sizes: Sequence[int], block_bytes: int, *, reps: int = 3, name: str = "bare",
-               between: Callable[[], None] = lambda: None, budget_s: float = 2.0) -> list[TransferSample]:
-    """READ each of ``sizes`` bytes (whole ``block_bytes`` blocks, contiguous)
-    ``reps`` times, round-robin, after one warm-up READ; the samples of every
-    timed READ, fewer if ``budget_s`` ran out first (a loaded machine: the
-    caller's report must not wait on this).  Each READ's bytes are checked;
-    ``between`` runs after each (a caller that must keep saying it is alive)."""
-    import torch
+class BareReader:
+    """A source and a reader agent with ``num_blocks`` blocks of
+    ``block_bytes`` each; :meth:`read` READs the first ``k`` blocks."""
 
-    from kvplane.transport.nixl_agent import NixlEndpoint
+    def __init__(self, block_bytes: int, num_blocks: int, *, name: str = "bare") -> None:
+        import torch
 
+        from kvplane.transport.nixl_agent import NixlEndpoint
+
+        self.torch = torch
+        self.block_bytes = block_bytes
+        self.num_blocks = num_blocks
+        n = next(_names)
+        self.src_ep, self.dst_ep = NixlEndpoint(f"{name}-src{n}"), NixlEndpoint(f"{name}-dst{n}")
+        try:
+            src = torch.arange(num_blocks * block_bytes, dtype=torch.int64).remainder_(251).to(torch.uint8)
+            self.src = src.reshape(num_blocks, block_bytes)
+            self.dst = torch.zeros_like(self.src)
+            self.src_ep.register_kv_cache(self.src, block_bytes)
+            self.dst_ep.register_kv_cache(self.dst, block_bytes)
+            self.remote = self.dst_ep.add_remote(self.src_ep.local_metadata())
+            self.src_ep.add_remote(self.dst_ep.local_metadata())
+            self.desc = self.src_ep.describe_cache()
+            self._read(num_blocks)  # connection set-up and first-touch costs, not timed
+            self.dst_ep.transfer_times.samples.clear()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def samples(self) -> list[TransferSample]:
+        return self.dst_ep.transfer_times.samples
+
+    def read(self, nbytes: int) -> None:
+        """READ the blocks that hold ``nbytes`` (at most all of them); the
+        bytes are checked after the READ is timed."""
+        k = min(self.num_blocks, max(1, -(-nbytes // self.block_bytes)))
+        self.dst[:k].zero_()
+        self._read(k)
+
+    def _read(self, k: int) -> None:
+        ids = list(range(k))
+        h = self.dst_ep.post_read(self.remote, self.desc, ids, ids, b"bare")
+        deadline = time.monotonic() + TIMEOUT_S
+        while self.dst_ep.poll_transfer(h) != "DONE":
+            self.src_ep.progress()
+            if time.monotonic() > deadline:
+                self.dst_ep.release(h)
+                raise TimeoutError(f"bare READ of {k} blocks not done in {TIMEOUT_S:g} s")
+        self.dst_ep.release(h)
+        if not self.torch.equal(self.dst[:k], self.src[:k]):
+            raise RuntimeError("bare READ moved the wrong bytes")
+
+    def close(self) -> None:
+        for ep in (getattr(self, "dst_ep", None), getattr(self, "src_ep", None)):
+            if ep is not None:
+                ep.close()
+
+
+def bare_reads(sizes: Sequence[int], block_bytes: int, *, reps: int = 3, name: str = "bare") -> list[TransferSample]:
+    """READ each of ``sizes`` bytes ``reps`` times, round-robin; the samples."""
     if not sizes:
         return []
-    counts = [max(1, -(-s // block_bytes)) for s in sizes]
-    nblocks = max(counts)
-    n = next(_names)
-    src_ep, dst_ep = NixlEndpoint(f"{name}-src{n}"), NixlEndpoint(f"{name}-dst{n}")
+    reader = BareReader(block_bytes, max(1, -(-max(sizes) // block_bytes)), name=name)
     try:
-        src = torch.arange(nblocks * block_bytes, dtype=torch.int64).remainder_(251).to(torch.uint8)
-        src = src.reshape(nblocks, block_bytes)
-        dst = torch.zeros_like(src)
-        src_ep.register_kv_cache(src, block_bytes)
-        dst_ep.register_kv_cache(dst, block_bytes)
-        remote = dst_ep.add_remote(src_ep.local_metadata())
-        src_ep.add_remote(dst_ep.local_metadata())
-        desc = src_ep.describe_cache()
-
-        def read(k: int) -> None:
-            ids = list(range(k))
-            h = dst_ep.post_read(remote, desc, ids, ids, b"bare")  # a completion, as the job's READs carry
-            deadline = time.monotonic() + TIMEOUT_S
-            while dst_ep.poll_transfer(h) != "DONE":
-                src_ep.progress()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"bare READ of {k} blocks not done in {TIMEOUT_S:g} s")
-            dst_ep.release(h)
-
-        read(nblocks)  # connection set-up and first-touch costs
-        if not torch.equal(dst, src):
-            raise RuntimeError("bare READ moved the wrong bytes")
-        dst_ep.transfer_times.samples.clear()
-        end = time.monotonic() + budget_s
-        for k in [k for _ in range(reps) for k in counts]:
-            if time.monotonic() > end:
-                break
-            dst[:k].zero_()
-            read(k)
-            if not torch.equal(dst[:k], src[:k]):
-                raise RuntimeError("bare READ moved the wrong bytes")
-            between()
-        return list(dst_ep.transfer_times.samples)
+        for _ in range(reps):
+            for size in sizes:
+                reader.read(size)
+        return list(reader.samples)
     finally:
-        dst_ep.close()
-        src_ep.close()
+        reader.close()

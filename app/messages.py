@@ -215,8 +215,8 @@ class Summary:
     ranks: list = attrs.Factory(list)
     lost_ranks: list = attrs.Factory(list)
     rank_crashes: dict = attrs.Factory(dict)  # rank -> the traceback of a rank that crashed
-    # Every transfer the ranks posted (TransferSample: post -> done), and D rank 0's bare NIXL READ of
-    # the same sizes after the run (report.py turns both into the data-path figures).
+    # Every transfer the ranks posted (TransferSample: post -> done), and D rank 0's bare NIXL READs of
+    # the same sizes, made beside them (report.py turns both into the data-path figures).
     transfers: list = attrs.Factory(list)
     bare_reads: list = attrs.Factory(list)
     bare_read_error: str | None = None

@@ -30,7 +30,7 @@ class RankOptions:
     clock_skew: float = 0.0  # added to the plane's clock (the engine's, shared by its ranks)
     drop_notifications: float = 0.0  # fault injection: drop this fraction of received notifications
     seed: int = 0
-    # At the end, measure a bare NIXL READ of the sizes this rank read (``bare_read``).
+    # Make a bare NIXL READ of each READ's size beside the job's (``bare_read``).
     measure_bare_read: bool = False
 
 
@@ -116,7 +116,7 @@ class RankSummary:
     anomalies: dict  # the plane's fail-closed and anomaly counts, by name
     nixl_calls: dict  # the slowest NIXL call of each kind
     transfers: tuple[TransferSample, ...] = ()  # each transfer this rank posted: post -> done
-    # A bare NIXL READ of the same sizes, measured after the run (RankOptions.measure_bare_read).
+    # Bare NIXL READs of the sizes this rank read, made beside them (RankOptions.measure_bare_read).
     bare_reads: tuple[TransferSample, ...] = ()
     bare_read_error: str | None = None
     cpu_s: float = 0.0  # the process's CPU time over its life

@@ -18,10 +18,15 @@ with a timeout sleeps at least ~1 ms) sets how the loop waits:
   READ is served within ~0.1 ms, not after a 1 ms sleep;
 - nothing at all: sleep up to ``IDLE_WAIT_S``, woken by a message.
 
+D's rank 0 also makes, when it has nothing else to do, one bare NIXL READ
+(``bare_read``, two private agents) of the size of each READ it made: the
+figure the summary compares the job's READs with, under the same load.
+
 Fill and verify work is off the polling path: it waits while a transfer of
-this rank is in flight and otherwise runs in slices of ``SLICE_ELEMS``
-elements, with the loop polling between slices (a reader of this rank's
-blocks is not held up for a whole request's worth of torch work).  Jobs and
+this rank is young and otherwise runs in slices of ``SLICE_ELEMS`` elements
+with UCX progressed between slices, and the loop polls every
+``JOB_BUDGET_S`` (a reader of this rank's blocks is not held up for a whole
+request's worth of torch work).  Jobs and
 step metadata stay in pipe order: a Step waits behind an unfinished job.
 
 The pattern a block is filled with is the whole block's (``pattern``), of
@@ -55,8 +60,9 @@ _MASK = (1 << 20) - 1  # pattern values stay exact in float32
 SPIN_LIMIT_S = 0.05
 NAP_S = 0.0001  # time.sleep, not Connection.poll: the latter sleeps >= ~1 ms
 IDLE_WAIT_S = 0.001
-SLICE_ELEMS = 1 << 17  # fill / verify work between two polls (512 KiB of float32)
-BARE_SIZES = 32  # transfer sizes the bare NIXL READ replays (each 3 times)
+SLICE_ELEMS = 1 << 15  # fill / verify work between two progress calls (128 KiB of float32)
+JOB_BUDGET_S = 0.001  # fill / verify work in one loop pass, at most (and one slice more)
+BARE_MAX = 5000  # bare NIXL READs D rank 0 makes beside the job's, at most
 
 
 def pattern_seed(lid: str, block_index: int) -> int:
@@ -114,6 +120,20 @@ class RankWorker:
         self._job: Iterator[None] | None = None  # the fill or verify job under way, by slices
         self._handle: dict[type, Any] = {}
         self.waits: Counter = Counter()  # how the loop waited, by kind (``_wait``)
+        # The bare NIXL READ beside the job's (``_bare_read``): sized for the largest request.
+        self._bare: Any = None
+        self._bare_pending: deque[int] = deque()
+        self._reads_seen = 0
+        self._bare_done: tuple = ()
+        self._bare_error: str | None = None
+        if opts.measure_bare_read:
+            from .bare_read import BareReader
+
+            try:
+                self._bare = BareReader(self.shard * self.kv.element_size(), max(1, opts.num_blocks // 2),
+                                        name=f"{self.rank_id}-bare")
+            except Exception as exc:
+                self._bare_error = f"{type(exc).__name__}: {exc}"
         self.stopped = False
 
     # ------------------------------------------------------------ blocks
@@ -207,16 +227,24 @@ class RankWorker:
         self._job = self.fill_slices(job) if isinstance(job, Fill) else self.verify_slices(job)
 
     def _work_queue(self) -> bool:
-        """Apply queued messages in pipe order; of a fill or verify job one
-        slice per call, and none while a transfer of this rank is young."""
+        """Apply queued messages in pipe order.  A fill or verify job runs
+        slice by slice for up to JOB_BUDGET_S a pass, UCX progressed after
+        each slice (a peer READing this rank's blocks waits on that), and not
+        at all while a transfer of this rank is young."""
         did = False
+        end = time.perf_counter() + JOB_BUDGET_S
         while self._queue or self._job is not None:
             if self._job is not None:
                 if self._spinning():
                     return did
-                if next(self._job, StopIteration) is StopIteration:
+                done = next(self._job, StopIteration) is StopIteration
+                self.ep.progress()
+                did = True
+                if done:
                     self._job = None
-                return True  # one slice, then poll
+                elif time.perf_counter() > end:
+                    return did  # the rest after a poll
+                continue
             msg = self._queue.popleft()
             self._handle[type(msg)](msg)
             did = True
@@ -246,6 +274,8 @@ class RankWorker:
         elif self.driver.xfers:  # posted long ago: a slow or hung peer
             waits["nap"] += 1
             time.sleep(NAP_S)
+        elif self._bare_read():
+            waits["bare_read"] += 1
         elif self._serving():
             waits["serve"] += 1
             end = time.perf_counter() + IDLE_WAIT_S
@@ -270,7 +300,9 @@ class RankWorker:
             counters["notifs_dropped_injected"] = self.faults.dropped
         lease_blocks = sum(len(lease.block_ids) for lease in d.plane.instances["lease"].values())
         transfers = tuple(self.ep.transfer_times.samples)
-        bare, bare_error = self._bare_reads(transfers)
+        if self._bare is not None:
+            self._bare_done = tuple(self._bare.samples)
+            self._bare.close()
         self.conn.send(RankSummary(
             rank=self.opts.rank, engine_id=self.rank_id, counters=counters, busy_s=self.busy_s,
             engines_evicted=evicted, engines_closed_at_shutdown=closed,
@@ -278,7 +310,7 @@ class RankWorker:
             heartbeats_received=d.counters.get("heartbeats_received", 0),
             heartbeats_sent=d.plane.stats.get("heartbeats_sent", 0), leases_ended=ended, plane_held=held,
             held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"], transfers=transfers,
-            bare_reads=bare, bare_read_error=bare_error, cpu_s=time.process_time(), waits=dict(self.waits)))
+            bare_reads=self._bare_done, bare_read_error=self._bare_error, cpu_s=time.process_time(), waits=dict(self.waits)))
         if self.log is not None:
             self.log.flush()
         self.worker.shutdown()
@@ -286,25 +318,26 @@ class RankWorker:
             self._log_stream.close()
 
 
-    def _bare_reads(self, transfers) -> tuple[tuple, str | None]:
-        """A bare NIXL READ of the sizes this rank read, when asked (the
-        figure the job's READs are compared with); an error is reported, not
-        raised: the run itself is over and fine."""
-        sizes = [t.nbytes for t in transfers if t.op == "READ"]
-        if not self.opts.measure_bare_read or not sizes:
-            return (), None
-        from .bare_read import bare_reads, size_sample
-
-        def alive() -> None:  # the scheduler kills a rank silent for 5 s
-            if time.monotonic() - self._last_sent > ALIVE_EVERY_S:
-                self._last_sent = time.monotonic()
-                self.conn.send(RankStep(report=self.worker.report()))
-
+    def _bare_read(self) -> bool:
+        """D rank 0 (``measure_bare_read``): one bare NIXL READ of the size of
+        a READ this rank made, when it has nothing else to do; True if one
+        ran.  A failure stops the measurement, never the rank."""
+        samples = self.ep.transfer_times.samples
+        if self._bare is None:
+            self._reads_seen = len(samples)
+            return False
+        self._bare_pending.extend(t.nbytes for t in samples[self._reads_seen:] if t.op == "READ")
+        self._reads_seen = len(samples)
+        if not self._bare_pending or len(self._bare.samples) >= BARE_MAX:
+            return False
         try:
-            return tuple(bare_reads(size_sample(sizes, BARE_SIZES), self.shard * self.kv.element_size(),
-                                    name=f"{self.rank_id}-bare", between=alive)), None
-        except Exception as exc:  # a bare-NIXL failure must not lose the run's summary
-            return (), f"{type(exc).__name__}: {exc}"
+            self._bare.read(self._bare_pending.popleft())
+        except Exception as exc:
+            self._bare_error = f"{type(exc).__name__}: {exc}"
+            self._bare_done = tuple(self._bare.samples)
+            self._bare.close()
+            self._bare = None
+        return True
 
 
 def rank_main(conn, opts: RankOptions) -> None:

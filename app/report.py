@@ -124,7 +124,8 @@ def build_summary(orch: RunRecord) -> dict:
 
 def data_path(P: Summary | None, D: Summary | None) -> dict:
     """Each transfer from post to done (both sides' ranks), and a bare NIXL
-    READ of the same sizes measured at the end of the run by D's rank 0."""
+    READ of the same sizes made beside them by D's rank 0 (one after each of its
+    READs, when it is next idle: the same load, the same run)."""
     sides = [s for s in (P, D) if s]
     reads = TransferStats.of(t for s in sides for t in s.transfers if t.op == "READ")
     writes = TransferStats.of(t for s in sides for t in s.transfers if t.op == "WRITE")

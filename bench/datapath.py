@@ -3,7 +3,8 @@
 Runs the main job (default workload; ``--quick``: 16 requests) from this
 checkout and reads its summary: every transfer the ranks posted, timed from
 post to the poll that saw it done, and the bare NIXL READ of the same sizes
-that D's rank 0 measures at the end of the same run (``app/bare_read.py``).
+that D's rank 0 makes beside them: one of each job READ's size, the next time it is idle
+(``app/bare_read.py``).
 """
 from __future__ import annotations
 
@@ -38,11 +39,11 @@ def tables(summary: dict) -> list[Table]:
     dp = summary.get("data_path") or {}
     reads, bare, writes = dp.get("reads"), dp.get("bare_nixl_read"), dp.get("writes")
     detail = Table("datapath.job", "Main job data path: each transfer from post to done, and a bare NIXL READ "
-                   "of the same sizes measured at the end of the same run",
+                   "of the same sizes made beside them (interleaved) in the same run",
                    ["transfers", "count", "MiB", "p50 ms", "p99 ms", "GB/s in flight"])
     for label, stats, key in (("job READs (D reads P; P reads D's holds)", reads, "job_read"),
                               ("job WRITEs (push)", writes, "job_write"),
-                              ("bare NIXL READ, same sizes (D rank 0's process, after the run)", bare, "bare_read")):
+                              ("bare NIXL READ, same sizes (D rank 0's process, interleaved)", bare, "bare_read")):
         if stats:
             detail.add(label, stats["transfers"], stats["bytes"] / 2**20, stats["p50_ms"], stats["p99_ms"],
                        stats["gbps"], what=key, **stats)
