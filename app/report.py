@@ -216,7 +216,8 @@ def _reclaim(orch: RunRecord, P: Summary) -> dict:
     # P frees a lease at its first loop tick after the expiry: the slack
     # is SLACK_S plus the longest gap of P's loop in the reclaim window
     # (a loaded machine, not the protocol, makes that late).
-    stall = _loop_stall_between(P.loop, orch.fault_at, last_free)
+    # Rounded once, so that the reported slack is exactly SLACK_S + the reported stall.
+    stall = round(_loop_stall_between(P.loop, orch.fault_at, last_free), 3)
     slack = SLACK_S + stall
     out["p_loop_stall_s"] = round(stall, 3)
     out["slack_s"] = round(slack, 3)
