@@ -3,7 +3,6 @@ and defaults), kv_transfer_params in vLLM's shape, and the scheduler half's
 request paths (what vLLM's lifecycle turns into for the plane)."""
 from __future__ import annotations
 
-import attrs
 import pytest
 
 from kvplane.connector.kv_dump import DUMP_KEY
@@ -13,6 +12,7 @@ from kvplane.connector.vllm_params import from_vllm, to_vllm
 from kvplane.connector.vllm_scheduler import VllmSchedulerSide
 from kvplane.connector.vllm_settings import settings_from
 from kvplane.statemachines.config import ConfigError
+from vllm_support import Req, Status
 
 
 # ---------------------------------------------------------------- settings
@@ -85,20 +85,6 @@ def test_params_in_refuse_what_kvplane_cannot_move():
 
 
 # ---------------------------------------------------------------- the scheduler half
-@attrs.define
-class Status:
-    name: str
-
-
-@attrs.define
-class Req:
-    """The attributes of vLLM's Request the connector reads."""
-
-    request_id: str
-    kv_transfer_params: dict | None
-    num_prompt_tokens: int = 300
-    num_computed_tokens: int = 300
-    status: Status = attrs.Factory(lambda: Status("FINISHED_LENGTH_CAPPED"))
 
 
 def side(name="decode-0", **extra) -> VllmSchedulerSide:

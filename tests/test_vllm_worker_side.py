@@ -9,7 +9,6 @@ import json
 import socket
 import time
 
-import attrs
 import pytest
 import torch
 
@@ -19,22 +18,14 @@ from kvplane.connector.vllm_scheduler import VllmSchedulerSide
 from kvplane.connector.vllm_settings import settings_from
 from kvplane.connector.vllm_worker import VllmWorkerSide
 from kvplane.statemachines.replay import replay
+from vllm_support import Req as VllmRequest
 
 BLOCKS, BLOCK_TOKENS, WIDTH = 32, 16, 8
 
 
-@attrs.define
-class Status:
-    name: str
-
-
-@attrs.define
-class Req:
-    request_id: str
-    kv_transfer_params: dict | None
-    num_prompt_tokens: int = 40
-    num_computed_tokens: int = 40
-    status: Status = attrs.Factory(lambda: Status("FINISHED_LENGTH_CAPPED"))
+def Req(request_id: str, kv_transfer_params: dict | None, **kw) -> VllmRequest:
+    """A 40-token prompt, all computed: what these engines pass."""
+    return VllmRequest(request_id, kv_transfer_params, **{"num_prompt_tokens": 40, "num_computed_tokens": 40, **kw})
 
 
 def free_port() -> int:
