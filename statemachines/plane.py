@@ -41,12 +41,12 @@ from .composition import (
 from .config import PlaneConfig
 from .heartbeats import Heartbeats
 from .machines import MACHINES
-from .observe import Observer, Step
+from .observe import Observer, Step, Stimulus, stimulus_step
 from .stats import (
     NONFINITE_DEADLINE, PROTOCOL_VIOLATION, SOURCE_NOT_HELD, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed, Final,
     Ignored, SourceEnded, StatKeys,
 )
-from .machine import IGNORED, Machine, ProtocolViolation, timer_action
+from .machine import IGNORED, Machine, ProtocolViolation
 from .spec import Source, transitions_of
 from .validate import validate_sources
 from .validate_composition import creators, validate_composition
@@ -89,9 +89,21 @@ class ControlPlane:
         self._bind_kinds()
         # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
         self.anomalies: deque = deque(maxlen=256)
-        # Sees one Step per top-level stimulus (the event log); None costs nothing.
-        self.recorder: Observer | None = None
-        self._top: tuple | None = None  # the stimulus being handled, logged once its effects are known
+        self._recorder: Observer | None = None
+        self._capture: Callable[[Stimulus, list | None], None] | None = None
+        self._top: Stimulus | None = None  # the stimulus being handled, logged once its effects are known
+
+    @property
+    def recorder(self) -> Observer | None:
+        """Sees one Step per top-level stimulus (the event log); None costs
+        nothing.  One with a ``capture`` method is handed each stimulus
+        unbuilt instead (see observe.py)."""
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, observer: Observer | None) -> None:
+        self._recorder = observer
+        self._capture = getattr(observer, "capture", None)
 
     # ------------------------------------------------------------------ input
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -106,13 +118,12 @@ class ControlPlane:
         while i < len(queue):
             self._dispatch(queue[i], now, out, queue, False)
             i += 1
-        if self._top is not None and self.recorder is not None:  # _top is only set while recording
-            # The log line of this stimulus: the addressed machine's own
-            # actions, then the external effects of the internal events they
-            # set off, so replay also checks what other machines did.
-            event, kind, key, before, after, own, n_own = self._top
-            self._top = None
-            self.recorder(Step(event, now, kind, key, before, after, own + out[n_own:]))
+        if self._top is not None:  # only set while recording
+            top, self._top = self._top, None
+            if self._capture is not None:  # out: the caller's, copied
+                self._capture(top, out[:] if queue else None)
+            elif self._recorder is not None:
+                self._recorder(stimulus_step(top, out if queue else None))
         return out
 
     def next_deadline(self) -> float | None:
@@ -191,8 +202,8 @@ class ControlPlane:
         k = self._kinds.get(kind)
         if k is None:
             self._anomaly(UNKNOWN_KIND, kind, key, event)
-            if top and self.recorder is not None:
-                self.recorder(Step(event, now, kind, key, None, None, IGNORED))
+            if top and self._recorder is not None:
+                self._recorder(Step(event, now, kind, key, None, None, IGNORED))
             return
         insts = k.insts
         inst = insts.get(key)
@@ -247,11 +258,8 @@ class ControlPlane:
             _heappush(timers, (deadline, self._seq, kind, key))
             if len(timers) > self._compact_at:
                 self._compact_timers()
-        if top and self.recorder is not None:
-            timer = timer_action(kind, key, old_deadline, deadline)
-            own = [*acts] if timer is None else [*acts, timer]
-            self._top = (event, kind, key, before, inst.state, own, len(out) + sum(
-                1 for a in acts if not a.internal))
+        if top and self._recorder is not None:
+            self._top = (event, now, kind, key, before, inst.state, acts, old_deadline, deadline)
         state = inst.state
         if state in k.terminal:
             del insts[key]
@@ -279,9 +287,9 @@ class ControlPlane:
         refund = event.refund()
         acts = IGNORED if refund is None else [refund]
         out.extend(acts)
-        if top and self.recorder is not None:
+        if top and self._recorder is not None:
             # Logged too, so a log holds every stimulus; no instance: no states.
-            self.recorder(Step(event, now, kind, key, None, None, acts))
+            self._recorder(Step(event, now, kind, key, None, None, acts))
 
     def _fail_closed(self, machine: Machine, inst, now: float) -> list[Action] | tuple[()]:
         fc = machine.spec.fail_closed_event
