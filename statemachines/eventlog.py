@@ -339,7 +339,10 @@ def encode_batch(recorded: Sequence, seq: int, stimuli_only: bool = False) -> by
         label = f"{kind}:{key}"
         try:
             # The actions in ``stimulus_actions``' order: own, timer, effects.
-            entries = [(entry(a.__class__) or new_entry(a.__class__))(a) for a in acts] if acts else []
+            # (A loop, not a comprehension: most lists hold 0-2 actions.)
+            entries = []
+            for a in acts:
+                entries.append((entry(a.__class__) or new_entry(a.__class__))(a))
             if deadline != old_deadline:
                 entries.append(cancel(kind, key) if deadline is None else arm(kind, key, deadline))
             if out:

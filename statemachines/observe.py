@@ -2,12 +2,15 @@
 
 Two places produce steps.  The ControlPlane's ``recorder`` sees one step per
 top-level stimulus (the event log writes one line per step, replay compares
-them); a recorder with a ``capture`` method (the event log's writer) is
-handed the stimulus as the plane kept it instead (``Stimulus``), without a
-Step, and builds what it needs later (``stimulus_actions``).  ``observed`` wraps compiled machines (or reference interpreters) so
-that an observer also sees every transition, cascaded ones included
-(replay's lifecycle counts, the liveness monitors); those steps carry the
-instance and its deadline before the transition.
+them).  A recorder with a ``capture(stimulus, out)`` method (the event log's
+writer) is handed each stimulus as the plane kept it instead (``Stimulus``),
+without a Step: building one, and its timer action, was most of what
+recording cost the plane; the writer encodes the line from the parts later,
+in the order ``stimulus_actions`` gives.  ``observed`` wraps compiled
+machines (or reference interpreters) so that an observer also sees every
+transition, cascaded ones included (replay's lifecycle counts, the liveness
+monitors); those steps carry the instance and its deadline before the
+transition.
 """
 from __future__ import annotations
 
@@ -96,6 +99,7 @@ def stimulus_actions(stimulus: Stimulus, out: Sequence[Action] | None) -> Sequen
     """The actions of a stimulus's log line: the addressed machine's own, its
     timer's, then the external effects of the internal events they set off
     (``cascade_effects``), so replay also checks what other machines did.
+    ``out`` is the plane's output after a cascade, None without one.
     Without a cascade or a timer change the machine's own list is returned
     (a step is read-only).  The event log's encoder follows the same order."""
     _, _, kind, key, _, _, acts, old_deadline, deadline = stimulus
@@ -108,8 +112,8 @@ def stimulus_actions(stimulus: Stimulus, out: Sequence[Action] | None) -> Sequen
 
 def cascade_effects(acts: Sequence[Action], out: Sequence[Action]) -> Sequence[Action]:
     """What the internal events set off by ``acts`` added to the world's
-    actions: ``out`` (the plane's output after the cascade, None without one)
-    starts with the externals of ``acts``, the cascade's follow."""
+    actions: ``out`` (the plane's output after the cascade) starts with the
+    externals of ``acts``, the cascade's follow."""
     own_out = 0
     for a in acts:
         if not a.internal:
@@ -118,5 +122,6 @@ def cascade_effects(acts: Sequence[Action], out: Sequence[Action]) -> Sequence[A
 
 
 def stimulus_step(stimulus: Stimulus, out: Sequence[Action] | None) -> Step:
+    """The Step a recorder without ``capture`` sees; ``out`` as for ``stimulus_actions``."""
     event, now, kind, key, before, after, _, _, _ = stimulus
     return Step(event, now, kind, key, before, after, stimulus_actions(stimulus, out))
