@@ -490,16 +490,26 @@ def _copy_instance(inst):
 # Instance class -> its generated copier (``_instance_copier``).
 _COPIERS: dict[type, Callable[[Any], Any]] = {}
 _CONTAINERS = (set, list, dict)
+# Field annotations whose values are never changed in place: shared by the copy.
+_IMMUTABLE_TYPES = frozenset({"str", "int", "float", "bool", "tuple", "frozenset", "float | None", "str | None",
+                              "int | None"})
 
 
 def _instance_copier(cls: type) -> Callable[[Any], Any]:
     """One function that copies an instance of ``cls`` slot by slot: what
-    ``attrs.evolve`` does, without its per-call introspection and __init__
-    (the explorer copies a few instances per explored move)."""
+    ``attrs.evolve`` did, without its per-call introspection and __init__
+    (the explorer copies a few instances per explored move).  A field of
+    any other annotation (Any, set, list, dict) gets a fresh container
+    when it holds one."""
     body = ["def copy(inst):", "    c = new(cls)"]
-    for a in attrs.fields(cls):
-        name = _identifier(a.name)
-        body += [f"    v = inst.{name}", f"    c.{name} = type(v)(v) if type(v) in CONTAINERS else v"]
+    fields = attrs.fields(cls)
+    shared = [_identifier(a.name) for a in fields if a.type in _IMMUTABLE_TYPES]
+    if shared:
+        body.append("    " + ", ".join(f"c.{n}" for n in shared) + ", = " + ", ".join(f"inst.{n}" for n in shared) + ",")
+    for a in fields:
+        if a.type not in _IMMUTABLE_TYPES:
+            name = _identifier(a.name)
+            body += [f"    v = inst.{name}", f"    c.{name} = v.__class__(v) if v.__class__ in CONTAINERS else v"]
     body.append("    return c")
     scope: dict[str, Any] = {"new": object.__new__, "cls": cls, "CONTAINERS": _CONTAINERS}
     exec("\n".join(body), scope)  # noqa: S102 (field names checked as identifiers)
