@@ -40,6 +40,12 @@ def heartbeat_registrations(plane: ControlPlane, engine: str, request_id: str) -
     return plane.heartbeats.registrations(engine, request_id)
 
 
+# gate_signature's memo: at most this many entries (then it starts over), and
+# what a miss returns (None is a signature: the gate never declines).
+_GATE_MEMO_MAX = 200_000
+_UNSEEN: tuple = ("unseen",)
+
+
 def gate_signature(r, now: float, offset: float, plane: ControlPlane,
                    memo: dict[tuple, tuple | None] | None = None) -> tuple | None:
     """What the READ gate reads of ``r`` (read_gate.signature: equal
@@ -63,12 +69,6 @@ def gate_signature(r, now: float, offset: float, plane: ControlPlane,
             memo.clear()  # bounded: a long run's early times rarely come back
         memo[inputs] = sig
     return sig
-
-
-_GATE_MEMO_MAX = 200_000
-
-
-_UNSEEN: tuple = ("unseen",)  # a memo miss (None is a signature: the gate never declines)
 
 
 # --------------------------------------------------------------- canonical
