@@ -142,14 +142,23 @@ class ControlPlane:
     def clone(self) -> "ControlPlane":
         """A copy of the semantic state (instances, timers, heartbeats), not
         of stats, anomalies or the recorder; much faster than deepcopy (the
-        explorer clones a plane per explored move)."""
-        q = ControlPlane(self.config, self.machines)
+        explorer clones a plane per explored move, so this skips __init__:
+        the wiring and the caches keyed by machines and event classes are
+        read-only once built and shared)."""
+        q = ControlPlane.__new__(ControlPlane)
+        q.config, q.machines = self.config, self.machines
+        q._sources, q._users, q._creators, q._internal = self._sources, self._users, self._creators, self._internal
+        q._stat_key, q._routes = self._stat_key, self._routes
         q.instances = {kind: {key: _copy_instance(i) for key, i in insts.items()}
                        for kind, insts in self.instances.items()}
         q.heartbeats = Heartbeats(q.instances.get("heartbeat", {}), q.config)
         q._timers = list(self._timers)
         q._seq = self._seq
         q._compact_at = self._compact_at
+        q.stats = Counter()
+        q.anomalies = deque(maxlen=256)
+        q.recorder = None
+        q._top = None
         q._bind_kinds()
         return q
 
@@ -469,14 +478,43 @@ def _identifier(name: str) -> str:
 
 
 def _copy_instance(inst):
-    """Copy an attrs instance, with fresh containers (refs, waiters) so the
+    """Copy an instance, with fresh containers (refs, waiters) so the
     copy's transitions never touch the original."""
-    copy = attrs.evolve(inst)
-    for a in attrs.fields(type(inst)):
-        value = getattr(copy, a.name)
-        if type(value) in (set, list, dict):
-            setattr(copy, a.name, type(value)(value))
-    return copy
+    cls = type(inst)
+    copier = _COPIERS.get(cls)
+    if copier is None:
+        copier = _COPIERS[cls] = _instance_copier(cls)
+    return copier(inst)
+
+
+# Instance class -> its generated copier (``_instance_copier``).
+_COPIERS: dict[type, Callable[[Any], Any]] = {}
+_CONTAINERS = (set, list, dict)
+# Field annotations whose values are never changed in place: shared by the copy.
+_IMMUTABLE_TYPES = frozenset({"str", "int", "float", "bool", "tuple", "frozenset", "float | None", "str | None",
+                              "int | None"})
+
+
+def _instance_copier(cls: type) -> Callable[[Any], Any]:
+    """One function that copies an instance of ``cls`` slot by slot: what
+    ``attrs.evolve`` did, without its per-call introspection and __init__
+    (the explorer copies a few instances per explored move).  A field of
+    any other annotation (Any, set, list, dict) gets a fresh container
+    when it holds one."""
+    body = ["def copy(inst):", "    c = new(cls)"]
+    fields = attrs.fields(cls)
+    shared = [_identifier(a.name) for a in fields if a.type in _IMMUTABLE_TYPES]
+    if shared:
+        body.append("    " + ", ".join(f"c.{n}" for n in shared) + ", = " + ", ".join(f"inst.{n}" for n in shared) + ",")
+    for a in fields:
+        if a.type not in _IMMUTABLE_TYPES:
+            name = _identifier(a.name)
+            body += [f"    v = inst.{name}", f"    c.{name} = v.__class__(v) if v.__class__ in CONTAINERS else v"]
+    body.append("    return c")
+    scope: dict[str, Any] = {"new": object.__new__, "cls": cls, "CONTAINERS": _CONTAINERS}
+    exec("\n".join(body), scope)  # noqa: S102 (field names checked as identifiers)
+    copier: Callable[[Any], Any] = scope["copy"]
+    return copier
 
 
 def _fail_closed_event(cls: type[Event], kind: str, key: Any) -> Event:
