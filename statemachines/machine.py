@@ -38,6 +38,8 @@ class _Compiled(NamedTuple):
     dest: str
     effect: Effect | None
     builders: tuple[Callable, ...]
+    # The class each builder builds, as its row declares it (``Emit.action``).
+    actions: tuple[type[Action], ...]
 
 
 class Machine:
@@ -118,11 +120,33 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
         return _ignored
     if entry.__class__ is ProtocolError:
         return _refuser(machine.name, entry.reason)
-    reason = machine._no_guard.get((state, event))
-    scope: dict[str, Any] = {"IGNORED": IGNORED, "ProtocolViolation": ProtocolViolation,
-                             "NoGuardMatched": NoGuardMatched, "name": machine.name, "reason": reason}
+    scope: dict[str, Any] = {}
     body = ["def row(inst, ev, cfg, now):"]
-    for i, (guard, dest, effect, builders) in enumerate(entry):
+    body += transition_lines(machine, state, event, entry, scope,
+                             lambda i, t, acts: [f"return [{', '.join(acts)}]"])
+    return generated(body, scope, "row")
+
+
+# The lines ending one transition of a row, given its index in the group, the
+# transition and the names of the actions it built: ``finish(i, t, acts)``.
+Finish = Callable[[int, "_Compiled", list[str]], list[str]]
+
+
+def transition_lines(machine: Machine, state: str, event: type, entry: tuple, scope: dict[str, Any],
+                     finish: Finish) -> list[str]:
+    """The body (indented one level) of a row over ``inst, ev, cfg, now``
+    that carries out a group of transitions: per transition, in table order,
+    its guard, effect, builders (into ``a0``, ``a1``, ...), the state change
+    and the destination's deadline, then ``finish``'s lines, which must
+    return; past the last guard, the error that closes the group.  The
+    names it binds go into ``scope``.  Shared by the machine's rows and the
+    plane's (``plane_rows``), so both run the table's transitions alike."""
+    reason = machine._no_guard.get((state, event))
+    scope.update({"ProtocolViolation": ProtocolViolation, "NoGuardMatched": NoGuardMatched,
+                  "name": machine.name, "reason": reason})
+    body = []
+    for i, compiled in enumerate(entry):
+        guard, dest, effect, builders, _ = compiled
         indent = "    "
         if guard is not None:
             scope[f"g{i}"] = guard
@@ -131,11 +155,11 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
         if effect is not None:
             scope[f"e{i}"] = effect
             body.append(f"{indent}e{i}(inst, ev, cfg, now)")
-        calls = []
+        acts = []
         for j, build in enumerate(builders):
             scope[f"b{i}_{j}"] = build
-            calls.append(f"b{i}_{j}(inst, ev, cfg, now)")
-        body.append(f"{indent}acts = [{', '.join(calls)}]")
+            body.append(f"{indent}a{j} = b{i}_{j}(inst, ev, cfg, now)")
+            acts.append(f"a{j}")
         scope[f"d{i}"] = dest
         body.append(f"{indent}inst.state = d{i}")
         deadline = machine._deadlines.get(dest)
@@ -144,7 +168,7 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
         else:
             scope[f"dl{i}"] = deadline
             body.append(f"{indent}inst.deadline = dl{i}(inst, cfg, now)")
-        body.append(f"{indent}return acts")
+        body += [indent + line for line in finish(i, compiled, acts)]
         if guard is None:
             break  # an unguarded transition always matches: later rows are unreachable
     else:
@@ -152,9 +176,14 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
             body.append("    raise NoGuardMatched(name, inst.key, inst.state, ev, 'no guard matched')")
         else:
             body.append("    raise ProtocolViolation(name, inst.key, inst.state, ev, reason)")
+    return body
+
+
+def generated(body: list[str], scope: dict[str, Any], name: str) -> Callable:
+    """The function ``name`` defined by ``body`` over ``scope``."""
     exec("\n".join(body), scope)  # noqa: S102 (generated from the table's own callables, no input text)
-    row: Callable = scope["row"]
-    return row
+    fn: Callable = scope[name]
+    return fn
 
 
 def _ignored(inst: Any, ev: Any, cfg: Any, now: float) -> tuple[()]:
@@ -189,7 +218,8 @@ def compile_machine(spec: Spec, *, check: bool = True) -> Machine:
     for entry in spec.table:
         key = (entry.src, entry.event)
         if isinstance(entry, Transition):
-            compiled = _Compiled(entry.guard, entry.dest, entry.effect, tuple(a.build for a in entry.actions))
+            compiled = _Compiled(entry.guard, entry.dest, entry.effect, tuple(a.build for a in entry.actions),
+                                 tuple(a.action for a in entry.actions))
             table[key] = table.get(key, ()) + (compiled,)
         elif key not in table:
             table[key] = entry
