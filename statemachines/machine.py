@@ -45,7 +45,8 @@ class _Compiled(NamedTuple):
 class Machine:
     """A compiled spec.  Stateless: instances carry all per-request data."""
 
-    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard", "_rows")
+    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard", "_rows",
+                 "_handle_rows")
 
     def __init__(self, spec: Spec, table: dict):
         self.spec = spec
@@ -59,8 +60,11 @@ class Machine:
         self._no_guard = closing_errors(spec)
         # state -> event class -> the row function of that pair (see _row).
         self._rows: dict[str, dict[type, Callable]] = {}
+        # The same, ending with the timer action ``handle`` returns (see _handle_row).
+        self._handle_rows: dict[str, dict[type, Callable]] = {}
         for (state, event), entry in table.items():
             self._rows.setdefault(state, {})[event] = _row(self, state, event, entry)
+            self._handle_rows.setdefault(state, {})[event] = _handle_row(self, state, event, entry)
 
     def new(self, key: Any, **data: Any) -> Instance:
         return self.spec.instance_type(key=key, state=self.spec.initial, **data)
@@ -75,19 +79,11 @@ class Machine:
         Returns ``IGNORED`` (an empty tuple, identity-comparable) for a
         declared ignore; raises ``ProtocolViolation`` for a declared error.
         """
-        old = inst.deadline
-        by_event = self._rows.get(inst.state)
-        row = None if by_event is None else by_event.get(event.__class__)
-        # (apply's lookup, inlined: one frame less per event)
-        actions = self.apply(inst, event, config, now) if row is None else row(inst, event, config, now)
-        if actions.__class__ is list:  # not IGNORED
-            new = inst.deadline
-            if new is not None:
-                if new != old:
-                    actions.append(ArmTimer(self.name, inst.key, new))
-            elif old is not None:
-                actions.append(CancelTimer(self.name, inst.key))
-        return actions
+        try:
+            row = self._handle_rows[inst.state][event.__class__]
+        except KeyError:
+            return self.apply(inst, event, config, now)  # outside the alphabet: raises
+        return row(inst, event, config, now)
 
     def apply(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action] | tuple[()]:
         """``handle`` without the timer actions: the new deadline is left in
@@ -124,6 +120,31 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
     body = ["def row(inst, ev, cfg, now):"]
     body += transition_lines(machine, state, event, entry, scope,
                              lambda i, t, acts: [f"return [{', '.join(acts)}]"])
+    return generated(body, scope, "row")
+
+
+def _handle_row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
+    """``_row`` for ``handle``: the actions end with the timer action the
+    deadline change means (``timer_action``, written out per transition:
+    only a destination with a deadline can arm one)."""
+    if entry.__class__ is Ignore or entry.__class__ is ProtocolError:
+        return _row(machine, state, event, entry)
+    scope: dict[str, Any] = {"ArmTimer": ArmTimer, "CancelTimer": CancelTimer}
+
+    def finish(i: int, t: Any, acts: list[str]) -> list[str]:
+        listed = "".join(f"{a}, " for a in acts)
+        lines = []
+        if t.dest in machine._deadlines:
+            lines += ["new = inst.deadline",
+                      "if new is not None:",
+                      "    if new != old:",
+                      f"        return [{listed}ArmTimer(name, inst.key, new)]",
+                      f"    return [{listed}]"]
+        return lines + ["if old is not None:", f"    return [{listed}CancelTimer(name, inst.key)]",
+                        f"return [{listed}]"]
+
+    body = ["def row(inst, ev, cfg, now):", "    old = inst.deadline"]
+    body += transition_lines(machine, state, event, entry, scope, finish)
     return generated(body, scope, "row")
 
 

@@ -102,22 +102,19 @@ class ControlPlane:
         if not _isfinite(now):
             _check_now(now)
         out: list[Action] = []
-        queue: list[Event] = []  # internal events, FIFO by index (no deque per call)
+        queue: list[Event] = []  # internal events (no deque per call)
         fast = self._fast
         dispatch = fast.get(event.__class__)
         if dispatch is None:
             self._dispatch(event, now, out, queue, True)
         else:
             dispatch(self, event, now, out, queue, True)
-        i = 0
-        while i < len(queue):
-            internal = queue[i]
+        for internal in queue:  # the list grows while it is walked: FIFO
             dispatch = fast.get(internal.__class__)
             if dispatch is None:
                 self._dispatch(internal, now, out, queue, False)
             else:
                 dispatch(self, internal, now, out, queue, False)
-            i += 1
         if self._top is not None and self.recorder is not None:  # _top is only set while recording
             # The log line of this stimulus: the addressed machine's own
             # actions, then the external effects of the internal events they
