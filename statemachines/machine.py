@@ -8,6 +8,7 @@ spec <- validate <- machine.
 """
 from __future__ import annotations
 
+import linecache
 from typing import Any, Callable, NamedTuple
 
 from .base import Action, ArmTimer, CancelTimer, Event, Instance
@@ -120,7 +121,7 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
     body = ["def row(inst, ev, cfg, now):"]
     body += transition_lines(machine, state, event, entry, scope,
                              lambda i, t, acts: [f"return [{', '.join(acts)}]"])
-    return generated(body, scope, "row")
+    return generated(body, scope, "row", f"{__file__}: {machine.name} {state} {event.__name__}")
 
 
 def _handle_row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
@@ -145,7 +146,7 @@ def _handle_row(machine: Machine, state: str, event: type, entry: Any) -> Callab
 
     body = ["def row(inst, ev, cfg, now):", "    old = inst.deadline"]
     body += transition_lines(machine, state, event, entry, scope, finish)
-    return generated(body, scope, "row")
+    return generated(body, scope, "row", f"{__file__}: handle {machine.name} {state} {event.__name__}")
 
 
 # The lines ending one transition of a row, given its index in the group, the
@@ -200,9 +201,14 @@ def transition_lines(machine: Machine, state: str, event: type, entry: tuple, sc
     return body
 
 
-def generated(body: list[str], scope: dict[str, Any], name: str) -> Callable:
-    """The function ``name`` defined by ``body`` over ``scope``."""
-    exec("\n".join(body), scope)  # noqa: S102 (generated from the table's own callables, no input text)
+def generated(body: list[str], scope: dict[str, Any], name: str, where: str) -> Callable:
+    """The function ``name`` defined by ``body`` over ``scope``.  Its code is
+    filed as ``where`` (a path under the module that generates it, then what
+    it is) and its source kept in ``linecache``, so tracebacks show the
+    generated lines and allocation traces count it as this package's."""
+    source = "\n".join(body) + "\n"
+    linecache.cache[where] = (len(source), None, source.splitlines(True), where)
+    exec(compile(source, where, "exec"), scope)  # noqa: S102 (generated from the table's own callables, no input text)
     fn: Callable = scope[name]
     return fn
 

@@ -82,7 +82,7 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
              "        row(plane, insts, inst, key, ev, now, out, queue, top, created)",
              "    except ProtocolViolation as exc:",
              "        plane._violated(KIND, inst, key, ev, exc, created, now, out, queue, top)"]
-    return generated(body, scope, "dispatch")
+    return generated(body, scope, "dispatch", f"{__file__}: dispatch {kind} {event.__name__}")
 
 
 def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]], general: Dispatch) -> Dispatch:
@@ -103,7 +103,7 @@ def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]]
             "        row(plane, insts, inst, key, ev, now, out, queue, top, False)",
             "    except ProtocolViolation as exc:",
             "        plane._violated(kind, inst, key, ev, exc, False, now, out, queue, top)"]
-    return generated(body, scope, "dispatch")
+    return generated(body, scope, "dispatch", f"{__file__}: dispatch by kind {event.__name__}")
 
 
 # row(plane, insts, inst, key, event, now, out, queue, top, created)
@@ -152,7 +152,7 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
 
     body = [f"def row({_ROW_ARGS}):", "    cfg = plane.config", "    old = inst.deadline"]
     body += transition_lines(machine, state, event, entry, scope, finish)
-    return generated(body, scope, "row")
+    return generated(body, scope, "row", f"{__file__}: row {kind} {state} {event.__name__}")
 
 
 def _action_lines(cls: type[Action], action: str, wires: dict[type[Action], Wire], scope: dict[str, Any],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .machine import generated
 from .composition import (
     ActionField, ConfigField, Const, HeartbeatChain, Requesters, RequesterKey, RequesterKind, TargetField, Wire,
 )
@@ -64,9 +65,7 @@ def wire_executor(w: Wire) -> Callable:
     queue, the event built with its fields in one call."""
     scope: dict[str, Any] = {}
     body = ["def run(plane, a, now, queue):"] + ["    " + line for line in wire_lines(w, "a", scope, "")]
-    exec("\n".join(body), scope)  # noqa: S102 (field names checked as identifiers)
-    run: Callable = scope["run"]
-    return run
+    return generated(body, scope, "run", f"{__file__}: {w.action.__name__}")  # field names checked as identifiers
 
 
 def _identifier(name: str) -> str:
