@@ -14,6 +14,11 @@ Late, duplicate and unknown-id events are counted ignores; an event the
 table declares a protocol error is counted and fails the machine closed
 through its ordinary release path.  Neither ever raises out of ``handle``.
 
+Most events take the plane's compiled rows (``plane_rows``: per table
+entry, the transition and all the plane does after it, generated from the
+same tables and wires); ``_dispatch`` is the general path that any machine
+and any event can take, and the tests hold the two to the same results.
+
 A machine that uses another machine's resource (``Spec.source``: a push
 WRITEs from its lease's blocks) lives only while that resource is held: the
 plane feeds it the source's end event when the source leaves its held
@@ -400,7 +405,7 @@ _STAT_KEYS = StatKeys()
 
 
 class _Kind:
-    """What the dispatch reads of one machine kind, gathered once per plane."""
+    """What the general path reads of one machine kind, gathered once per plane."""
 
     __slots__ = ("name", "machine", "rows", "insts", "terminal", "initial", "source", "users", "_keys", "_final",
                  "_ignored")
