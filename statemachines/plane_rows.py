@@ -25,6 +25,8 @@ import heapq
 import math
 from typing import Any, Callable
 
+import attrs
+
 from .base import Action, ArmTimer, CancelTimer, Event
 from .composition import Wire
 from .machine import IGNORED, Machine, ProtocolViolation, generated, transition_lines
@@ -69,8 +71,10 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
             "    inst = insts.get(key)",
             "    created = False",
             "    if inst is None:"]
-    if creates:  # as Machine.new
-        body += ["        inst = insts[key] = NEW(key=key, state=INITIAL)", "        created = True"]
+    if creates:  # as Machine.new (by position where the class allows: a keyword call costs about twice)
+        call = "NEW(key, INITIAL)" if _positional(machine.spec.instance_type, ("key", "state")) \
+            else "NEW(key=key, state=INITIAL)"
+        body += [f"        inst = insts[key] = {call}", "        created = True"]
     else:  # an unknown id: refused there
         body += ["        return GENERAL(plane, ev, now, out, queue, top)"]
     body += ["    row = ROWS.get(inst.state)",
@@ -188,6 +192,12 @@ def _error_row(name: str, reason: str) -> Callable:
         raise ProtocolViolation(name, inst.key, inst.state, ev, reason)
 
     return row
+
+
+def _positional(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether the attrs class ``cls`` takes ``names`` as its first positional arguments."""
+    fields = [f for f in attrs.fields(cls) if f.init][:len(names)]
+    return tuple(f.name for f in fields) == names and not any(f.kw_only for f in fields)
 
 
 def _identifier(name: str) -> str:
