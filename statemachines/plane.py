@@ -14,6 +14,11 @@ Late, duplicate and unknown-id events are counted ignores; an event the
 table declares a protocol error is counted and fails the machine closed
 through its ordinary release path.  Neither ever raises out of ``handle``.
 
+Most events take the plane's compiled rows (``plane_rows``: per table
+entry, the transition and all the plane does after it, generated from the
+same tables and wires); ``_dispatch`` is the general path that any machine
+and any event can take, and the tests hold the two to the same results.
+
 A machine that uses another machine's resource (``Spec.source``: a push
 WRITEs from its lease's blocks) lives only while that resource is held: the
 plane feeds it the source's end event when the source leaves its held
@@ -34,10 +39,7 @@ import attrs
 
 from . import actions as A
 from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
-from .composition import (
-    WIRES, ActionField, ConfigField, Const, HeartbeatChain, Requesters, RequesterKey, RequesterKind, TargetField,
-    Wire,
-)
+from .composition import WIRES
 from .config import PlaneConfig
 from .heartbeats import Heartbeats
 from .machines import MACHINES
@@ -47,9 +49,11 @@ from .stats import (
     Ignored, SourceEnded, StatKeys,
 )
 from .machine import IGNORED, Machine, ProtocolViolation, timer_action
+from .plane_rows import compile_routes
 from .spec import Source, transitions_of
 from .validate import validate_sources
 from .validate_composition import creators, validate_composition
+from .wire_code import wire_executor
 
 
 
@@ -82,9 +86,12 @@ class ControlPlane:
         self._compact_at = _MIN_COMPACT
         # Keyed by the records of ``stats`` (and "heartbeats_sent").
         self.stats: Counter = Counter()
-        self._stat_key = StatKeys()
+        self._stat_key = _STAT_KEYS
         # Event class -> (kind, or "" when routed by the event's ``kind``; the key getter).
         self._routes: dict[type, tuple[str, Callable]] = {}
+        # Event class -> its dispatcher through the plane's compiled rows
+        # (plane_rows); a class not here takes _dispatch, the general path.
+        self._fast = _fast_routes(tuple(self.machines.items()))
         self._kinds: dict[str, _Kind] = {}
         self._bind_kinds()
         # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
@@ -100,12 +107,19 @@ class ControlPlane:
         if not _isfinite(now):
             _check_now(now)
         out: list[Action] = []
-        queue: list[Event] = []  # internal events, FIFO by index (no deque per call)
-        self._dispatch(event, now, out, queue, True)
-        i = 0
-        while i < len(queue):
-            self._dispatch(queue[i], now, out, queue, False)
-            i += 1
+        queue: list[Event] = []  # internal events (no deque per call)
+        fast = self._fast
+        dispatch = fast.get(event.__class__)
+        if dispatch is None:
+            self._dispatch(event, now, out, queue, True)
+        else:
+            dispatch(self, event, now, out, queue, True)
+        for internal in queue:  # the list grows while it is walked: FIFO
+            dispatch = fast.get(internal.__class__)
+            if dispatch is None:
+                self._dispatch(internal, now, out, queue, False)
+            else:
+                dispatch(self, internal, now, out, queue, False)
         if self._top is not None and self.recorder is not None:  # _top is only set while recording
             # The log line of this stimulus: the addressed machine's own
             # actions, then the external effects of the internal events they
@@ -189,6 +203,8 @@ class ControlPlane:
 
     # --------------------------------------------------------------- dispatch
     def _dispatch(self, event: Event, now: float, out: list, queue: list, top: bool) -> None:
+        """The general path: any machine, any event (the compiled rows of
+        plane_rows cover the common cases and come here for the rest)."""
         # Route: the event class names its machine kind (internal wake-ups
         # carry it as ``kind``) and which field holds the instance id.
         cls = event.__class__
@@ -241,27 +257,31 @@ class ControlPlane:
                 refund = event.refund()
                 if refund is not None:
                     acts = [*acts, refund]
+        self._finish(k, inst, key, event, acts, before, old_deadline, created, now, out, queue, top)
+
+    def _finish(self, k: "_Kind", inst: Any, key: Any, event: Event, acts: Any, before: str,
+                old_deadline: float | None, created: bool, now: float, out: list, queue: list, top: bool) -> None:
+        """What the plane does after a machine handled ``event``: count an
+        ignore, arm the new deadline, note the step for the recorder, drop
+        an ended instance, end its source's users, run the actions.  (The
+        compiled rows of plane_rows write the same out per transition: keep
+        the two in step.)"""
+        kind, cls = k.name, event.__class__
         if acts is IGNORED:
             self.stats[k.ignored_key(before, cls)] += 1
         deadline = inst.deadline
         if deadline is not None and deadline != old_deadline:
             if not _isfinite(deadline):
-                # A deadline that is not a number (a NaN or infinite duration
-                # in an event) would never fire, or break the heap: the
-                # machine times out now, through its ordinary release path.
-                self._anomaly(NONFINITE_DEADLINE, kind, key, event, repr(deadline))
-                deadline = inst.deadline = now
+                deadline = self._nonfinite_deadline(kind, key, event, inst, now)
             self._seq += 1
             timers = self._timers
             _heappush(timers, (deadline, self._seq, kind, key))
             if len(timers) > self._compact_at:
                 self._compact_timers()
         if top and self.recorder is not None:
-            timer = timer_action(kind, key, old_deadline, deadline)
-            own = [*acts] if timer is None else [*acts, timer]
-            self._top = (event, kind, key, before, inst.state, own, len(out) + sum(
-                1 for a in acts if not a.internal))
+            self._note_top(event, kind, key, before, inst.state, acts, old_deadline, deadline, out)
         state = inst.state
+        insts = k.insts
         if state in k.terminal:
             del insts[key]
             self.stats[k.final_key(state)] += 1
@@ -278,6 +298,36 @@ class ControlPlane:
                 out.append(a)
             else:
                 run(self, a, now, queue)
+
+    def _violated(self, kind: str, inst: Any, key: Any, event: Event, exc: ProtocolViolation, created: bool,
+                  now: float, out: list, queue: list, top: bool) -> None:
+        """A compiled row raised ProtocolViolation (before changing anything):
+        what the general path does with one."""
+        k = self._kinds[kind]
+        before, old_deadline = inst.state, inst.deadline
+        self._anomaly(PROTOCOL_VIOLATION, kind, key, event, exc.reason)
+        acts = self._fail_closed(k.machine, inst, now)
+        refund = event.refund()
+        if refund is not None:
+            acts = [*acts, refund]
+        self._finish(k, inst, key, event, acts, before, old_deadline, created, now, out, queue, top)
+
+    def _nonfinite_deadline(self, kind: str, key: Any, event: Event, inst: Any, now: float) -> float:
+        """A deadline that is not a number (a NaN or infinite duration in an
+        event) would never fire, or break the heap: the machine times out
+        now, through its ordinary release path."""
+        self._anomaly(NONFINITE_DEADLINE, kind, key, event, repr(inst.deadline))
+        inst.deadline = now
+        return now
+
+    def _note_top(self, event: Event, kind: str, key: Any, before: str, after: str, acts: Any,
+                  old_deadline: float | None, deadline: float | None, out: list) -> None:
+        """Keep the stimulus being handled for its log line (``handle`` writes
+        it once its effects are known): the addressed machine's own actions,
+        with the timer action its deadline change means."""
+        timer = timer_action(kind, key, old_deadline, deadline)
+        own = [*acts] if timer is None else [*acts, timer]
+        self._top = (event, kind, key, before, after, own, len(out) + sum(1 for a in acts if not a.internal))
 
     def _refuse_uncreated(self, event: Event, kind: str, key: Any, what: str, detail: str, now: float,
                           out: list, top: bool) -> None:
@@ -359,10 +409,12 @@ _MIN_COMPACT = 4096
 _isfinite = math.isfinite
 _heappush = heapq.heappush
 _NO_ROWS: dict = {}
+# The keys of every plane's stats, interned once for all (the compiled rows hold them).
+_STAT_KEYS = StatKeys()
 
 
 class _Kind:
-    """What the dispatch reads of one machine kind, gathered once per plane."""
+    """What the general path reads of one machine kind, gathered once per plane."""
 
     __slots__ = ("name", "machine", "rows", "insts", "terminal", "initial", "source", "users", "_keys", "_final",
                  "_ignored")
@@ -423,58 +475,17 @@ def _composition(machines: tuple) -> tuple[dict, dict]:
     specs = {kind: m.spec for kind, m in machines}
     validate_composition(specs)
     internal = dict(ControlPlane._own_internal)
-    internal.update((w.action, _wire_executor(w)) for w in WIRES)
+    internal.update((w.action, wire_executor(w)) for w in WIRES)
     return creators(specs), internal
 
 
-def _wire_executor(w: Wire) -> Callable:
-    """The internal-action handler that carries out one wire:
-    ``run(plane, action, now, queue)`` appends the wire's event(s) to the
-    queue.  Generated from the wire's field sources as one function (the
-    event built with its fields in one call), so an internal action costs
-    one call and the event's ``__init__``."""
-    scope: dict[str, Any] = {"EV": w.event}
-    body = ["def run(plane, a, now, queue):"]
-
-    def expr(field: str, source: Any) -> str:
-        if isinstance(source, ActionField):
-            return f"a.{_identifier(source.name)}"
-        if isinstance(source, ConfigField):
-            return f"plane.config.{_identifier(source.name)}"
-        if isinstance(source, Const):
-            scope[f"c_{field}"] = source.value
-            return f"c_{field}"
-        if isinstance(source, TargetField):
-            return f"inst.{_identifier(source.name)}"
-        if isinstance(source, RequesterKind):
-            return "req[0]"
-        if isinstance(source, RequesterKey):
-            return "req[1]"
-        if isinstance(source, HeartbeatChain):
-            return f"chain[{('since', 'last').index(source.which)}]"
-        raise TypeError(f"unknown wire field source {source!r}")
-
-    sources = [source for _, source in w.fields]
-    if any(isinstance(source, HeartbeatChain) for source in sources):
-        body.append("    chain = plane.heartbeats.chain(a.engine_id)")
-    call = "EV(" + ", ".join(f"{_identifier(field)}={expr(field, source)}" for field, source in w.fields) + ")"
-    if isinstance(w.target, Requesters):
-        body += [f"    for req in a.{_identifier(w.target.field)}:", f"        queue.append({call})"]
-    else:
-        if w.only_if_live or any(isinstance(source, TargetField) for source in sources):
-            key = expr("key", dict(w.fields)[w.event.key_field])
-            scope["KIND"] = w.target
-            body += [f"    inst = plane.instances[KIND].get({key})", "    if inst is None:", "        return"]
-        body.append(f"    queue.append({call})")
-    exec("\n".join(body), scope)  # noqa: S102 (field names checked as identifiers)
-    run: Callable = scope["run"]
-    return run
-
-
-def _identifier(name: str) -> str:
-    if not name.isidentifier():
-        raise ValueError(f"wire field name {name!r} is not an identifier")
-    return name
+@functools.lru_cache(maxsize=64)
+def _fast_routes(machines: tuple) -> dict[type, Callable]:
+    """The dispatchers of the plane's compiled rows, built once per set of machines."""
+    _, users = _source_wiring(machines)
+    creating, _ = _composition(machines)
+    return compile_routes(machines, users, creating, {w.action: w for w in WIRES}, _STAT_KEYS,
+                          ControlPlane._dispatch)
 
 
 def _copy_instance(inst):

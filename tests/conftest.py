@@ -45,6 +45,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_log_stream.py": "core",
     "test_monitors.py": "core",
     "test_params.py": "core",
+    "test_plane_fast_path.py": "core",
     "test_plane_properties.py": "core",
     "test_plane_timers.py": "core",
     "test_read_gate_property.py": "core",
