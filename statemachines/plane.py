@@ -53,7 +53,7 @@ from .plane_rows import compile_routes
 from .spec import Source, transitions_of
 from .validate import validate_sources
 from .validate_composition import creators, validate_composition
-from .wire_code import wire_executor
+from .wire_code import identifier, wire_executor
 
 
 
@@ -162,7 +162,7 @@ class ControlPlane:
         q = ControlPlane.__new__(ControlPlane)
         q.config, q.machines = self.config, self.machines
         q._sources, q._users, q._creators, q._internal = self._sources, self._users, self._creators, self._internal
-        q._stat_key, q._routes = self._stat_key, self._routes
+        q._stat_key, q._routes, q._fast = self._stat_key, self._routes, self._fast
         q.instances = {kind: {key: _copy_instance(i) for key, i in insts.items()}
                        for kind, insts in self.instances.items()}
         q.heartbeats = Heartbeats(q.instances.get("heartbeat", {}), q.config)
@@ -514,12 +514,12 @@ def _instance_copier(cls: type) -> Callable[[Any], Any]:
     when it holds one."""
     body = ["def copy(inst):", "    c = new(cls)"]
     fields = attrs.fields(cls)
-    shared = [_identifier(a.name) for a in fields if a.type in _IMMUTABLE_TYPES]
+    shared = [identifier(a.name) for a in fields if a.type in _IMMUTABLE_TYPES]
     if shared:
         body.append("    " + ", ".join(f"c.{n}" for n in shared) + ", = " + ", ".join(f"inst.{n}" for n in shared) + ",")
     for a in fields:
         if a.type not in _IMMUTABLE_TYPES:
-            name = _identifier(a.name)
+            name = identifier(a.name)
             body += [f"    v = inst.{name}", f"    c.{name} = v.__class__(v) if v.__class__ in CONTAINERS else v"]
     body.append("    return c")
     scope: dict[str, Any] = {"new": object.__new__, "cls": cls, "CONTAINERS": _CONTAINERS}

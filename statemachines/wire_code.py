@@ -28,14 +28,14 @@ def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str) -> list[st
 
     def expr(field: str, source: Any) -> str:
         if isinstance(source, ActionField):
-            return f"{action}.{_identifier(source.name)}"
+            return f"{action}.{identifier(source.name)}"
         if isinstance(source, ConfigField):
-            return f"plane.config.{_identifier(source.name)}"
+            return f"plane.config.{identifier(source.name)}"
         if isinstance(source, Const):
             scope[f"c{tag}_{field}"] = source.value
             return f"c{tag}_{field}"
         if isinstance(source, TargetField):
-            return f"{target}.{_identifier(source.name)}"
+            return f"{target}.{identifier(source.name)}"
         if isinstance(source, RequesterKind):
             return f"{req}[0]"
         if isinstance(source, RequesterKey):
@@ -50,7 +50,7 @@ def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str) -> list[st
         lines.append(f"{chain} = plane.heartbeats.chain({action}.engine_id)")
     call = f"EV{tag}({_arguments(w, expr)})"
     if isinstance(w.target, Requesters):
-        lines += [f"for {req} in {action}.{_identifier(w.target.field)}:", f"    queue.append({call})"]
+        lines += [f"for {req} in {action}.{identifier(w.target.field)}:", f"    queue.append({call})"]
     elif w.only_if_live or any(isinstance(source, TargetField) for source in sources):
         key = expr("key", dict(w.fields)[w.event.key_field])
         scope[f"KIND{tag}"] = w.target
@@ -72,7 +72,7 @@ def _arguments(w: Wire, expr: Callable[[str, Any], str]) -> str:
         if f.kw_only or not f.init or f.name not in given:
             break
         args.append(expr(f.name, given.pop(f.name)))
-    args += [f"{_identifier(field)}={expr(field, source)}" for field, source in given.items()]
+    args += [f"{identifier(field)}={expr(field, source)}" for field, source in given.items()]
     return ", ".join(args)
 
 
@@ -85,7 +85,7 @@ def wire_executor(w: Wire) -> Callable:
     return generated(body, scope, "run", f"{__file__}: {w.action.__name__}")  # field names checked as identifiers
 
 
-def _identifier(name: str) -> str:
+def identifier(name: str) -> str:
     if not name.isidentifier():
-        raise ValueError(f"wire field name {name!r} is not an identifier")
+        raise ValueError(f"field name {name!r} is not an identifier")
     return name
