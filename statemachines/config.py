@@ -92,9 +92,11 @@ class PlaneConfig:
     kv_load_failure_policy: str = attrs.field(default="recompute", validator=_policy)
     # Send each remote engine's heartbeat batches on a grid with the engine's
     # own phase (heartbeat_phase.py), so engines that started in the same
-    # step do not all send in one step for ever.  Off by default: it moves
-    # when batches go out, which recorded logs (replayed exactly) pin.
-    heartbeat_spread: bool = attrs.field(default=False, validator=_flag)
+    # step do not all send in one step for ever.  False: each batch one
+    # interval after the last (lockstep).  Event logs whose config lacks the
+    # key are from before, when batches went out in lockstep: the log reader
+    # sets it False so they replay as recorded.
+    heartbeat_spread: bool = attrs.field(default=True, validator=_flag)
 
     @property
     def stale_after(self) -> float:

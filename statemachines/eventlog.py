@@ -803,6 +803,9 @@ def parse_config(obj: Any, line: int) -> PlaneConfig:
     if "engine_stale_after" not in obj and isinstance(obj.get("engine_ttl"), (int, float)):
         # A log from before the key: STALE came at engine_ttl then.
         obj = {**obj, "engine_stale_after": obj["engine_ttl"]}
+    if "heartbeat_spread" not in obj:
+        # A log from before the key: every batch went out one interval after the last.
+        obj = {**obj, "heartbeat_spread": False}
     try:
         return PlaneConfig(**obj)
     except (TypeError, ValueError) as exc:

@@ -8,7 +8,11 @@ or the transport.
 Events are mutable attrs slots classes (a frozen one sets each field through
 object.__setattr__, and the plane builds its internal events per dispatch);
 nothing mutates one once built, and they stay hashable.  Fields an embedder
-fills from its own lists keep a converter to a tuple.
+fills from its own lists keep a converter to a tuple.  Events are built by
+keyword only, except those the plane builds itself from a wire on every
+request (engine references, wake-ups, activity, heartbeat registration): a
+class called with keywords costs about twice a positional call, and the
+plane's wire code (wire_code) passes their fields in order.
 """
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ class StartLoad(Event):
     machine: ClassVar[str] = "decode_request"
 
 
-@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True)
 class EngineReady(Event):
     """Internal: the remote engine a requester waits on is connected."""
 
@@ -83,7 +87,7 @@ class EngineReady(Event):
     machine: ClassVar[str] = ""  # routed by ``kind``
 
 
-@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True)
 class EngineLost(Event):
     """Internal: the remote engine was evicted, disconnected or never reached."""
 
@@ -251,7 +255,7 @@ class SourceEnded(Event):
 
 
 # ------------------------------------------------------------------ remote engine
-@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True)
 class EngineAcquire(Event):
     """Internal: a requester needs this engine connected and holds a reference."""
 
@@ -262,7 +266,7 @@ class EngineAcquire(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True)
 class EngineRelease(Event):
     """Internal: a requester drops its reference."""
 
@@ -273,7 +277,7 @@ class EngineRelease(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True)
 class HeartbeatRegister(Event):
     """Internal: keep a peer request id in the engine's heartbeat batches."""
 
@@ -284,7 +288,7 @@ class HeartbeatRegister(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True)
 class HeartbeatUnregister(Event):
     """Internal: one registration of the id ends."""
 
@@ -322,7 +326,7 @@ class HandshakeFailed(Event):
     key_field: ClassVar[str] = "engine_id"
 
 
-@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
+@attrs.define(slots=True, unsafe_hash=True)
 class EngineActivity(Event):
     """Anything observed from or done to the engine: READ, WRITE, completion, heartbeat."""
 

@@ -12,9 +12,10 @@ replayable), which spreads the engines evenly over the interval.
 The lease guarantee is unchanged: the next batch is always due at most one
 interval after the current one (or after the first registration), so every
 registered id is still heartbeated at least once per interval; the first
-batch may only come earlier than before.  With ``PlaneConfig.heartbeat_spread``
-off (the default: a recorded log pins when its batches went out) every
-batch is due one interval after the last (``now + interval``).
+batch may only come earlier than before.  This is the default; with
+``PlaneConfig.heartbeat_spread`` off (what a log recorded before the key
+existed replays with) every batch is due one interval after the last
+(``now + interval``).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ spec <- validate <- machine.
 """
 from __future__ import annotations
 
+import linecache
 from typing import Any, Callable, NamedTuple
 
 from .base import Action, ArmTimer, CancelTimer, Event, Instance
@@ -38,12 +39,15 @@ class _Compiled(NamedTuple):
     dest: str
     effect: Effect | None
     builders: tuple[Callable, ...]
+    # The class each builder builds, as its row declares it (``Emit.action``).
+    actions: tuple[type[Action], ...]
 
 
 class Machine:
     """A compiled spec.  Stateless: instances carry all per-request data."""
 
-    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard", "_rows")
+    __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard", "_rows",
+                 "_handle_rows")
 
     def __init__(self, spec: Spec, table: dict):
         self.spec = spec
@@ -57,8 +61,11 @@ class Machine:
         self._no_guard = closing_errors(spec)
         # state -> event class -> the row function of that pair (see _row).
         self._rows: dict[str, dict[type, Callable]] = {}
+        # The same, ending with the timer action ``handle`` returns (see _handle_row).
+        self._handle_rows: dict[str, dict[type, Callable]] = {}
         for (state, event), entry in table.items():
             self._rows.setdefault(state, {})[event] = _row(self, state, event, entry)
+            self._handle_rows.setdefault(state, {})[event] = _handle_row(self, state, event, entry)
 
     def new(self, key: Any, **data: Any) -> Instance:
         return self.spec.instance_type(key=key, state=self.spec.initial, **data)
@@ -73,19 +80,11 @@ class Machine:
         Returns ``IGNORED`` (an empty tuple, identity-comparable) for a
         declared ignore; raises ``ProtocolViolation`` for a declared error.
         """
-        old = inst.deadline
-        by_event = self._rows.get(inst.state)
-        row = None if by_event is None else by_event.get(event.__class__)
-        # (apply's lookup, inlined: one frame less per event)
-        actions = self.apply(inst, event, config, now) if row is None else row(inst, event, config, now)
-        if actions.__class__ is list:  # not IGNORED
-            new = inst.deadline
-            if new is not None:
-                if new != old:
-                    actions.append(ArmTimer(self.name, inst.key, new))
-            elif old is not None:
-                actions.append(CancelTimer(self.name, inst.key))
-        return actions
+        try:
+            row = self._handle_rows[inst.state][event.__class__]
+        except KeyError:
+            return self.apply(inst, event, config, now)  # outside the alphabet: raises
+        return row(inst, event, config, now)
 
     def apply(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action] | tuple[()]:
         """``handle`` without the timer actions: the new deadline is left in
@@ -118,11 +117,58 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
         return _ignored
     if entry.__class__ is ProtocolError:
         return _refuser(machine.name, entry.reason)
-    reason = machine._no_guard.get((state, event))
-    scope: dict[str, Any] = {"IGNORED": IGNORED, "ProtocolViolation": ProtocolViolation,
-                             "NoGuardMatched": NoGuardMatched, "name": machine.name, "reason": reason}
+    scope: dict[str, Any] = {}
     body = ["def row(inst, ev, cfg, now):"]
-    for i, (guard, dest, effect, builders) in enumerate(entry):
+    body += transition_lines(machine, state, event, entry, scope,
+                             lambda i, t, acts: [f"return [{', '.join(acts)}]"])
+    return generated(body, scope, "row", f"{__file__}: {machine.name} {state} {event.__name__}")
+
+
+def _handle_row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
+    """``_row`` for ``handle``: the actions end with the timer action the
+    deadline change means (``timer_action``, written out per transition:
+    only a destination with a deadline can arm one)."""
+    if entry.__class__ is Ignore or entry.__class__ is ProtocolError:
+        return _row(machine, state, event, entry)
+    scope: dict[str, Any] = {"ArmTimer": ArmTimer, "CancelTimer": CancelTimer}
+
+    def finish(i: int, t: Any, acts: list[str]) -> list[str]:
+        listed = "".join(f"{a}, " for a in acts)
+        lines = []
+        if t.dest in machine._deadlines:
+            lines += ["new = inst.deadline",
+                      "if new is not None:",
+                      "    if new != old:",
+                      f"        return [{listed}ArmTimer(name, inst.key, new)]",
+                      f"    return [{listed}]"]
+        return lines + ["if old is not None:", f"    return [{listed}CancelTimer(name, inst.key)]",
+                        f"return [{listed}]"]
+
+    body = ["def row(inst, ev, cfg, now):", "    old = inst.deadline"]
+    body += transition_lines(machine, state, event, entry, scope, finish)
+    return generated(body, scope, "row", f"{__file__}: handle {machine.name} {state} {event.__name__}")
+
+
+# The lines ending one transition of a row, given its index in the group, the
+# transition and the names of the actions it built: ``finish(i, t, acts)``.
+Finish = Callable[[int, "_Compiled", list[str]], list[str]]
+
+
+def transition_lines(machine: Machine, state: str, event: type, entry: tuple, scope: dict[str, Any],
+                     finish: Finish) -> list[str]:
+    """The body (indented one level) of a row over ``inst, ev, cfg, now``
+    that carries out a group of transitions: per transition, in table order,
+    its guard, effect, builders (into ``a0``, ``a1``, ...), the state change
+    and the destination's deadline, then ``finish``'s lines, which must
+    return; past the last guard, the error that closes the group.  The
+    names it binds go into ``scope``.  Shared by the machine's rows and the
+    plane's (``plane_rows``), so both run the table's transitions alike."""
+    reason = machine._no_guard.get((state, event))
+    scope.update({"ProtocolViolation": ProtocolViolation, "NoGuardMatched": NoGuardMatched,
+                  "name": machine.name, "reason": reason})
+    body = []
+    for i, compiled in enumerate(entry):
+        guard, dest, effect, builders, _ = compiled
         indent = "    "
         if guard is not None:
             scope[f"g{i}"] = guard
@@ -131,11 +177,11 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
         if effect is not None:
             scope[f"e{i}"] = effect
             body.append(f"{indent}e{i}(inst, ev, cfg, now)")
-        calls = []
+        acts = []
         for j, build in enumerate(builders):
             scope[f"b{i}_{j}"] = build
-            calls.append(f"b{i}_{j}(inst, ev, cfg, now)")
-        body.append(f"{indent}acts = [{', '.join(calls)}]")
+            body.append(f"{indent}a{j} = b{i}_{j}(inst, ev, cfg, now)")
+            acts.append(f"a{j}")
         scope[f"d{i}"] = dest
         body.append(f"{indent}inst.state = d{i}")
         deadline = machine._deadlines.get(dest)
@@ -144,7 +190,7 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
         else:
             scope[f"dl{i}"] = deadline
             body.append(f"{indent}inst.deadline = dl{i}(inst, cfg, now)")
-        body.append(f"{indent}return acts")
+        body += [indent + line for line in finish(i, compiled, acts)]
         if guard is None:
             break  # an unguarded transition always matches: later rows are unreachable
     else:
@@ -152,9 +198,19 @@ def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:
             body.append("    raise NoGuardMatched(name, inst.key, inst.state, ev, 'no guard matched')")
         else:
             body.append("    raise ProtocolViolation(name, inst.key, inst.state, ev, reason)")
-    exec("\n".join(body), scope)  # noqa: S102 (generated from the table's own callables, no input text)
-    row: Callable = scope["row"]
-    return row
+    return body
+
+
+def generated(body: list[str], scope: dict[str, Any], name: str, where: str) -> Callable:
+    """The function ``name`` defined by ``body`` over ``scope``.  Its code is
+    filed as ``where`` (a path under the module that generates it, then what
+    it is) and its source kept in ``linecache``, so tracebacks show the
+    generated lines and allocation traces count it as this package's."""
+    source = "\n".join(body) + "\n"
+    linecache.cache[where] = (len(source), None, source.splitlines(True), where)
+    exec(compile(source, where, "exec"), scope)  # noqa: S102 (generated from the table's own callables, no input text)
+    fn: Callable = scope[name]
+    return fn
 
 
 def _ignored(inst: Any, ev: Any, cfg: Any, now: float) -> tuple[()]:
@@ -189,7 +245,8 @@ def compile_machine(spec: Spec, *, check: bool = True) -> Machine:
     for entry in spec.table:
         key = (entry.src, entry.event)
         if isinstance(entry, Transition):
-            compiled = _Compiled(entry.guard, entry.dest, entry.effect, tuple(a.build for a in entry.actions))
+            compiled = _Compiled(entry.guard, entry.dest, entry.effect, tuple(a.build for a in entry.actions),
+                                 tuple(a.action for a in entry.actions))
             table[key] = table.get(key, ()) + (compiled,)
         elif key not in table:
             table[key] = entry

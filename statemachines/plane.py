@@ -14,6 +14,11 @@ Late, duplicate and unknown-id events are counted ignores; an event the
 table declares a protocol error is counted and fails the machine closed
 through its ordinary release path.  Neither ever raises out of ``handle``.
 
+Most events take the plane's compiled rows (``plane_rows``: per table
+entry, the transition and all the plane does after it, generated from the
+same tables and wires); ``_dispatch`` is the general path that any machine
+and any event can take, and the tests hold the two to the same results.
+
 A machine that uses another machine's resource (``Spec.source``: a push
 WRITEs from its lease's blocks) lives only while that resource is held: the
 plane feeds it the source's end event when the source leaves its held
@@ -34,10 +39,7 @@ import attrs
 
 from . import actions as A
 from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
-from .composition import (
-    WIRES, ActionField, ConfigField, Const, HeartbeatChain, Requesters, RequesterKey, RequesterKind, TargetField,
-    Wire,
-)
+from .composition import WIRES
 from .config import PlaneConfig
 from .heartbeats import Heartbeats
 from .machines import MACHINES
@@ -47,9 +49,11 @@ from .stats import (
     Ignored, SourceEnded, StatKeys,
 )
 from .machine import IGNORED, Machine, ProtocolViolation
+from .plane_rows import compile_routes
 from .spec import Source, transitions_of
 from .validate import validate_sources
 from .validate_composition import creators, validate_composition
+from .wire_code import identifier, wire_executor
 
 
 
@@ -82,9 +86,12 @@ class ControlPlane:
         self._compact_at = _MIN_COMPACT
         # Keyed by the records of ``stats`` (and "heartbeats_sent").
         self.stats: Counter = Counter()
-        self._stat_key = StatKeys()
+        self._stat_key = _STAT_KEYS
         # Event class -> (kind, or "" when routed by the event's ``kind``; the key getter).
         self._routes: dict[type, tuple[str, Callable]] = {}
+        # Event class -> its dispatcher through the plane's compiled rows
+        # (plane_rows); a class not here takes _dispatch, the general path.
+        self._fast = _fast_routes(tuple(self.machines.items()))
         self._kinds: dict[str, _Kind] = {}
         self._bind_kinds()
         # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
@@ -112,12 +119,19 @@ class ControlPlane:
         if not _isfinite(now):
             _check_now(now)
         out: list[Action] = []
-        queue: list[Event] = []  # internal events, FIFO by index (no deque per call)
-        self._dispatch(event, now, out, queue, True)
-        i = 0
-        while i < len(queue):
-            self._dispatch(queue[i], now, out, queue, False)
-            i += 1
+        queue: list[Event] = []  # internal events (no deque per call)
+        fast = self._fast
+        dispatch = fast.get(event.__class__)
+        if dispatch is None:
+            self._dispatch(event, now, out, queue, True)
+        else:
+            dispatch(self, event, now, out, queue, True)
+        for internal in queue:  # the list grows while it is walked: FIFO
+            dispatch = fast.get(internal.__class__)
+            if dispatch is None:
+                self._dispatch(internal, now, out, queue, False)
+            else:
+                dispatch(self, internal, now, out, queue, False)
         if self._top is not None:  # only set while recording
             top, self._top = self._top, None
             if self._capture is not None:  # out: the caller's, copied
@@ -153,14 +167,23 @@ class ControlPlane:
     def clone(self) -> "ControlPlane":
         """A copy of the semantic state (instances, timers, heartbeats), not
         of stats, anomalies or the recorder; much faster than deepcopy (the
-        explorer clones a plane per explored move)."""
-        q = ControlPlane(self.config, self.machines)
+        explorer clones a plane per explored move, so this skips __init__:
+        the wiring and the caches keyed by machines and event classes are
+        read-only once built and shared)."""
+        q = ControlPlane.__new__(ControlPlane)
+        q.config, q.machines = self.config, self.machines
+        q._sources, q._users, q._creators, q._internal = self._sources, self._users, self._creators, self._internal
+        q._stat_key, q._routes, q._fast = self._stat_key, self._routes, self._fast
         q.instances = {kind: {key: _copy_instance(i) for key, i in insts.items()}
                        for kind, insts in self.instances.items()}
         q.heartbeats = Heartbeats(q.instances.get("heartbeat", {}), q.config)
         q._timers = list(self._timers)
         q._seq = self._seq
         q._compact_at = self._compact_at
+        q.stats = Counter()
+        q.anomalies = deque(maxlen=256)
+        q.recorder = None
+        q._top = None
         q._bind_kinds()
         return q
 
@@ -191,6 +214,8 @@ class ControlPlane:
 
     # --------------------------------------------------------------- dispatch
     def _dispatch(self, event: Event, now: float, out: list, queue: list, top: bool) -> None:
+        """The general path: any machine, any event (the compiled rows of
+        plane_rows cover the common cases and come here for the rest)."""
         # Route: the event class names its machine kind (internal wake-ups
         # carry it as ``kind``) and which field holds the instance id.
         cls = event.__class__
@@ -243,24 +268,31 @@ class ControlPlane:
                 refund = event.refund()
                 if refund is not None:
                     acts = [*acts, refund]
+        self._finish(k, inst, key, event, acts, before, old_deadline, created, now, out, queue, top)
+
+    def _finish(self, k: "_Kind", inst: Any, key: Any, event: Event, acts: Any, before: str,
+                old_deadline: float | None, created: bool, now: float, out: list, queue: list, top: bool) -> None:
+        """What the plane does after a machine handled ``event``: count an
+        ignore, arm the new deadline, note the step for the recorder, drop
+        an ended instance, end its source's users, run the actions.  (The
+        compiled rows of plane_rows write the same out per transition: keep
+        the two in step.)"""
+        kind, cls = k.name, event.__class__
         if acts is IGNORED:
             self.stats[k.ignored_key(before, cls)] += 1
         deadline = inst.deadline
         if deadline is not None and deadline != old_deadline:
             if not _isfinite(deadline):
-                # A deadline that is not a number (a NaN or infinite duration
-                # in an event) would never fire, or break the heap: the
-                # machine times out now, through its ordinary release path.
-                self._anomaly(NONFINITE_DEADLINE, kind, key, event, repr(deadline))
-                deadline = inst.deadline = now
+                deadline = self._nonfinite_deadline(kind, key, event, inst, now)
             self._seq += 1
             timers = self._timers
             _heappush(timers, (deadline, self._seq, kind, key))
             if len(timers) > self._compact_at:
                 self._compact_timers()
         if top and self._recorder is not None:
-            self._top = (event, now, kind, key, before, inst.state, acts, old_deadline, deadline)
+            self._note_top(event, now, kind, key, before, inst.state, acts, old_deadline, deadline)
         state = inst.state
+        insts = k.insts
         if state in k.terminal:
             del insts[key]
             self.stats[k.final_key(state)] += 1
@@ -277,6 +309,35 @@ class ControlPlane:
                 out.append(a)
             else:
                 run(self, a, now, queue)
+
+    def _violated(self, kind: str, inst: Any, key: Any, event: Event, exc: ProtocolViolation, created: bool,
+                  now: float, out: list, queue: list, top: bool) -> None:
+        """A compiled row raised ProtocolViolation (before changing anything):
+        what the general path does with one."""
+        k = self._kinds[kind]
+        before, old_deadline = inst.state, inst.deadline
+        self._anomaly(PROTOCOL_VIOLATION, kind, key, event, exc.reason)
+        acts = self._fail_closed(k.machine, inst, now)
+        refund = event.refund()
+        if refund is not None:
+            acts = [*acts, refund]
+        self._finish(k, inst, key, event, acts, before, old_deadline, created, now, out, queue, top)
+
+    def _nonfinite_deadline(self, kind: str, key: Any, event: Event, inst: Any, now: float) -> float:
+        """A deadline that is not a number (a NaN or infinite duration in an
+        event) would never fire, or break the heap: the machine times out
+        now, through its ordinary release path."""
+        self._anomaly(NONFINITE_DEADLINE, kind, key, event, repr(inst.deadline))
+        inst.deadline = now
+        return now
+
+    def _note_top(self, event: Event, now: float, kind: str, key: Any, before: str, after: str, acts: Any,
+                  old_deadline: float | None, deadline: float | None) -> None:
+        """Keep the stimulus being handled for its log line (``handle`` hands
+        it to the recorder once its effects are known), as parts
+        (``observe.Stimulus``): the timer action and the line's action list
+        are built only where a recorder needs them."""
+        self._top = (event, now, kind, key, before, after, acts, old_deadline, deadline)
 
     def _refuse_uncreated(self, event: Event, kind: str, key: Any, what: str, detail: str, now: float,
                           out: list, top: bool) -> None:
@@ -358,10 +419,12 @@ _MIN_COMPACT = 4096
 _isfinite = math.isfinite
 _heappush = heapq.heappush
 _NO_ROWS: dict = {}
+# The keys of every plane's stats, interned once for all (the compiled rows hold them).
+_STAT_KEYS = StatKeys()
 
 
 class _Kind:
-    """What the dispatch reads of one machine kind, gathered once per plane."""
+    """What the general path reads of one machine kind, gathered once per plane."""
 
     __slots__ = ("name", "machine", "rows", "insts", "terminal", "initial", "source", "users", "_keys", "_final",
                  "_ignored")
@@ -422,69 +485,57 @@ def _composition(machines: tuple) -> tuple[dict, dict]:
     specs = {kind: m.spec for kind, m in machines}
     validate_composition(specs)
     internal = dict(ControlPlane._own_internal)
-    internal.update((w.action, _wire_executor(w)) for w in WIRES)
+    internal.update((w.action, wire_executor(w)) for w in WIRES)
     return creators(specs), internal
 
 
-def _wire_executor(w: Wire) -> Callable:
-    """The internal-action handler that carries out one wire:
-    ``run(plane, action, now, queue)`` appends the wire's event(s) to the
-    queue.  Generated from the wire's field sources as one function (the
-    event built with its fields in one call), so an internal action costs
-    one call and the event's ``__init__``."""
-    scope: dict[str, Any] = {"EV": w.event}
-    body = ["def run(plane, a, now, queue):"]
-
-    def expr(field: str, source: Any) -> str:
-        if isinstance(source, ActionField):
-            return f"a.{_identifier(source.name)}"
-        if isinstance(source, ConfigField):
-            return f"plane.config.{_identifier(source.name)}"
-        if isinstance(source, Const):
-            scope[f"c_{field}"] = source.value
-            return f"c_{field}"
-        if isinstance(source, TargetField):
-            return f"inst.{_identifier(source.name)}"
-        if isinstance(source, RequesterKind):
-            return "req[0]"
-        if isinstance(source, RequesterKey):
-            return "req[1]"
-        if isinstance(source, HeartbeatChain):
-            return f"chain[{('since', 'last').index(source.which)}]"
-        raise TypeError(f"unknown wire field source {source!r}")
-
-    sources = [source for _, source in w.fields]
-    if any(isinstance(source, HeartbeatChain) for source in sources):
-        body.append("    chain = plane.heartbeats.chain(a.engine_id)")
-    call = "EV(" + ", ".join(f"{_identifier(field)}={expr(field, source)}" for field, source in w.fields) + ")"
-    if isinstance(w.target, Requesters):
-        body += [f"    for req in a.{_identifier(w.target.field)}:", f"        queue.append({call})"]
-    else:
-        if w.only_if_live or any(isinstance(source, TargetField) for source in sources):
-            key = expr("key", dict(w.fields)[w.event.key_field])
-            scope["KIND"] = w.target
-            body += [f"    inst = plane.instances[KIND].get({key})", "    if inst is None:", "        return"]
-        body.append(f"    queue.append({call})")
-    exec("\n".join(body), scope)  # noqa: S102 (field names checked as identifiers)
-    run: Callable = scope["run"]
-    return run
-
-
-def _identifier(name: str) -> str:
-    if not name.isidentifier():
-        raise ValueError(f"wire field name {name!r} is not an identifier")
-    return name
+@functools.lru_cache(maxsize=64)
+def _fast_routes(machines: tuple) -> dict[type, Callable]:
+    """The dispatchers of the plane's compiled rows, built once per set of machines."""
+    _, users = _source_wiring(machines)
+    creating, _ = _composition(machines)
+    return compile_routes(machines, users, creating, {w.action: w for w in WIRES}, _STAT_KEYS,
+                          ControlPlane._dispatch)
 
 
 def _copy_instance(inst):
-    """Copy an attrs instance, with fresh containers (refs, waiters) so the
+    """Copy an instance, with fresh containers (refs, waiters) so the
     copy's transitions never touch the original."""
-    copy = attrs.evolve(inst)
-    for a in attrs.fields(type(inst)):
-        value = getattr(copy, a.name)
-        if type(value) in (set, list, dict):
-            setattr(copy, a.name, type(value)(value))
-    return copy
+    cls = type(inst)
+    copier = _COPIERS.get(cls)
+    if copier is None:
+        copier = _COPIERS[cls] = _instance_copier(cls)
+    return copier(inst)
+
+
+# Instance class -> its generated copier (``_instance_copier``).
+_COPIERS: dict[type, Callable[[Any], Any]] = {}
+_CONTAINERS = (set, list, dict)
+# Field annotations whose values are never changed in place: shared by the copy.
+_IMMUTABLE_TYPES = frozenset({"str", "int", "float", "bool", "tuple", "frozenset", "float | None", "str | None",
+                              "int | None"})
+
+
+def _instance_copier(cls: type) -> Callable[[Any], Any]:
+    """One function that copies an instance of ``cls`` slot by slot: what
+    ``attrs.evolve`` did, without its per-call introspection and __init__
+    (the explorer copies a few instances per explored move).  A field of
+    any other annotation (Any, set, list, dict) gets a fresh container
+    when it holds one."""
+    body = ["def copy(inst):", "    c = new(cls)"]
+    fields = attrs.fields(cls)
+    shared = [identifier(a.name) for a in fields if a.type in _IMMUTABLE_TYPES]
+    if shared:
+        body.append("    " + ", ".join(f"c.{n}" for n in shared) + ", = " + ", ".join(f"inst.{n}" for n in shared) + ",")
+    for a in fields:
+        if a.type not in _IMMUTABLE_TYPES:
+            name = identifier(a.name)
+            body += [f"    v = inst.{name}", f"    c.{name} = v.__class__(v) if v.__class__ in CONTAINERS else v"]
+    body.append("    return c")
+    scope: dict[str, Any] = {"new": object.__new__, "cls": cls, "CONTAINERS": _CONTAINERS}
+    exec("\n".join(body), scope)  # noqa: S102 (field names checked as identifiers)
+    copier: Callable[[Any], Any] = scope["copy"]
+    return copier
 
 
 def _fail_closed_event(cls: type[Event], kind: str, key: Any) -> Event:

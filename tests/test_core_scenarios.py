@@ -6,15 +6,31 @@ hand, and read time only from the planes' own timers.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from core_support import connect, heartbeats_to_leases, held_by, names, new_request, of_type, plane, run_timers
 from kvplane.statemachines import actions as A
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.heartbeat_phase import phase
 from kvplane.statemachines.stats import Final
 
 P_ENGINE, D_ENGINE = "P0", "D0"
+SCHEDULES = pytest.mark.parametrize("spread", [True, False], ids=["spread", "lockstep"])
+
+
+def heartbeat_times(engine: str, after: float, cfg: PlaneConfig, count: int) -> list[float]:
+    """When an engine whose first id registered at ``after`` sends its first
+    ``count`` batches: one interval apart, the first one interval on
+    (lockstep) or at the engine's next slot ``phase + k * interval`` (spread)."""
+    interval = cfg.heartbeat_interval
+    if not cfg.heartbeat_spread:
+        return [after + n * interval for n in range(1, count + 1)]
+    offset = phase(engine, interval)
+    first = math.floor((after - offset) / interval) + 1
+    return [offset + (first + n) * interval for n in range(count)]
 
 
 class Side:
@@ -127,9 +143,10 @@ def test_full_prefix_hit_on_an_already_connected_engine():
 
 
 # ------------------------------------------------------------- (b) decode crash
+@SCHEDULES
 @pytest.mark.parametrize("duration", [30.0, 12.0, 60.0])
-def test_decode_crash_lease_expires_within_one_extension(duration):
-    cfg = dict(kv_lease_duration=duration)
+def test_decode_crash_lease_expires_within_one_extension(duration, spread):
+    cfg = dict(kv_lease_duration=duration, heartbeat_spread=spread)
     d, p = Side(plane(**cfg)), Side(plane(**cfg))
     p.handle(E.LeaseGranted(request_id="p1", block_ids=(7, 8)), 0.0)
     d.handle(new_request("r1", P_ENGINE, "p1"), 0.0)
@@ -143,7 +160,8 @@ def test_decode_crash_lease_expires_within_one_extension(duration):
             last_hb = at
             heartbeats_to_leases(out, p.plane, at)
         assert of_type(p.plane.fire_due(at), A.FreeBlocks) == []
-    assert last_hb == 10 * interval
+    sends = heartbeat_times(P_ENGINE, 0.0, d.plane.config, 12)
+    assert last_hb == pytest.approx(max(t for t in sends if t <= crash_at))
     # D is gone from here on: nothing more reaches P.
     extension = duration * 2 // 3
     assert p.plane.next_deadline() == last_hb + extension
@@ -520,8 +538,9 @@ def test_push_deadlines_fail_the_push(missing):
 ENGINE_RANKS = {"E0": [(0,), (1,), (0, 1)], "E1": [(0, 1, 2, 3)], "E2": [(0,)]}
 
 
-def test_heartbeats_batched_per_engine_and_interval_to_every_rank():
-    d = plane()
+@SCHEDULES
+def test_heartbeats_batched_per_engine_and_interval_to_every_rank(spread):
+    d = plane(heartbeat_spread=spread)
     interval = d.config.heartbeat_interval
     ids: dict[str, set] = {e: set() for e in ENGINE_RANKS}
     first_arrival: dict[str, float] = {}
@@ -542,7 +561,7 @@ def test_heartbeats_batched_per_engine_and_interval_to_every_rank():
     for e, rank_sets in ENGINE_RANKS.items():
         mine = [(t, a) for t, a in sent if a.engine_id == e]
         times = [t for t, _ in mine]
-        assert times == [first_arrival[e] + n * interval for n in range(1, len(times) + 1)]
+        assert times == pytest.approx(heartbeat_times(e, first_arrival[e], d.config, len(times)))
         assert times[-1] > 30.0 - interval  # one per interval, none skipped
         union = tuple(sorted({r for rs in rank_sets for r in rs}))
         for _, hb in mine:
@@ -565,11 +584,12 @@ def test_heartbeats_batched_per_engine_and_interval_to_every_rank():
     assert len(later) == 2 * 6  # two engines, one per 5 s over 30 s
 
 
+@SCHEDULES
 @pytest.mark.parametrize("duration,interval,extension", [
     (30.0, 5.0, 20.0), (12.0, 2.0, 8.0), (7.0, 1.0, 4.0), (60.0, 10.0, 40.0), (45.0, 7.0, 30.0),
 ])
-def test_heartbeat_interval_and_lease_extension(duration, interval, extension):
-    d, p = plane(kv_lease_duration=duration), plane(kv_lease_duration=duration)
+def test_heartbeat_interval_and_lease_extension(duration, interval, extension, spread):
+    d, p = plane(kv_lease_duration=duration, heartbeat_spread=spread), plane(kv_lease_duration=duration)
     assert (d.config.heartbeat_interval, d.config.lease_extension) == (interval, extension)
     p.handle(E.LeaseGranted(request_id="p1"), 0.0)
     assert p.next_deadline() == duration
@@ -580,7 +600,7 @@ def test_heartbeat_interval_and_lease_extension(duration, interval, extension):
             times.append(t)
             heartbeats_to_leases([a], p, t)
             assert p.next_deadline() == max(duration, t + extension)
-    assert times[:5] == [interval * n for n in range(1, 6)]
+    assert times[:5] == pytest.approx(heartbeat_times(P_ENGINE, 0.0, d.config, 5))
 
 
 def test_heartbeat_registration_counts_duplicates_of_one_peer_id():

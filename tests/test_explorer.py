@@ -230,6 +230,54 @@ def test_clone_plane_is_independent():
     assert p.get("remote_engine", "e").refs is not q.get("remote_engine", "e").refs
 
 
+
+def test_clone_plane_copies_every_field_and_gives_the_copy_its_own_containers():
+    from kvplane.statemachines import events as E
+
+    p = ControlPlane()
+    p.handle(E.NewRequest(request_id="r", engine_id="e", remote_request_id="x"), 0.0)
+    p.handle(E.HandshakeOk(engine_id="e"), 0.5)
+    q = clone_plane(p)
+    # The clone skips __init__: it must still set every attribute a plane has.
+    assert set(vars(q)) == set(vars(ControlPlane()))
+    assert q.instances.keys() == p.instances.keys()
+    for kind, insts in p.instances.items():
+        assert q.instances[kind].keys() == insts.keys()
+        for key, inst in insts.items():
+            copy = q.instances[kind][key]
+            assert copy is not inst and copy == inst
+            for a in attrs.fields(type(inst)):
+                value = getattr(inst, a.name)
+                if isinstance(value, (set, list, dict)):
+                    assert getattr(copy, a.name) is not value, f"{kind}.{a.name} shared with the original"
+    assert q.next_deadline() == p.next_deadline()
+    assert q.heartbeats.registered("e") == p.heartbeats.registered("e")
+    q.handle(E.Abort(request_id="r"), 1.0)
+    assert p.get("decode_request", "r") is not None and p.heartbeats.registered("e")
+
+
+def test_gate_signatures_from_the_memo_are_the_ones_computed():
+    from kvplane.statemachines.explorer import Model
+    from kvplane.statemachines.explorer.canonical import gate_signature
+
+    model = Model(ExploreConfig(requests=("read", "read"), max_faults=0, max_aborts=0))
+    memo: dict = {}
+    seen = 0
+    w = model.initial()
+    for _ in range(40):  # a fault-free run: requests through every gated state, times moving
+        for plane in w.planes.values():
+            for r in plane.instances["decode_request"].values():
+                for now in (w.t, w.t + 1.0):
+                    want = gate_signature(r, now, 0.0, plane)
+                    assert gate_signature(r, now, 0.0, plane, memo) == want
+                    assert gate_signature(r, now, 0.0, plane, memo) == want  # now from the memo
+                    seen += 1
+        m = model.drain_move(w) or next((mv for mv in model.moves(w)), None)
+        if m is None:
+            break
+        model.apply(w, m)
+    assert seen and memo
+
 # ------------------------------------------------------------ the READ gate under decoder stalls
 def test_reads_carry_p_lease_expiry_as_the_connector_exports_it():
     from kvplane.statemachines.explorer import Model

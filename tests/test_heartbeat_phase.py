@@ -1,5 +1,7 @@
 """Heartbeat phases (PlaneConfig.heartbeat_spread): engines spread over the
 interval, each on its own deterministic grid, with the lease guarantee kept."""
+import json
+
 import pytest
 
 from kvplane.statemachines import actions as A
@@ -59,7 +61,7 @@ def test_engines_started_in_one_step_send_spread_over_the_interval():
 
 
 def test_without_spread_every_engine_keeps_the_step_it_started_in():
-    cfg = PlaneConfig()
+    cfg = PlaneConfig(heartbeat_spread=False)
     interval = cfg.heartbeat_interval
     got = sends(cfg, 4 * interval)
     assert {tuple(times) for times in got.values()} == {tuple(k * interval for k in range(1, 5))}
@@ -95,3 +97,16 @@ def test_a_log_recorded_with_spread_heartbeats_replays_exactly():
     assert of_type([a for _, a in run_timers(d, 40.0)], A.SendHeartbeat)
     result = replay(log.lines())
     assert result.config == cfg and result.divergence is None
+
+
+def test_spread_is_the_default_and_a_log_header_without_the_key_replays_lockstep():
+    from kvplane.statemachines.eventlog import header, parse_config
+
+    assert PlaneConfig().heartbeat_spread
+    recorded = PlaneConfig(heartbeat_spread=True)
+    assert parse_config(json.loads(header(recorded))["config"], 1) == recorded
+    assert not parse_config(json.loads(header(PlaneConfig(heartbeat_spread=False)))["config"], 1).heartbeat_spread
+    # A header written before the key existed: its batches went out in lockstep.
+    old = json.loads(header(PlaneConfig()))["config"]
+    del old["heartbeat_spread"]
+    assert parse_config(old, 1) == PlaneConfig(heartbeat_spread=False)

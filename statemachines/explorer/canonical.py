@@ -40,16 +40,35 @@ def heartbeat_registrations(plane: ControlPlane, engine: str, request_id: str) -
     return plane.heartbeats.registrations(engine, request_id)
 
 
-def gate_signature(r, now: float, offset: float, plane: ControlPlane) -> tuple | None:
+# gate_signature's memo: at most this many entries (then it starts over), and
+# what a miss returns (None is a signature: the gate never declines).
+_GATE_MEMO_MAX = 200_000
+_UNSEEN: tuple = ("unseen",)
+
+
+def gate_signature(r, now: float, offset: float, plane: ControlPlane,
+                   memo: dict[tuple, tuple | None] | None = None) -> tuple | None:
     """What the READ gate reads of ``r`` (read_gate.signature: equal
     signatures decide every future gate alike), or None outside the gated
-    states.  ``offset``: the clock offset to r's engine."""
+    states.  ``offset``: the clock offset to r's engine.  ``memo``: earlier
+    signatures by their inputs, for planes of one config (the gate is a pure
+    function of them; worlds repeat them far more often than they differ)."""
     if r.state not in GATE_STATES:
         return None
     since, last = plane.heartbeats.chain(r.engine_id)
-    return read_gate.signature(read_gate.GateInputs(
+    inputs = (r.remote_expiry, r.remote_renewable, offset, r.arrived, since, last, now)
+    if memo is not None:
+        sig = memo.get(inputs, _UNSEEN)
+        if sig is not _UNSEEN:
+            return sig
+    sig = read_gate.signature(read_gate.GateInputs(
         expiry=r.remote_expiry, renewable=r.remote_renewable, clock_offset=offset, arrived=r.arrived,
         chain_since=since, chain_last=last), plane.config, now)
+    if memo is not None:
+        if len(memo) >= _GATE_MEMO_MAX:
+            memo.clear()  # bounded: a long run's early times rarely come back
+        memo[inputs] = sig
+    return sig
 
 
 # --------------------------------------------------------------- canonical
@@ -61,19 +80,33 @@ class PlaneParts:
     from the one that computed them (``World.canon_parts``), until the plane
     is copied or the time moves."""
 
-    __slots__ = ("plane", "now", "requests", "engines", "schedule", "chain_since", "renamed")
+    __slots__ = ("name", "plane", "now", "requests", "engines", "any_up", "schedule", "chain_since", "renamed")
 
-    def __init__(self, plane: ControlPlane, now: float, requests: tuple, engines: tuple, schedule: tuple,
+    def __init__(self, name: str, plane: ControlPlane, now: float, requests: tuple, engines: tuple, schedule: tuple,
                  chain_since: float | None):
+        self.name = name  # the plane's name in the world ("D", "P")
         self.plane = plane
         self.now = now
         self.requests = requests  # per request index, the plane's signatures of it
         # (key, head, refs, waiters, tail, up) per remote engine, by key;
         # references are renamed per request order (``renamed``).
         self.engines = engines
+        self.any_up = any(up for *_, up in engines)  # whether the world's observed activity enters
         self.schedule = schedule  # the heartbeat schedule's entries
         self.chain_since = chain_since  # the first send of the heartbeat chain to the other plane
-        self.renamed: dict[tuple, tuple] = {}  # request order -> the engines' entries without activity
+        # request order -> the engines' entries, those that are up as _Awaiting
+        self.renamed: dict[tuple, tuple] = {}
+
+
+class _Awaiting:
+    """An up engine's entry in ``PlaneParts.renamed``: all but the activity
+    the world observed (``World.activity[activity_key]``), which goes last."""
+
+    __slots__ = ("head", "activity_key")
+
+    def __init__(self, head: tuple, activity_key: tuple[str, str]):
+        self.head = head
+        self.activity_key = activity_key
 
 
 class Canonical:
@@ -93,7 +126,11 @@ class Canonical:
         self._name_reprs = name_reprs
         self._twins = [name_reprs.count(r) > 1 for r in name_reprs]
         self._by_name = tuple(sorted(range(n), key=lambda i: name_reprs[i]))
+        self._identity = tuple(range(n))
         self._renames: dict[tuple, dict] = {}
+        self._gates: dict[tuple, tuple | None] = {}  # gate_signature's memo (one plane config per exploration)
+        # Per request: its profile's name and its bookkeeping keys, as key() reads them.
+        self._request_marks = [(prof.name, ("D", d), ("P", q), ("P", p)) for prof, (d, p, q) in zip(profiles, self._names)]
 
     def _rename(self, order: tuple) -> dict:
         rename = self._renames.get(order)
@@ -118,11 +155,11 @@ class Canonical:
         h = self.horizon
         awaited, reported, freed = w.awaited, w.reported, w.freed
         phase, phase2, hold = w.phase, w.phase2, w.hold_expiry
+        d_requests, p_requests = dp.requests, pp.requests
         local = []
-        for i in range(n):
-            d, p, q = self._names[i]
-            dreq, dlease, dhb = dp.requests[i]
-            plea, preq, ppush, phb = pp.requests[i]
+        for i, (name, d_mark, q_mark, p_mark) in enumerate(self._request_marks):
+            dreq, dlease, dhb = d_requests[i]
+            plea, preq, ppush, phb = p_requests[i]
             held = None
             if phase2[i] == NEW:
                 v = hold[i]
@@ -130,13 +167,14 @@ class Canonical:
                     held = v - nd
                     if held <= -h:
                         held = -h
+            ph = phase[i]
             local.append((
-                self.profiles[i].name, phase[i], phase2[i], dreq, plea, dlease, preq, ppush,
-                ("D", d) in awaited, ("D", d) in reported, ("P", q) in awaited, ("P", q) in reported,
-                ("P", p) in freed, ("D", d) in freed, held, dhb, phb,
+                name, ph, phase2[i], dreq, plea, dlease, preq, ppush,
+                d_mark in awaited, d_mark in reported, q_mark in awaited, q_mark in reported,
+                p_mark in freed, d_mark in freed, held, dhb, phb,
                 # Exported and on its way to a stalled D: the expiry D will get,
                 # and how it compares with the chain D's next batches continue.
-                self._exported_sig(w, i, np_, dp.chain_since) if phase[i] == SENT else None,
+                self._exported_sig(w, i, np_, dp.chain_since) if ph == SENT else None,
             ))
         if symmetry and n > 1:
             twins, name_reprs = self._twins, self._name_reprs
@@ -145,37 +183,47 @@ class Canonical:
             else:
                 order = self._by_name
         else:
-            order = tuple(range(n))
-        rename = self._rename(order)
-        shared: list[tuple] = []
-        for pname, parts in (("D", dp), ("P", pp)):
-            t = parts.now
-            entries = parts.renamed.get(order)
-            if entries is None:
-                entries = parts.renamed[order] = self._engine_entries(parts, rename)
-            activity = w.activity
-            for key, pre, up in entries:
-                act = None
-                if up:
-                    v = activity.get((pname, key))
-                    if v is not None:
-                        act = v - t
-                        if act <= -h:
-                            act = -h
-                shared.append(pre + (act,))
-            shared.extend(parts.schedule)
+            order = self._identity
+        shared = self._shared(dp, order, w.activity) + self._shared(pp, order, w.activity)
         net = w.canon_net
         if net is None or net[0] is not w.net or net[1] is not w.stalled or net[2] != order or net[3] != nd:
+            rename = self._rename(order)
             net = w.canon_net = (w.net, w.stalled, order, nd, tuple(sorted(self._message(m, rename, w) for m in w.net)),
                                  tuple(sorted(self._message(m, rename, w) for m in w.stalled)))
         stall = None if w.stall is None else (self._rel(w.stall[0], nd), self._rel(w.stall[1], nd))
-        return (tuple(local[i] for i in order), tuple(shared), net[4], net[5], w.faults, w.aborts, w.crashed, stall)
+        return (tuple([local[i] for i in order]), shared, net[4], net[5], w.faults, w.aborts, w.crashed, stall)
+
+    def _shared(self, parts: PlaneParts, order: tuple, activity: dict) -> tuple:
+        """One plane's remote engines (references renamed by ``order``, the
+        activity the world observed) and its heartbeat schedule."""
+        entries = parts.renamed.get(order)
+        if entries is None:
+            entries = parts.renamed[order] = self._engine_entries(parts, self._rename(order))
+        if not parts.any_up:
+            return entries + parts.schedule  # no activity enters: the entries are whole
+        h, t = self.horizon, parts.now
+        out = []
+        for entry in entries:
+            if entry.__class__ is _Awaiting:
+                act = None
+                v = activity.get(entry.activity_key)
+                if v is not None:
+                    act = v - t
+                    if act <= -h:
+                        act = -h
+                entry = entry.head + (act,)
+            out.append(entry)
+        return tuple(out) + parts.schedule
 
     def _engine_entries(self, parts: PlaneParts, rename: dict) -> tuple:
+        """Each engine's entry with its references renamed: whole (its
+        activity None) when it is not up, else the activity still to add."""
         get = rename.get
-        return tuple((key, head + (tuple(sorted((k, get(r, r)) for k, r in refs)),
-                                   tuple((k, get(r, r)) for k, r in waiters)) + tail, up)
-                     for key, head, refs, waiters, tail, up in parts.engines)
+        out: list = []
+        for key, head, refs, waiters, tail, up in parts.engines:
+            entry = head + (tuple(sorted((k, get(r, r)) for k, r in refs)), tuple((k, get(r, r)) for k, r in waiters)) + tail
+            out.append(_Awaiting(entry, (parts.name, key)) if up else entry + (None,))
+        return tuple(out)
 
     def _engines(self, pname: str, plane: ControlPlane, t: float) -> tuple:
         rel = self._rel
@@ -201,7 +249,7 @@ class Canonical:
         requests = tuple((self._req_sig(reqs.get(d), nd, "D", D, reads), self._lease_sig(leases.get(d), nd),
                           heartbeat_registrations(D, "P", p))
                          for (d, p, _), reads in zip(self._names, self._reads))
-        return PlaneParts(D, nd, requests, self._engines("D", D, nd), self._schedule("D", D, nd),
+        return PlaneParts("D", D, nd, requests, self._engines("D", D, nd), self._schedule("D", D, nd),
                           D.heartbeats.chain("P")[0])
 
     def _p_parts(self, P: ControlPlane, np_: float) -> PlaneParts:
@@ -209,7 +257,7 @@ class Canonical:
         requests = tuple((self._lease_sig(leases.get(p), np_), self._req_sig(reqs.get(q), np_, "P", P, True),
                           self._push_sig(pushes.get(p), np_), heartbeat_registrations(P, "D", d))
                          for d, p, q in self._names)
-        return PlaneParts(P, np_, requests, self._engines("P", P, np_), self._schedule("P", P, np_), None)
+        return PlaneParts("P", P, np_, requests, self._engines("P", P, np_), self._schedule("P", P, np_), None)
 
     def _message(self, m: Message, rename: dict, w: World) -> tuple:
         if isinstance(m, PushRegistration):  # D's give-up time (D's clock), relative
@@ -230,7 +278,7 @@ class Canonical:
         if r is None:
             return None
         s = r.state
-        gate = gate_signature(r, now, self.clocks.offset(pname, r.engine_id), plane) if reads else None
+        gate = gate_signature(r, now, self.clocks.offset(pname, r.engine_id), plane, self._gates) if reads else None
         return (s, gate, self._rel(r.deadline, now), r.engine_id,
                 r.expected_consumers, r.push, r.num_remote_tokens,
                 None if s in ("NEW", "HEARTBEATING", "RECV_DONE", "RECV_FAILED", "RUNNING")

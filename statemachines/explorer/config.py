@@ -7,10 +7,13 @@ from ..config import PlaneConfig
 
 # Small durations keep the interesting interleavings within a few ticks.  An
 # engine goes STALE after 3 s of silence and is evicted after 6 (engine_stale_after
-# pins the scale the explored paths and the mutation tests were built on).
+# pins the scale the explored paths and the mutation tests were built on, and
+# heartbeat_spread=False the whole-second heartbeat times and the state counts
+# the README states; tests/test_heartbeat_spread_explorer.py explores the
+# spread schedule, the plane's default).
 EXPLORER_PLANE_CONFIG = PlaneConfig(
     kv_lease_duration=6.0, decoder_kv_blocks_ttl=8.0, expiry_safety_margin=5.0, engine_ttl=6.0,
-    engine_stale_after=3.0,
+    engine_stale_after=3.0, heartbeat_spread=False,
     handshake_timeout=2.0, handshake_backoff=1.0, handshake_max_attempts=2, transfer_timeout=4.0,
     recv_timeout=10.0, push_registration_timeout=4.0,
 )

@@ -95,6 +95,8 @@ class World:
             return self.planes[name]
         plane = self.planes[name]
         parts = self.canon_parts
-        if parts is not None and any(part.plane is plane for part in parts):
-            self.canon_parts = None  # changed in place after its parts were taken (a drain)
+        if parts is not None and any(part is not None and part.plane is plane for part in parts):
+            # Changed in place after its parts were taken (a drain): those
+            # parts go, the other plane's stay.
+            self.canon_parts = tuple(None if part is not None and part.plane is plane else part for part in parts)
         return plane

@@ -1,0 +1,206 @@
+"""The plane's compiled rows: one event in one state, and all the plane does about it, as one function.
+
+For every (state, event) entry of a compiled machine's table the plane gets,
+beside the machine's own row, a generated function that runs the same
+transitions (the same guards, effects, builders and destination deadlines,
+from the same entry: ``machine.transition_lines``) followed by what
+``ControlPlane._finish`` does after any transition, written out for that
+transition alone: the timer pushed only where the destination has a
+deadline, the instance dropped only where it is terminal, a source's users
+ended only where the transition leaves the source's held states, and each
+action handed to the world or carried out by its wire (``wire_code``,
+inlined).  A dispatcher per event class finds the instance and its row in
+one lookup each.
+
+Nothing here decides behaviour: the tables and wires do, and everything
+these functions do not cover goes to the general path (``general``, the
+plane's ``_dispatch``): a machine that is wrapped (observed, reference) or
+uses a ``Source``, an unknown id, an event outside the alphabet, a
+protocol violation (``ControlPlane._violated``).  Tests run both paths on
+the same stimuli and compare them.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any, Callable
+
+import attrs
+
+from .base import Action, ArmTimer, CancelTimer, Event
+from .composition import Wire
+from .machine import IGNORED, Machine, ProtocolViolation, generated, transition_lines
+from .spec import Ignore, ProtocolError, Source
+from .stats import Final, Ignored, StatKeys
+from .wire_code import wire_lines
+
+# dispatch(plane, event, now, out, queue, top): the signature of the plane's _dispatch.
+Dispatch = Callable[[Any, Event, float, list, list, bool], None]
+
+
+def compile_routes(machines: tuple[tuple[str, Any], ...], users: dict[str, tuple[tuple[str, Source], ...]],
+                   creators: dict[type[Event], str], wires: dict[type[Action], Wire], keys: StatKeys,
+                   general: Dispatch) -> dict[type[Event], Dispatch]:
+    """Event class -> its dispatcher, for every class that some compiled
+    machine without a Source handles; other classes take ``general``."""
+    fast = {kind: m for kind, m in machines if type(m) is Machine and m.spec.source is None}
+    # event class -> kind -> state -> plane row
+    rows: dict[type[Event], dict[str, dict[str, Callable]]] = {}
+    for kind, m in fast.items():
+        for (state, event), entry in m._table.items():
+            row = _plane_row(kind, m, state, event, entry, users.get(kind, ()), wires, keys)
+            rows.setdefault(event, {}).setdefault(kind, {})[state] = row
+    routes: dict[type[Event], Dispatch] = {}
+    for event, by_kind in rows.items():
+        if not event.machine:  # routed by the event's ``kind``
+            routes[event] = _kind_dispatcher(event, by_kind, general)
+        elif event.machine in by_kind:
+            kind = event.machine
+            routes[event] = _class_dispatcher(kind, fast[kind], event, by_kind[kind], creators.get(event) == kind,
+                                              general)
+    return routes
+
+
+def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dict[str, Callable], creates: bool,
+                      general: Dispatch) -> Dispatch:
+    scope: dict[str, Any] = {"KIND": kind, "ROWS": rows, "GENERAL": general, "ProtocolViolation": ProtocolViolation,
+                             "NEW": machine.spec.instance_type, "INITIAL": machine.spec.initial}
+    body = ["def dispatch(plane, ev, now, out, queue, top):",
+            f"    key = ev.{_identifier(event.key_field)}",
+            "    insts = plane.instances[KIND]",
+            "    inst = insts.get(key)",
+            "    created = False",
+            "    if inst is None:"]
+    if creates:  # as Machine.new (by position where the class allows: a keyword call costs about twice)
+        call = "NEW(key, INITIAL)" if _positional(machine.spec.instance_type, ("key", "state")) \
+            else "NEW(key=key, state=INITIAL)"
+        body += [f"        inst = insts[key] = {call}", "        created = True"]
+    else:  # an unknown id: refused there
+        body += ["        return GENERAL(plane, ev, now, out, queue, top)"]
+    body += ["    row = ROWS.get(inst.state)",
+             "    if row is None:",  # outside the alphabet: refused there
+             "        if created:",
+             "            del insts[key]",
+             "        return GENERAL(plane, ev, now, out, queue, top)",
+             "    try:",
+             "        row(plane, insts, inst, key, ev, now, out, queue, top, created)",
+             "    except ProtocolViolation as exc:",
+             "        plane._violated(KIND, inst, key, ev, exc, created, now, out, queue, top)"]
+    return generated(body, scope, "dispatch", f"{__file__}: dispatch {kind} {event.__name__}")
+
+
+def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]], general: Dispatch) -> Dispatch:
+    """For an event routed by its ``kind`` field (a timer, a wake-up); none creates an instance."""
+    scope: dict[str, Any] = {"BY_KIND": by_kind, "GENERAL": general, "ProtocolViolation": ProtocolViolation}
+    body = ["def dispatch(plane, ev, now, out, queue, top):",
+            "    kind = ev.kind",
+            "    rows = BY_KIND.get(kind)",
+            "    if rows is None:",
+            "        return GENERAL(plane, ev, now, out, queue, top)",
+            f"    key = ev.{_identifier(event.key_field)}",
+            "    insts = plane.instances[kind]",
+            "    inst = insts.get(key)",
+            "    row = None if inst is None else rows.get(inst.state)",
+            "    if row is None:",
+            "        return GENERAL(plane, ev, now, out, queue, top)",
+            "    try:",
+            "        row(plane, insts, inst, key, ev, now, out, queue, top, False)",
+            "    except ProtocolViolation as exc:",
+            "        plane._violated(kind, inst, key, ev, exc, False, now, out, queue, top)"]
+    return generated(body, scope, "dispatch", f"{__file__}: dispatch by kind {event.__name__}")
+
+
+# row(plane, insts, inst, key, event, now, out, queue, top, created)
+_ROW_ARGS = "plane, insts, inst, key, ev, now, out, queue, top, created"
+
+
+def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entry: Any,
+               users: tuple[tuple[str, Source], ...], wires: dict[type[Action], Wire], keys: StatKeys) -> Callable:
+    if entry.__class__ is Ignore:
+        return _ignore_row(kind, state, keys(Ignored, kind, state, event.__name__), state == machine.spec.initial)
+    if entry.__class__ is ProtocolError:
+        return _error_row(machine.name, entry.reason)
+    scope: dict[str, Any] = {"KIND": kind, "SRC": state, "EVENT": event, "isfinite": math.isfinite,
+                             "heappush": heapq.heappush}
+    terminal, initial = machine.terminal_states, machine.spec.initial
+
+    def finish(i: int, t: Any, acts: list[str]) -> list[str]:
+        # ControlPlane._finish, for this transition (keep the two in step).
+        lines = []
+        if t.dest in machine._deadlines:
+            lines += ["dl = inst.deadline",
+                      "if dl is not None and dl != old:",
+                      "    if not isfinite(dl):",
+                      "        dl = plane._nonfinite_deadline(KIND, key, ev, inst, now)",
+                      "    plane._seq = seq = plane._seq + 1",
+                      "    timers = plane._timers",
+                      "    heappush(timers, (dl, seq, KIND, key))",
+                      "    if len(timers) > plane._compact_at:",
+                      "        plane._compact_timers()"]
+        lines += ["if top and plane._recorder is not None:",
+                  f"    plane._note_top(ev, now, KIND, key, SRC, inst.state, [{', '.join(acts)}], old, inst.deadline)"]
+        if t.dest in terminal:
+            scope[f"FINAL{i}"] = keys(Final, kind, t.dest)
+            lines += ["del insts[key]", f"plane.stats[FINAL{i}] += 1"]
+        elif t.dest == initial:
+            lines += ["if created:", "    del insts[key]"]
+        if t.dest != state:
+            for u, (user_kind, source) in enumerate(users):
+                if state in source.held and t.dest not in source.held:
+                    scope[f"USER{i}_{u}"], scope[f"SOURCE{i}_{u}"] = user_kind, source
+                    lines += [f"if key in plane.instances[USER{i}_{u}]:",
+                              f"    queue.append(plane._source_ended(SOURCE{i}_{u}, USER{i}_{u}, key, EVENT))"]
+        for j, cls in enumerate(t.actions):
+            lines += _action_lines(cls, f"a{j}", wires, scope, f"{i}_{j}")
+        return lines + ["return"]
+
+    body = [f"def row({_ROW_ARGS}):", "    cfg = plane.config", "    old = inst.deadline"]
+    body += transition_lines(machine, state, event, entry, scope, finish)
+    return generated(body, scope, "row", f"{__file__}: row {kind} {state} {event.__name__}")
+
+
+def _action_lines(cls: type[Action], action: str, wires: dict[type[Action], Wire], scope: dict[str, Any],
+                  tag: str) -> list[str]:
+    """What the plane does with one action its row built (the class its row
+    declares; ``ControlPlane._internal`` maps the same classes)."""
+    if cls is ArmTimer:
+        return [f"plane._arm({action}.at, {action}.kind, {action}.key)"]
+    if cls is CancelTimer:
+        return []  # lazy deletion, as the plane's own executor
+    wire = wires.get(cls)
+    if wire is None:
+        return [f"out.append({action})"]
+    return wire_lines(wire, action, scope, tag)
+
+
+def _ignore_row(kind: str, state: str, stat: Any, in_initial: bool) -> Callable:
+    """A declared ignore: counted; an instance just created for it is dropped."""
+    def row(plane: Any, insts: dict, inst: Any, key: Any, ev: Event, now: float, out: list, queue: list, top: bool,
+            created: bool) -> None:
+        plane.stats[stat] += 1
+        if top and plane._recorder is not None:
+            plane._note_top(ev, now, kind, key, state, state, IGNORED, inst.deadline, inst.deadline)
+        if in_initial and created:
+            del insts[key]
+
+    return row
+
+
+def _error_row(name: str, reason: str) -> Callable:
+    def row(plane: Any, insts: dict, inst: Any, key: Any, ev: Event, now: float, out: list, queue: list, top: bool,
+            created: bool) -> None:
+        raise ProtocolViolation(name, inst.key, inst.state, ev, reason)
+
+    return row
+
+
+def _positional(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether the attrs class ``cls`` takes ``names`` as its first positional arguments."""
+    fields = [f for f in attrs.fields(cls) if f.init][:len(names)]
+    return tuple(f.name for f in fields) == names and not any(f.kw_only for f in fields)
+
+
+def _identifier(name: str) -> str:
+    if not name.isidentifier():
+        raise ValueError(f"event key field {name!r} is not an identifier")
+    return name

@@ -1,0 +1,91 @@
+"""A wire of ``composition`` as generated code: how the plane carries out an internal action.
+
+``wire_lines`` writes the statements that turn one internal action into the
+event(s) its ``Wire`` declares, appended to the plane's FIFO queue of
+internal events; the plane runs them as the action's executor
+(``wire_executor``) and inlines them into its compiled rows
+(``plane_rows``), so both paths carry out a wire from the same code.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+
+from .machine import generated
+from .composition import (
+    ActionField, ConfigField, Const, HeartbeatChain, Requesters, RequesterKey, RequesterKind, TargetField, Wire,
+)
+
+
+def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str) -> list[str]:
+    """Statements (not indented) over ``plane``, ``queue`` and the action
+    variable ``action`` that queue the wire's event(s).  The names they bind,
+    in ``scope`` and as locals, end in ``tag`` so that several wires can be
+    inlined into one function."""
+    scope[f"EV{tag}"] = w.event
+    target, req, chain = f"tgt{tag}", f"req{tag}", f"chain{tag}"
+
+    def expr(field: str, source: Any) -> str:
+        if isinstance(source, ActionField):
+            return f"{action}.{identifier(source.name)}"
+        if isinstance(source, ConfigField):
+            return f"plane.config.{identifier(source.name)}"
+        if isinstance(source, Const):
+            scope[f"c{tag}_{field}"] = source.value
+            return f"c{tag}_{field}"
+        if isinstance(source, TargetField):
+            return f"{target}.{identifier(source.name)}"
+        if isinstance(source, RequesterKind):
+            return f"{req}[0]"
+        if isinstance(source, RequesterKey):
+            return f"{req}[1]"
+        if isinstance(source, HeartbeatChain):
+            return f"{chain}[{('since', 'last').index(source.which)}]"
+        raise TypeError(f"unknown wire field source {source!r}")
+
+    sources = [source for _, source in w.fields]
+    lines = []
+    if any(isinstance(source, HeartbeatChain) for source in sources):
+        lines.append(f"{chain} = plane.heartbeats.chain({action}.engine_id)")
+    call = f"EV{tag}({_arguments(w, expr)})"
+    if isinstance(w.target, Requesters):
+        lines += [f"for {req} in {action}.{identifier(w.target.field)}:", f"    queue.append({call})"]
+    elif w.only_if_live or any(isinstance(source, TargetField) for source in sources):
+        key = expr("key", dict(w.fields)[w.event.key_field])
+        scope[f"KIND{tag}"] = w.target
+        lines += [f"{target} = plane.instances[KIND{tag}].get({key})", f"if {target} is not None:",
+                  f"    queue.append({call})"]
+    else:
+        lines.append(f"queue.append({call})")
+    return lines
+
+
+def _arguments(w: Wire, expr: Callable[[str, Any], str]) -> str:
+    """The event's constructor arguments: its fields in order while the wire
+    gives each and the class takes them by position (a positional call is
+    about half the cost of a keyword one), the rest by keyword."""
+    given = dict(w.fields)
+    args = []
+    event: type = w.event  # an attrs class, which type[Event] cannot say
+    for f in attrs.fields(event):
+        if f.kw_only or not f.init or f.name not in given:
+            break
+        args.append(expr(f.name, given.pop(f.name)))
+    args += [f"{identifier(field)}={expr(field, source)}" for field, source in given.items()]
+    return ", ".join(args)
+
+
+def wire_executor(w: Wire) -> Callable:
+    """The internal-action handler that carries out one wire:
+    ``run(plane, action, now, queue)`` appends the wire's event(s) to the
+    queue, the event built with its fields in one call."""
+    scope: dict[str, Any] = {}
+    body = ["def run(plane, a, now, queue):"] + ["    " + line for line in wire_lines(w, "a", scope, "")]
+    return generated(body, scope, "run", f"{__file__}: {w.action.__name__}")  # field names checked as identifiers
+
+
+def identifier(name: str) -> str:
+    if not name.isidentifier():
+        raise ValueError(f"field name {name!r} is not an identifier")
+    return name

@@ -1,0 +1,124 @@
+"""The plane's compiled rows (plane_rows) and its general path agree.
+
+The same random stimuli (garbage ids, non-finite numbers, timers fired as
+time advances) go to a plain plane, which dispatches through its compiled
+rows, and to one whose machines are wrapped (observed, with an observer
+that does nothing), which takes the general path for everything; after every
+step the two must have returned the same actions, logged the same step,
+and hold the same instances, timer heap, stats and anomalies."""
+from __future__ import annotations
+
+import random
+
+import attrs
+import pytest
+
+from kvplane.statemachines import events as E
+from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.machines import MACHINES
+from kvplane.statemachines.observe import observed
+from kvplane.statemachines import plane as plane_module
+from kvplane.statemachines.plane import ControlPlane
+
+CFG = PlaneConfig(kv_lease_duration=6.0, engine_ttl=4.0, handshake_timeout=2.0, transfer_timeout=3.0,
+                  recv_timeout=8.0, push_registration_timeout=3.0, decoder_kv_blocks_ttl=10.0)
+REQS = ["r1", "r2", "r3", "ghost"]
+ENGINES = ["e1", "e2", "nope"]
+PEERS = ["x1", "x2", "x3"]
+ODD = [float("nan"), float("inf"), float("-inf")]
+
+
+def stimulus(rng: random.Random):
+    """An event, or a time step (a float: fire what is due after it)."""
+    pick = rng.choice
+    r, e, p = pick(REQS), pick(ENGINES), pick(PEERS)
+
+    def number(lo: float, hi: float) -> float | None:
+        return pick([None, rng.uniform(lo, hi), rng.uniform(lo, hi), pick(ODD)])
+
+    return pick([
+        lambda: E.NewRequest(request_id=r, engine_id=e, remote_request_id=p, remote_block_ids=(1,),
+                             push=rng.random() < 0.3, remote_expiry=number(0, 30)),
+        lambda: E.BlocksAllocated(request_id=r, block_ids=(2,), num_remote_tokens=pick([0, 4, 4]),
+                                  awaiting=rng.random() < 0.8),
+        lambda: getattr(E, pick(["StartLoad", "ReadDone", "ReadFailed", "PushDone", "RequestRunning",
+                                 "Abort"]))(request_id=r),
+        lambda: E.RequestFinished(request_id=r, block_ids=(2,), hold_for_next_turn=rng.random() < 0.5),
+        lambda: E.HandshakeOk(engine_id=e, samples=((pick([0.0, 1.5, pick(ODD)]), 0.01),),
+                              notify_only=rng.random() < 0.2),
+        lambda: getattr(E, pick(["HandshakeFailed", "EngineActivity", "PeerDisconnected"]))(engine_id=e),
+        lambda: E.LeaseGranted(request_id=p, block_ids=(3,), expected_consumers=pick([1, 2]),
+                               duration=number(0, 20), renewable=rng.random() < 0.8),
+        lambda: getattr(E, pick(["LeaseHeartbeat", "LeaseAbort"]))(request_id=p),
+        lambda: E.LeaseHeartbeat(request_id=p, sender=pick(["c1", "c2", None])),
+        lambda: E.ConsumerDone(request_id=p, consumer=pick(["c1", "c2"]), expected_consumers=pick([1, 2])),
+        lambda: E.PushRegistered(request_id=p, engine_id=e, remote_request_id="d-" + p, remote_block_ids=(1,),
+                                 remote_deadline=number(0, 40)),
+        lambda: E.PushReady(request_id=p, block_ids=(3,)),
+        lambda: getattr(E, pick(["WriteDone", "WriteFailed", "PushAbort"]))(request_id=p),
+        lambda: pick([0.0, 0.5, 1.0, 2.5, 7.0, 30.0]),
+    ])()
+
+
+def general_plane(config: PlaneConfig) -> ControlPlane:
+    """A plane whose every machine is wrapped: no compiled plane row applies."""
+    plane = ControlPlane(config, observed(MACHINES, lambda step: None))
+    assert not plane._fast
+    return plane
+
+
+def state_of(plane: ControlPlane) -> str:
+    """Everything the plane holds, as text (NaN compares unequal to itself;
+    its repr does not)."""
+    instances = {kind: {key: attrs.asdict(i, recurse=False) for key, i in insts.items()}
+                 for kind, insts in plane.instances.items()}
+    return repr((instances, list(plane._timers), plane._seq, dict(plane.stats), list(plane.anomalies)))
+
+
+@pytest.mark.parametrize("config", [CFG, PlaneConfig(), PlaneConfig(heartbeat_spread=True)],
+                         ids=["short", "default", "spread"])
+@pytest.mark.parametrize("seed", range(8))
+def test_compiled_rows_and_general_path_agree(seed, config, monkeypatch):
+    monkeypatch.setattr(plane_module, "_MIN_COMPACT", 8)  # compactions happen, both paths trigger them
+    rng = random.Random(seed)
+    fast, general = ControlPlane(config), general_plane(config)
+    assert fast._fast, "the plain machines dispatch through compiled rows"
+    logs: tuple[list, list] = ([], [])
+    fast.recorder, general.recorder = logs[0].append, logs[1].append
+    now = 0.0
+    for n in range(600):
+        s = stimulus(rng)
+        if isinstance(s, float):
+            now += s
+            got = fast.fire_due(now), general.fire_due(now)
+        else:
+            got = fast.handle(s, now), general.handle(s, now)
+        assert repr(got[0]) == repr(got[1]), (n, s)
+        assert repr(logs[0]) == repr(logs[1]), (n, s)
+        logs[0].clear()
+        logs[1].clear()
+        assert state_of(fast) == state_of(general), (n, s)
+        if n % 50 == 49:  # the explorer's copies dispatch the same way
+            fast, general = fast.clone(), general.clone()
+            fast.recorder, general.recorder = logs[0].append, logs[1].append
+
+
+def test_engine_reused_by_many_requests_agrees():
+    """The benchmark's shape: one connected engine, many whole lifecycles."""
+    fast, general = ControlPlane(), general_plane(PlaneConfig())
+    now = 0.0
+    for plane in (fast, general):
+        plane.handle(E.NewRequest(request_id="keep", engine_id="P0", remote_request_id="pkeep"), now)
+        plane.handle(E.HandshakeOk(engine_id="P0", samples=[(0.0, 1e-4)]), now)
+    for i in range(300):
+        now += 0.37
+        rid = f"r{i}"
+        for ev in (E.NewRequest(request_id=rid, engine_id="P0", remote_request_id="p" + rid, remote_block_ids=(1, 2)),
+                   E.BlocksAllocated(request_id=rid, block_ids=(5, 6), num_remote_tokens=64),
+                   E.StartLoad(request_id=rid), E.StartLoad(request_id=rid), E.ReadDone(request_id=rid),
+                   E.RequestRunning(request_id=rid), E.RequestFinished(request_id=rid),
+                   E.LeaseGranted(request_id="l" + rid, block_ids=(1,)), E.LeaseHeartbeat(request_id="l" + rid),
+                   E.ConsumerDone(request_id="l" + rid, consumer="D0", expected_consumers=1)):
+            assert fast.handle(ev, now) == general.handle(ev, now), (i, ev)
+        assert fast.fire_due(now) == general.fire_due(now)
+        assert state_of(fast) == state_of(general)
