@@ -336,7 +336,8 @@ class ControlPlane:
         """Keep the stimulus being handled for its log line (``handle`` hands
         it to the recorder once its effects are known), as parts
         (``observe.Stimulus``): the timer action and the line's action list
-        are built only where a recorder needs them."""
+        are built only where a recorder needs them.  The generated rows
+        (plane_rows) assign the same tuple inline."""
         self._top = (event, now, kind, key, before, after, acts, old_deadline, deadline)
 
     def _refuse_uncreated(self, event: Event, kind: str, key: Any, what: str, detail: str, now: float,
