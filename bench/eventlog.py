@@ -3,6 +3,11 @@
 Uses statemachines/eventlog.py and replay.py (skipped with a message when
 they are missing).  Workload: the dispatch section's decode lifecycles and
 leases with heartbeats, on one plane.
+
+Recording is timed whole: the writer encodes as it records, a batch at a
+time, and each timed run ends with ``flush()``, so every line is encoded
+(into an in-memory stream) inside the time.  "capture only" is the plane's
+side alone: a recorder that takes each stimulus and keeps nothing.
 """
 from __future__ import annotations
 
@@ -34,14 +39,24 @@ def _events(n: int, tag: str) -> list:
     return [ev for st in stages for ev in st]
 
 
+class _Discard:
+    """A recorder that takes what the plane hands it (the writer's way in, ``capture``) and keeps nothing."""
+
+    def capture(self, stimulus, out) -> None:
+        pass
+
+    def __call__(self, step) -> None:
+        pass
+
+
 def _drive(plane: ControlPlane, events: list) -> float:
     t = 1000.0
     handle = plane.handle
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: the machine is shared, and this is one thread
     for ev in events:
         handle(ev, t)
         t += 1e-6
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def run(quick: bool) -> list[Table]:
@@ -55,9 +70,9 @@ def run(quick: bool) -> list[Table]:
 
     n = 300 if quick else 2000
     rounds = 3 if quick else 5
-    rec = Table("eventlog.record", f"Event log: recording cost (µs per top-level event, median of {rounds})",
-                ["configuration", "µs / event", "vs no recorder"])
-    res = {"none": [], "buffer": [], "jsonl": [], "stimuli": []}
+    rec = Table("eventlog.record", f"Event log: recording cost (CPU µs per top-level event, median of {rounds})",
+                ["configuration", "µs / event", "added µs / event", "vs no recorder"])
+    res: dict[str, list[float]] = {"none": [], "capture": [], "jsonl": [], "stimuli": []}
     for r in range(rounds):
         for mode in res:
             plane = ControlPlane(CFG)
@@ -65,26 +80,29 @@ def run(quick: bool) -> list[Table]:
             events = _events(n, f"{mode}{r}")
             stream = io.StringIO()
             writer = None
-            if mode != "none":
-                # "buffer": the recorder call only (flush never reached);
-                # "jsonl"/"stimuli": plus serializing every record to JSONL.
-                writer = EventLogWriter.attach(plane, stream, flush_every=10**9 if mode == "buffer" else 4096,
-                                               stimuli_only=mode == "stimuli")
+            if mode == "capture":
+                plane.recorder = _Discard()
+            elif mode != "none":
+                writer = EventLogWriter.attach(plane, stream, stimuli_only=mode == "stimuli")
             dt = _drive(plane, events)
-            if writer is not None and mode != "buffer":
-                t0 = time.perf_counter()
-                writer.flush()
-                dt += time.perf_counter() - t0
+            if writer is not None:
+                t0 = time.process_time()
+                writer.flush()  # what is left of the encoding, inside the time
+                dt += time.process_time() - t0
             res[mode].append(dt / len(events) * 1e6)
     base = median(res["none"])
-    labels = {"none": "no recorder", "buffer": "recorder attached, buffered (no serialization)",
+    labels = {"none": "no recorder", "capture": "recorder attached, capture only (the plane's side; nothing kept)",
               "jsonl": "recorder + JSONL serialization (states and actions)",
               "stimuli": "recorder + JSONL, stimuli only"}
     for mode, xs in res.items():
-        rec.add(labels[mode], median(xs), ratio(median(xs), base), mode=mode, us_per_event=median(xs))
+        rec.add(labels[mode], median(xs), median(xs) - base, ratio(median(xs), base), mode=mode,
+                us_per_event=median(xs), added_us_per_event=median(xs) - base)
     jsonl = median(res["jsonl"]) / base
-    rec.notes.append("Serialization into an in-memory stream (no disk I/O); the recorder sees top-level stimuli "
-                     "only, so internal events (EngineReady, EngineAcquire...) are not lines of their own.")
+    jsonl_added = median(res["jsonl"]) - base
+    rec.notes.append("Serialization into an in-memory stream (no disk I/O), every line encoded inside the time (the "
+                     "writer encodes a batch at a time as it records; the run ends with flush()); the recorder sees "
+                     "top-level stimuli only, so internal events (EngineReady, EngineAcquire...) are not lines of "
+                     "their own.")
 
     # Replay: one recorded log of the same workload, written to a file and
     # replayed from it as ``kvplane replay`` does (reading and parsing included).
@@ -130,8 +148,9 @@ def run(quick: bool) -> list[Table]:
                      "keep-alive requests and their 64 connected engines are deliberately still live, so replay's "
                      "leak check reports them; every benchmarked request and lease finished).")
     targets = Table("eventlog.targets", "targets: event log (issue 13, item 5)", ["target", "measured", "goal", "met"])
-    targets.add("recording with JSONL vs dispatch without a recorder (side by side)", f"{jsonl:.2f}x", "<= 2x",
-                "YES" if jsonl <= 2 else "NO", target="record_ratio", measured=jsonl, goal=2.0)
+    targets.add("recording with JSONL vs dispatch without a recorder (side by side)",
+                f"{jsonl:.2f}x (+{jsonl_added:.2f} µs/event)", "<= 2x", "YES" if jsonl <= 2 else "NO",
+                target="record_ratio", measured=jsonl, goal=2.0, added_us_per_event=jsonl_added)
     targets.add(f"replay lines/s (a {len(lines):,}-line log file, parsing included; CPU time)",
                 f"{speed:,.0f} ({wall_speed:,.0f} wall)",
                 ">= 50,000", "YES" if speed >= 50_000 else "NO", target="replay_lines_per_s", measured=speed,

@@ -2,10 +2,15 @@
 
 Two places produce steps.  The ControlPlane's ``recorder`` sees one step per
 top-level stimulus (the event log writes one line per step, replay compares
-them).  ``observed`` wraps compiled machines (or reference interpreters) so
-that an observer also sees every transition, cascaded ones included
-(replay's lifecycle counts, the liveness monitors); those steps carry the
-instance and its deadline before the transition.
+them).  A recorder with a ``capture(stimulus, out)`` method (the event log's
+writer) is handed each stimulus as the plane kept it instead (``Stimulus``),
+without a Step: building one, and its timer action, was most of what
+recording cost the plane; the writer encodes the line from the parts later,
+in the order ``stimulus_actions`` gives.  ``observed`` wraps compiled
+machines (or reference interpreters) so that an observer also sees every
+transition, cascaded ones included (replay's lifecycle counts, the liveness
+monitors); those steps carry the instance and its deadline before the
+transition.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from .base import Action, Event
+from .machine import timer_action
 
 
 # Not frozen: one is built per recorded stimulus on the hot path, and a
@@ -80,3 +86,42 @@ def observed(machines: dict[str, Any], observer: Observer) -> dict[str, Any]:
     # Any: an ObservedMachine stands in for the Machine it wraps (the plane's
     # ``machines``), forwarding what it does not observe.
     return {kind: ObservedMachine(m, observer) for kind, m in machines.items()}
+
+
+# One top-level stimulus as the plane keeps it while its cascade runs (a
+# plain tuple: one is built per recorded stimulus): event, now, kind, key,
+# state before, state after, the addressed machine's own actions, its
+# deadline before and after.
+Stimulus = tuple[Event, float, str, Any, "str | None", "str | None", Sequence[Action], "float | None", "float | None"]
+
+
+def stimulus_actions(stimulus: Stimulus, out: Sequence[Action] | None) -> Sequence[Action]:
+    """The actions of a stimulus's log line: the addressed machine's own, its
+    timer's, then the external effects of the internal events they set off
+    (``cascade_effects``), so replay also checks what other machines did.
+    ``out`` is the plane's output after a cascade, None without one.
+    Without a cascade or a timer change the machine's own list is returned
+    (a step is read-only).  The event log's encoder follows the same order."""
+    _, _, kind, key, _, _, acts, old_deadline, deadline = stimulus
+    timer = timer_action(kind, key, old_deadline, deadline) if deadline != old_deadline else None
+    effects = cascade_effects(acts, out) if out else ()
+    if timer is not None:
+        return [*acts, timer, *effects]
+    return [*acts, *effects] if effects else acts
+
+
+def cascade_effects(acts: Sequence[Action], out: Sequence[Action]) -> Sequence[Action]:
+    """What the internal events set off by ``acts`` added to the world's
+    actions: ``out`` (the plane's output after the cascade) starts with the
+    externals of ``acts``, the cascade's follow."""
+    own_out = 0
+    for a in acts:
+        if not a.internal:
+            own_out += 1
+    return out[own_out:]
+
+
+def stimulus_step(stimulus: Stimulus, out: Sequence[Action] | None) -> Step:
+    """The Step a recorder without ``capture`` sees; ``out`` as for ``stimulus_actions``."""
+    event, now, kind, key, before, after, _, _, _ = stimulus
+    return Step(event, now, kind, key, before, after, stimulus_actions(stimulus, out))

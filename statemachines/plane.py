@@ -43,12 +43,12 @@ from .composition import WIRES
 from .config import PlaneConfig
 from .heartbeats import Heartbeats
 from .machines import MACHINES
-from .observe import Observer, Step
+from .observe import Observer, Step, Stimulus, stimulus_step
 from .stats import (
     NONFINITE_DEADLINE, PROTOCOL_VIOLATION, SOURCE_NOT_HELD, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed, Final,
     Ignored, SourceEnded, StatKeys,
 )
-from .machine import IGNORED, Machine, ProtocolViolation, timer_action
+from .machine import IGNORED, Machine, ProtocolViolation
 from .plane_rows import compile_routes
 from .spec import Source, transitions_of
 from .validate import validate_sources
@@ -96,9 +96,21 @@ class ControlPlane:
         self._bind_kinds()
         # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
         self.anomalies: deque = deque(maxlen=256)
-        # Sees one Step per top-level stimulus (the event log); None costs nothing.
-        self.recorder: Observer | None = None
-        self._top: tuple | None = None  # the stimulus being handled, logged once its effects are known
+        self._recorder: Observer | None = None
+        self._capture: Callable[[Stimulus, list | None], None] | None = None
+        self._top: Stimulus | None = None  # the stimulus being handled, logged once its effects are known
+
+    @property
+    def recorder(self) -> Observer | None:
+        """Sees one Step per top-level stimulus (the event log); None costs
+        nothing.  One with a ``capture`` method is handed each stimulus
+        unbuilt instead (see observe.py)."""
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, observer: Observer | None) -> None:
+        self._recorder = observer
+        self._capture = getattr(observer, "capture", None)
 
     # ------------------------------------------------------------------ input
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -120,13 +132,12 @@ class ControlPlane:
                 self._dispatch(internal, now, out, queue, False)
             else:
                 dispatch(self, internal, now, out, queue, False)
-        if self._top is not None and self.recorder is not None:  # _top is only set while recording
-            # The log line of this stimulus: the addressed machine's own
-            # actions, then the external effects of the internal events they
-            # set off, so replay also checks what other machines did.
-            event, kind, key, before, after, own, n_own = self._top
-            self._top = None
-            self.recorder(Step(event, now, kind, key, before, after, own + out[n_own:]))
+        if self._top is not None:  # only set while recording
+            top, self._top = self._top, None
+            if self._capture is not None:  # out: the caller's, copied
+                self._capture(top, out[:] if queue else None)
+            elif self._recorder is not None:
+                self._recorder(stimulus_step(top, out if queue else None))
         return out
 
     def next_deadline(self) -> float | None:
@@ -216,8 +227,8 @@ class ControlPlane:
         k = self._kinds.get(kind)
         if k is None:
             self._anomaly(UNKNOWN_KIND, kind, key, event)
-            if top and self.recorder is not None:
-                self.recorder(Step(event, now, kind, key, None, None, IGNORED))
+            if top and self._recorder is not None:
+                self._recorder(Step(event, now, kind, key, None, None, IGNORED))
             return
         insts = k.insts
         inst = insts.get(key)
@@ -278,8 +289,8 @@ class ControlPlane:
             _heappush(timers, (deadline, self._seq, kind, key))
             if len(timers) > self._compact_at:
                 self._compact_timers()
-        if top and self.recorder is not None:
-            self._note_top(event, kind, key, before, inst.state, acts, old_deadline, deadline, out)
+        if top and self._recorder is not None:
+            self._note_top(event, now, kind, key, before, inst.state, acts, old_deadline, deadline)
         state = inst.state
         insts = k.insts
         if state in k.terminal:
@@ -320,14 +331,14 @@ class ControlPlane:
         inst.deadline = now
         return now
 
-    def _note_top(self, event: Event, kind: str, key: Any, before: str, after: str, acts: Any,
-                  old_deadline: float | None, deadline: float | None, out: list) -> None:
-        """Keep the stimulus being handled for its log line (``handle`` writes
-        it once its effects are known): the addressed machine's own actions,
-        with the timer action its deadline change means."""
-        timer = timer_action(kind, key, old_deadline, deadline)
-        own = [*acts] if timer is None else [*acts, timer]
-        self._top = (event, kind, key, before, after, own, len(out) + sum(1 for a in acts if not a.internal))
+    def _note_top(self, event: Event, now: float, kind: str, key: Any, before: str, after: str, acts: Any,
+                  old_deadline: float | None, deadline: float | None) -> None:
+        """Keep the stimulus being handled for its log line (``handle`` hands
+        it to the recorder once its effects are known), as parts
+        (``observe.Stimulus``): the timer action and the line's action list
+        are built only where a recorder needs them.  The generated rows
+        (plane_rows) assign the same tuple inline."""
+        self._top = (event, now, kind, key, before, after, acts, old_deadline, deadline)
 
     def _refuse_uncreated(self, event: Event, kind: str, key: Any, what: str, detail: str, now: float,
                           out: list, top: bool) -> None:
@@ -338,9 +349,9 @@ class ControlPlane:
         refund = event.refund()
         acts = IGNORED if refund is None else [refund]
         out.extend(acts)
-        if top and self.recorder is not None:
+        if top and self._recorder is not None:
             # Logged too, so a log holds every stimulus; no instance: no states.
-            self.recorder(Step(event, now, kind, key, None, None, acts))
+            self._recorder(Step(event, now, kind, key, None, None, acts))
 
     def _fail_closed(self, machine: Machine, inst, now: float) -> list[Action] | tuple[()]:
         fc = machine.spec.fail_closed_event

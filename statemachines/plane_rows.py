@@ -137,8 +137,8 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
                       "    heappush(timers, (dl, seq, KIND, key))",
                       "    if len(timers) > plane._compact_at:",
                       "        plane._compact_timers()"]
-        lines += ["if top and plane.recorder is not None:",
-                  f"    plane._note_top(ev, KIND, key, SRC, inst.state, [{', '.join(acts)}], old, inst.deadline, out)"]
+        lines += ["if top and plane._recorder is not None:  # ControlPlane._note_top, inline",
+                  f"    plane._top = (ev, now, KIND, key, SRC, inst.state, [{', '.join(acts)}], old, inst.deadline)"]
         if t.dest in terminal:
             scope[f"FINAL{i}"] = keys(Final, kind, t.dest)
             lines += ["del insts[key]", f"plane.stats[FINAL{i}] += 1"]
@@ -178,8 +178,8 @@ def _ignore_row(kind: str, state: str, stat: Any, in_initial: bool) -> Callable:
     def row(plane: Any, insts: dict, inst: Any, key: Any, ev: Event, now: float, out: list, queue: list, top: bool,
             created: bool) -> None:
         plane.stats[stat] += 1
-        if top and plane.recorder is not None:
-            plane._note_top(ev, kind, key, state, state, IGNORED, inst.deadline, inst.deadline, out)
+        if top and plane._recorder is not None:  # ControlPlane._note_top, inline
+            plane._top = (ev, now, kind, key, state, state, IGNORED, inst.deadline, inst.deadline)
         if in_initial and created:
             del insts[key]
 

@@ -36,6 +36,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_e2e_mainjob.py": "e2e",
     "test_e2e_replay.py": "e2e",
     "test_eventlog.py": "core",
+    "test_eventlog_batches.py": "core",
     "test_explorer.py": None,
     "test_explorer_ranks.py": None,
     "test_fuzz_decoders.py": None,
