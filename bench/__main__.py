@@ -26,15 +26,18 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 from .report import Table, collect_targets, environment, is_targets, print_table, to_json, to_markdown  # noqa: E402
 
 # Section name -> module with ``run(quick) -> list[Table]``, in run order.
+# memory runs last: its 1M-request populations (built under tracemalloc) leave
+# the process's heap fragmented, and scale's 1M-in-flight steps measured after
+# it read 15-20x longer (a 77 ms step against 4 ms in a fresh process).
 SECTIONS = {
     "dispatch": "bench.dispatch",
-    "memory": "bench.memory",
     "step": "bench.step",
     "scale": "bench.scale",
     "nixl": "bench.nixl",
     "eventlog": "bench.eventlog",
     "explorer": "bench.explorer",
     "datapath": "bench.datapath",
+    "memory": "bench.memory",
     "vllm": "bench.vllm_ttft",
 }
 # Run only when named: it starts four vLLM engines (minutes) and needs the vllm extra.
