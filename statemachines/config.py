@@ -7,6 +7,8 @@ false.  A bad value raises ``ConfigError`` naming the field.
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -98,16 +100,16 @@ class PlaneConfig:
     # sets it False so they replay as recorded.
     heartbeat_spread: bool = attrs.field(default=True, validator=_flag)
 
-    @property
+    @functools.cached_property  # read on the hot path: computed once (a slot after that)
     def stale_after(self) -> float:
         """Seconds of silence until a connected engine is STALE (eviction: twice that)."""
         return self.engine_ttl / 2 if self.engine_stale_after is None else self.engine_stale_after
 
-    @property
+    @functools.cached_property  # read on the hot path: computed once (a slot after that)
     def heartbeat_interval(self) -> float:
         return self.kv_lease_duration // 6
 
-    @property
+    @functools.cached_property  # read on the hot path: computed once (a slot after that)
     def lease_extension(self) -> float:
         return self.kv_lease_duration * 2 // 3
 

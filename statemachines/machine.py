@@ -13,7 +13,12 @@ from typing import Any, Callable, NamedTuple
 
 from .base import Action, ArmTimer, CancelTimer, Event, Instance
 from .spec import Effect, Guard, Ignore, ProtocolError, Spec, Transition, with_timer_ignores
+from .inline import inline_expression, inline_statements
 from .validate import validate
+
+# A row's arguments, as the table's callables take them.
+_ARGS = ("inst", "ev", "cfg", "now")
+_DEADLINE_ARGS = ("inst", "cfg", "now")
 
 
 class ProtocolViolation(Exception):
@@ -47,10 +52,12 @@ class Machine:
     """A compiled spec.  Stateless: instances carry all per-request data."""
 
     __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard", "_rows",
-                 "_handle_rows")
+                 "_handle_rows", "inline")
 
-    def __init__(self, spec: Spec, table: dict):
+    def __init__(self, spec: Spec, table: dict, *, inline: bool = True):
         self.spec = spec
+        # Whether rows write the table's callables in where they can (inline.py) or call each one.
+        self.inline = inline
         self.name = spec.name
         self.states = {s.name: s for s in spec.states}
         self._table = table
@@ -164,6 +171,15 @@ def transition_lines(machine: Machine, state: str, event: type, entry: tuple, sc
     names it binds go into ``scope``.  Shared by the machine's rows and the
     plane's (``plane_rows``), so both run the table's transitions alike."""
     reason = machine._no_guard.get((state, event))
+
+    def call(fn: Callable, name: str, args: tuple[str, ...]) -> str:
+        # The callable's expression written in (see inline.py), or a call to it bound as ``name``.
+        expression = inline_expression(fn, args, scope, name) if machine.inline else None
+        if expression is None:
+            scope[name] = fn
+            expression = f"{name}({', '.join(args)})"
+        return expression
+
     scope.update({"ProtocolViolation": ProtocolViolation, "NoGuardMatched": NoGuardMatched,
                   "name": machine.name, "reason": reason})
     body = []
@@ -171,16 +187,16 @@ def transition_lines(machine: Machine, state: str, event: type, entry: tuple, sc
         guard, dest, effect, builders, _ = compiled
         indent = "    "
         if guard is not None:
-            scope[f"g{i}"] = guard
-            body.append(f"    if g{i}(inst, ev, cfg, now):")
+            body.append(f"    if {call(guard, f'g{i}', _ARGS)}:")
             indent = "        "
         if effect is not None:
-            scope[f"e{i}"] = effect
-            body.append(f"{indent}e{i}(inst, ev, cfg, now)")
+            statements = inline_statements(effect, _ARGS, scope, f"e{i}") if machine.inline else None
+            if statements is None:
+                statements = [call(effect, f"e{i}", _ARGS)]
+            body += [indent + line for line in statements]
         acts = []
         for j, build in enumerate(builders):
-            scope[f"b{i}_{j}"] = build
-            body.append(f"{indent}a{j} = b{i}_{j}(inst, ev, cfg, now)")
+            body.append(f"{indent}a{j} = {call(build, f'b{i}_{j}', _ARGS)}")
             acts.append(f"a{j}")
         scope[f"d{i}"] = dest
         body.append(f"{indent}inst.state = d{i}")
@@ -188,8 +204,7 @@ def transition_lines(machine: Machine, state: str, event: type, entry: tuple, sc
         if deadline is None:
             body.append(f"{indent}inst.deadline = None")
         else:
-            scope[f"dl{i}"] = deadline
-            body.append(f"{indent}inst.deadline = dl{i}(inst, cfg, now)")
+            body.append(f"{indent}inst.deadline = {call(deadline, f'dl{i}', _DEADLINE_ARGS)}")
         body += [indent + line for line in finish(i, compiled, acts)]
         if guard is None:
             break  # an unguarded transition always matches: later rows are unreachable
@@ -235,9 +250,11 @@ def timer_action(kind: str, key: Any, old: float | None, new: float | None) -> A
     return CancelTimer(kind, key) if old is not None else None
 
 
-def compile_machine(spec: Spec, *, check: bool = True) -> Machine:
+def compile_machine(spec: Spec, *, check: bool = True, inline: bool = True) -> Machine:
     """Validate and compile.  ``check=False`` exists for mutation tests that
-    build a deliberately broken machine to show the runtime checks catch it."""
+    build a deliberately broken machine to show the runtime checks catch it;
+    ``inline=False`` makes every row call the table's callables (inline.py),
+    which tests compare with the inlined rows."""
     spec = with_timer_ignores(spec)
     if check:
         validate(spec)
@@ -251,7 +268,7 @@ def compile_machine(spec: Spec, *, check: bool = True) -> Machine:
         elif key not in table:
             table[key] = entry
         # else: the error closing a guarded group (see closing_errors)
-    return Machine(spec, table)
+    return Machine(spec, table, inline=inline)
 
 
 def closing_errors(spec: Spec) -> dict[tuple[str, type], str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from typing import Any, Callable
 
 import attrs
@@ -154,8 +155,11 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
             lines += _action_lines(cls, f"a{j}", wires, scope, f"{i}_{j}")
         return lines + ["return"]
 
-    body = [f"def row({_ROW_ARGS}):", "    cfg = plane.config", "    old = inst.deadline"]
-    body += transition_lines(machine, state, event, entry, scope, finish)
+    lines = transition_lines(machine, state, event, entry, scope, finish)
+    # The row's own locals, where its lines read them (most of them now read no configuration).
+    used = [f"    {name} = {value}" for name, value in (("cfg", "plane.config"), ("old", "inst.deadline"))
+            if any(re.search(rf"\b{name}\b", line) for line in lines)]
+    body = [f"def row({_ROW_ARGS}):", *used, *lines]
     return generated(body, scope, "row", f"{__file__}: row {kind} {state} {event.__name__}")
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
-from kvplane.statemachines.machines import MACHINES
+from kvplane.statemachines.machine import compile_machine
+from kvplane.statemachines.machines import MACHINES, SPECS
 from kvplane.statemachines.observe import observed
 from kvplane.statemachines import plane as plane_module
 from kvplane.statemachines.plane import ControlPlane
@@ -122,3 +123,30 @@ def test_engine_reused_by_many_requests_agrees():
             assert fast.handle(ev, now) == general.handle(ev, now), (i, ev)
         assert fast.fire_due(now) == general.fire_due(now)
         assert state_of(fast) == state_of(general)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_inlined_rows_and_called_rows_agree(seed, monkeypatch):
+    """Rows with the table's callables written in (inline.py) and rows that
+    call every one of them: the same actions, steps and state."""
+    monkeypatch.setattr(plane_module, "_MIN_COMPACT", 8)
+    called_machines = {kind: compile_machine(spec, inline=False) for kind, spec in SPECS.items()}
+    assert not any(m.inline for m in called_machines.values()) and all(m.inline for m in MACHINES.values())
+    rng = random.Random(1000 + seed)
+    for inlined, called in ((ControlPlane(CFG), ControlPlane(CFG, called_machines)),
+                            (general_plane(CFG), ControlPlane(CFG, observed(called_machines, lambda step: None)))):
+        logs: tuple[list, list] = ([], [])
+        inlined.recorder, called.recorder = logs[0].append, logs[1].append
+        now = 0.0
+        for n in range(400):
+            s = stimulus(rng)
+            if isinstance(s, float):
+                now += s
+                got = inlined.fire_due(now), called.fire_due(now)
+            else:
+                got = inlined.handle(s, now), called.handle(s, now)
+            assert repr(got[0]) == repr(got[1]), (n, s)
+            assert repr(logs[0]) == repr(logs[1]), (n, s)
+            logs[0].clear()
+            logs[1].clear()
+            assert state_of(inlined) == state_of(called), (n, s)
