@@ -11,6 +11,8 @@ from __future__ import annotations
 import linecache
 from typing import Any, Callable, NamedTuple
 
+import attrs
+
 from .base import Action, ArmTimer, CancelTimer, Event, Instance
 from .spec import Effect, Guard, Ignore, ProtocolError, Spec, Transition, with_timer_ignores
 from .inline import inline_expression, inline_statements
@@ -52,7 +54,7 @@ class Machine:
     """A compiled spec.  Stateless: instances carry all per-request data."""
 
     __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard", "_rows",
-                 "_handle_rows", "inline")
+                 "_handle_rows", "inline", "_new_by_position", "handle")
 
     def __init__(self, spec: Spec, table: dict, *, inline: bool = True):
         self.spec = spec
@@ -73,25 +75,18 @@ class Machine:
         for (state, event), entry in table.items():
             self._rows.setdefault(state, {})[event] = _row(self, state, event, entry)
             self._handle_rows.setdefault(state, {})[event] = _handle_row(self, state, event, entry)
+        self._new_by_position = positional(spec.instance_type, ("key", "state"))
+        # handle(inst, event, config, now): a function held by the instance,
+        # not a method, so a call costs no bound method and no attribute reads.
+        self.handle: Callable[[Instance, Event, Any, float], list[Action] | tuple[()]] = _handler(self)
 
     def new(self, key: Any, **data: Any) -> Instance:
+        if not data and self._new_by_position:  # a keyword call costs about twice
+            return self.spec.instance_type(key, self.spec.initial)
         return self.spec.instance_type(key=key, state=self.spec.initial, **data)
 
     def is_terminal(self, inst: Instance) -> bool:
         return inst.state in self.terminal_states
-
-    def handle(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action] | tuple[()]:
-        """Apply ``event`` to ``inst`` at time ``now`` and return the actions,
-        ending with ArmTimer / CancelTimer when the deadline moved.
-
-        Returns ``IGNORED`` (an empty tuple, identity-comparable) for a
-        declared ignore; raises ``ProtocolViolation`` for a declared error.
-        """
-        try:
-            row = self._handle_rows[inst.state][event.__class__]
-        except KeyError:
-            return self.apply(inst, event, config, now)  # outside the alphabet: raises
-        return row(inst, event, config, now)
 
     def apply(self, inst: Instance, event: Event, config: Any, now: float) -> list[Action] | tuple[()]:
         """``handle`` without the timer actions: the new deadline is left in
@@ -107,6 +102,32 @@ class Machine:
     def explain(self, state: str, event_type: type) -> Any:
         """The table entry for a pair (for diagrams, docs and tests)."""
         return self._table[(state, event_type)]
+
+
+def _handler(machine: Machine) -> Callable:
+    rows, apply = machine._handle_rows, machine.apply
+
+    def handle(inst: Instance, event: Event, config: Any, now: float) -> list[Action] | tuple[()]:
+        """Apply ``event`` to ``inst`` at time ``now`` and return the actions,
+        ending with ArmTimer / CancelTimer when the deadline moved.
+
+        Returns ``IGNORED`` (an empty tuple, identity-comparable) for a
+        declared ignore; raises ``ProtocolViolation`` for a declared error.
+        """
+        try:
+            row = rows[inst.state][event.__class__]
+        except KeyError:
+            return apply(inst, event, config, now)  # outside the alphabet: raises
+        return row(inst, event, config, now)
+
+    handle.__qualname__ = f"Machine.handle ({machine.name})"
+    return handle
+
+
+def positional(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether the attrs class ``cls`` takes ``names`` as its first positional arguments."""
+    fields = [f for f in attrs.fields(cls) if f.init][:len(names)]
+    return tuple(f.name for f in fields) == names and not any(f.kw_only for f in fields)
 
 
 def _row(machine: Machine, state: str, event: type, entry: Any) -> Callable:

@@ -26,11 +26,10 @@ import math
 import re
 from typing import Any, Callable
 
-import attrs
 
 from .base import Action, ArmTimer, CancelTimer, Event
 from .composition import Wire
-from .machine import IGNORED, Machine, ProtocolViolation, generated, transition_lines
+from .machine import IGNORED, Machine, ProtocolViolation, generated, positional, transition_lines
 from .spec import Ignore, ProtocolError, Source
 from .stats import Final, Ignored, StatKeys
 from .wire_code import wire_lines
@@ -73,7 +72,7 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
             "    created = False",
             "    if inst is None:"]
     if creates:  # as Machine.new (by position where the class allows: a keyword call costs about twice)
-        call = "NEW(key, INITIAL)" if _positional(machine.spec.instance_type, ("key", "state")) \
+        call = "NEW(key, INITIAL)" if positional(machine.spec.instance_type, ("key", "state")) \
             else "NEW(key=key, state=INITIAL)"
         body += [f"        inst = insts[key] = {call}", "        created = True"]
     else:  # an unknown id: refused there
@@ -196,12 +195,6 @@ def _error_row(name: str, reason: str) -> Callable:
         raise ProtocolViolation(name, inst.key, inst.state, ev, reason)
 
     return row
-
-
-def _positional(cls: type, names: tuple[str, ...]) -> bool:
-    """Whether the attrs class ``cls`` takes ``names`` as its first positional arguments."""
-    fields = [f for f in attrs.fields(cls) if f.init][:len(names)]
-    return tuple(f.name for f in fields) == names and not any(f.kw_only for f in fields)
 
 
 def _identifier(name: str) -> str:
