@@ -80,6 +80,17 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
         body += [f"        inst = insts[key] = {call}", "        created = True"]
     else:  # an unknown id: refused there
         body += ["        return GENERAL(plane, ev, now, out, queue, top)"]
+    # The rows of the few states where the event makes a transition are
+    # written in (a call and a lookup fewer); the rest are looked up.
+    written = [(state, row.written) for state, row in rows.items() if hasattr(row, "written")]
+    if len(written) <= _WRITTEN_STATES:
+        body.append("    state = inst.state")
+        for n, (state, text) in enumerate(written):
+            body += [f"    if state == {state!r}:", "        try:"]
+            body += ["            " + line for line in text.statements(scope, f"R{n}_")]
+            body += ["        except ProtocolViolation as exc:",
+                     "            plane._violated(KIND, inst, key, ev, exc, created, now, out, queue, top)",
+                     "        return"]
     body += ["    row = ROWS.get(inst.state)",
              "    if row is None:",  # outside the alphabet: refused there
              "        if created:",
@@ -92,6 +103,11 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
     return generated(body, scope, "dispatch", f"{__file__}: dispatch {kind} {event.__name__}")
 
 
+# At most this many states' rows are written into a dispatcher (each costs a
+# string comparison in front of the states after it).
+_WRITTEN_STATES = 4
+
+
 def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]], general: Dispatch) -> Dispatch:
     """For an event routed by its ``kind`` field (a timer, a wake-up); none creates an instance."""
     scope: dict[str, Any] = {"BY_KIND": by_kind, "GENERAL": general, "ProtocolViolation": ProtocolViolation}
@@ -102,8 +118,19 @@ def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]]
             "        return GENERAL(plane, ev, now, out, queue, top)",
             f"    key = ev.{_identifier(event.key_field)}",
             "    insts = plane.instances[kind]",
-            "    inst = insts.get(key)",
-            "    row = None if inst is None else rows.get(inst.state)",
+            "    inst = insts.get(key)"]
+    # As in a class dispatcher: the few (kind, state) rows with a transition written in.
+    written = [(kind, state, row.written) for kind, rows in by_kind.items() for state, row in rows.items()
+               if hasattr(row, "written")]
+    if len(written) <= _WRITTEN_STATES:
+        body += ["    if inst is not None:", "        state = inst.state", "        created = False"]
+        for n, (kind, state, text) in enumerate(written):
+            body += [f"        if kind == {kind!r} and state == {state!r}:", "            try:"]
+            body += ["                " + line for line in text.statements(scope, f"R{n}_")]
+            body += ["            except ProtocolViolation as exc:",
+                     "                plane._violated(kind, inst, key, ev, exc, False, now, out, queue, top)",
+                     "            return"]
+    body += ["    row = None if inst is None else rows.get(inst.state)",
             "    if row is None:",
             "        return GENERAL(plane, ev, now, out, queue, top)",
             "    try:",
@@ -181,7 +208,30 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
     used = [f"    {name} = {value}" for name, value in (("cfg", "plane.config"), ("old", "inst.deadline"))
             if any(re.search(rf"\b{name}\b", line) for line in lines)]
     body = [f"def row({_ROW_ARGS}):", *used, *lines]
-    return generated(body, scope, "row", f"{__file__}: row {kind} {state} {event.__name__}")
+    names = dict(scope)  # before generated() adds the function and __builtins__
+    row = generated(body, scope, "row", f"{__file__}: row {kind} {state} {event.__name__}")
+    row.written = WrittenRow(body, names)  # type: ignore[attr-defined]  # for a dispatcher to write it in
+    return row
+
+
+class WrittenRow(NamedTuple):
+    """A generated plane row's source and the names it reads from its scope."""
+
+    body: list[str]
+    names: dict[str, Any]
+
+    def statements(self, scope: dict[str, Any], prefix: str) -> list[str]:
+        """The row's statements (not indented), its scope's names renamed
+        ``<prefix><name>`` and bound in ``scope``: the body of a dispatcher
+        branch (the dispatcher's locals are the row's arguments)."""
+        tree = ast.parse("\n".join(self.body))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id in self.names:
+                scope[prefix + node.id] = self.names[node.id]
+                node.id = prefix + node.id
+        function = tree.body[0]
+        assert isinstance(function, ast.FunctionDef)
+        return [line for stmt in function.body for line in ast.unparse(stmt).splitlines()]
 
 
 def _action_lines(cls: type[Action], action: str, wires: dict[type[Action], Wire], scope: dict[str, Any],
