@@ -180,17 +180,22 @@ def _handle_row(machine: Machine, state: str, event: type, entry: Any) -> Callab
 # The lines ending one transition of a row, given its index in the group, the
 # transition and the names of the actions it built: ``finish(i, t, acts)``.
 Finish = Callable[[int, "_Compiled", list[str]], list[str]]
+# The lines binding builder ``j`` of transition ``i``, given the expression
+# that builds its action, or None for ``a<j> = <expression>``.
+Bind = Callable[[int, int, str], "list[str] | None"]
 
 
 def transition_lines(machine: Machine, state: str, event: type, entry: tuple, scope: dict[str, Any],
-                     finish: Finish) -> list[str]:
+                     finish: Finish, bind: Bind | None = None) -> list[str]:
     """The body (indented one level) of a row over ``inst, ev, cfg, now``
     that carries out a group of transitions: per transition, in table order,
     its guard, effect, builders (into ``a0``, ``a1``, ...), the state change
     and the destination's deadline, then ``finish``'s lines, which must
     return; past the last guard, the error that closes the group.  The
     names it binds go into ``scope``.  Shared by the machine's rows and the
-    plane's (``plane_rows``), so both run the table's transitions alike."""
+    plane's (``plane_rows``), so both run the table's transitions alike.
+    ``bind(i, j, expression)`` may give the lines that stand for
+    ``a<j> = <expression>`` (None: that assignment)."""
     reason = machine._no_guard.get((state, event))
 
     def call(fn: Callable, name: str, args: tuple[str, ...]) -> str:
@@ -217,7 +222,9 @@ def transition_lines(machine: Machine, state: str, event: type, entry: tuple, sc
             body += [indent + line for line in statements]
         acts = []
         for j, build in enumerate(builders):
-            body.append(f"{indent}a{j} = {call(build, f'b{i}_{j}', _ARGS)}")
+            expression = call(build, f"b{i}_{j}", _ARGS)
+            lines = None if bind is None else bind(i, j, expression)
+            body += [indent + line for line in (lines if lines is not None else [f"a{j} = {expression}"])]
             acts.append(f"a{j}")
         scope[f"d{i}"] = dest
         body.append(f"{indent}inst.state = d{i}")

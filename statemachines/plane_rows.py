@@ -27,6 +27,9 @@ import math
 import re
 from typing import Any, Callable, NamedTuple
 
+import attrs
+
+
 from .base import Action, ArmTimer, CancelTimer, Event
 from .composition import Wire
 from .machine import IGNORED, Machine, ProtocolViolation, generated, positional, transition_lines
@@ -150,6 +153,23 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
     scope: dict[str, Any] = {"KIND": kind, "SRC": state, "EVENT": event, "isfinite": math.isfinite,
                              "heappush": heapq.heappush}
     terminal, initial = machine.terminal_states, machine.spec.initial
+    # (transition, builder) -> the locals holding the fields of an internal
+    # action its wire carries out and the row therefore never builds (see unbuilt_action).
+    unbuilt: dict[tuple[int, int], list[str]] = {}
+
+    def bind(i: int, j: int, expression: str) -> list[str] | None:
+        cls = entry[i].actions[j]
+        action = unbuilt_action(cls, expression, scope, f"a{j}_", f"{i}_{j}") if cls in wires else None
+        if action is None:
+            return None
+        unbuilt[(i, j)] = action.arguments
+        scope[f"ACT{i}_{j}"] = cls
+        return [f"{name} = {value}" for name, value in action.bindings]
+
+    def listed(i: int, j: int) -> str:
+        # The action as the recorder sees it: built only while recording.
+        names = unbuilt.get((i, j))
+        return f"a{j}" if names is None else f"ACT{i}_{j}({', '.join(names)})"
 
     def finish(i: int, t: Any, acts: list[str]) -> list[str]:
         # ControlPlane._finish, for this transition (keep the two in step).
@@ -165,7 +185,8 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
                       "    if len(timers) > plane._compact_at:",
                       "        plane._compact_timers()"]
         lines += ["if top and plane._recorder is not None:  # ControlPlane._note_top, inline",
-                  f"    plane._top = (ev, now, KIND, key, SRC, inst.state, [{', '.join(acts)}], old, inst.deadline)"]
+                  f"    plane._top = (ev, now, KIND, key, SRC, inst.state, "
+                  f"[{', '.join(listed(i, j) for j in range(len(acts)))}], old, inst.deadline)"]
         if t.dest in terminal:
             scope[f"FINAL{i}"] = keys(Final, kind, t.dest)
             lines += ["del insts[key]", f"plane.stats[FINAL{i}] += 1"]
@@ -178,10 +199,11 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
                     lines += [f"if key in plane.instances[USER{i}_{u}]:",
                               f"    queue.append(plane._source_ended(SOURCE{i}_{u}, USER{i}_{u}, key, EVENT))"]
         for j, cls in enumerate(t.actions):
-            lines += _action_lines(cls, f"a{j}", wires, scope, f"{i}_{j}")
+            field = (lambda name, j=j: f"a{j}_{name}") if (i, j) in unbuilt else None
+            lines += _action_lines(cls, f"a{j}", wires, scope, f"{i}_{j}", field)
         return lines + ["return"]
 
-    lines = transition_lines(machine, state, event, entry, scope, finish)
+    lines = transition_lines(machine, state, event, entry, scope, finish, bind)
     # The row's own locals, where its lines read them (most of them now read no configuration).
     used = [f"    {name} = {value}" for name, value in (("cfg", "plane.config"), ("old", "inst.deadline"))
             if any(re.search(rf"\b{name}\b", line) for line in lines)]
@@ -213,7 +235,7 @@ class WrittenRow(NamedTuple):
 
 
 def _action_lines(cls: type[Action], action: str, wires: dict[type[Action], Wire], scope: dict[str, Any],
-                  tag: str) -> list[str]:
+                  tag: str, field: Callable[[str], str] | None = None) -> list[str]:
     """What the plane does with one action its row built (the class its row
     declares; ``ControlPlane._internal`` maps the same classes)."""
     if cls is ArmTimer:
@@ -223,7 +245,54 @@ def _action_lines(cls: type[Action], action: str, wires: dict[type[Action], Wire
     wire = wires.get(cls)
     if wire is None:
         return [f"out.append({action})"]
-    return wire_lines(wire, action, scope, tag)
+    return wire_lines(wire, action, scope, tag, field)
+
+
+def unbuilt_action(cls: type[Action], expression: str, scope: dict[str, Any], prefix: str,
+                   tag: str) -> "UnbuiltAction | None":
+    """An internal action that a row would build only for its wire to read
+    its fields: where ``expression`` (its builder, written in) is a plain
+    call of ``cls``, the fields as (local name, value expression), in the
+    order the call evaluates them, so the row binds locals instead of
+    building the action (about a tenth of the cost).  None where ``cls``
+    has converters, validators or a post-init, or the call is anything
+    else.  A field left to its default gets the default, bound in scope."""
+    try:
+        call = ast.parse(expression, mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and scope.get(call.func.id) is cls):
+        return None
+    if hasattr(cls, "__attrs_post_init__") or hasattr(cls, "__attrs_pre_init__"):
+        return None
+    fields = attrs.fields(cls)
+    if any(not f.init or f.converter is not None or f.validator is not None for f in fields):
+        return None
+    positional = [f for f in fields if not f.kw_only]
+    if len(call.args) > len(positional) or any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    given: dict[str, str] = {f.name: ast.unparse(a) for f, a in zip(positional, call.args)}
+    for kw in call.keywords:
+        f = next((f for f in fields if f.alias == kw.arg), None)
+        if f is None or f.name in given:
+            return None  # ``**mapping``, an unknown or a repeated keyword: leave the call to say so
+        given[f.name] = ast.unparse(kw.value)
+    bindings = [(prefix + name, value) for name, value in given.items()]  # in the order the call evaluates them
+    for f in fields:
+        if f.name not in given:
+            if f.default is attrs.NOTHING or isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+                return None
+            scope[f"DEFAULT{tag}_{f.name}"] = f.default
+            bindings.append((prefix + f.name, f"DEFAULT{tag}_{f.name}"))
+    # The constructor's arguments, as the recorder's copy is built: by position where the class takes them so.
+    arguments = [prefix + f.name for f in fields if not f.kw_only] + \
+        [f"{f.alias}={prefix}{f.name}" for f in fields if f.kw_only]
+    return UnbuiltAction(bindings, arguments)
+
+
+class UnbuiltAction(NamedTuple):
+    bindings: list[tuple[str, str]]  # (local, value), in evaluation order
+    arguments: list[str]  # the constructor's arguments over those locals
 
 
 def _ignore_row(kind: str, state: str, stat: Any, in_initial: bool) -> Callable:

@@ -18,17 +18,21 @@ from .composition import (
 )
 
 
-def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str) -> list[str]:
+def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str,
+               action_field: Callable[[str], str] | None = None) -> list[str]:
     """Statements (not indented) over ``plane``, ``queue`` and the action
     variable ``action`` that queue the wire's event(s).  The names they bind,
     in ``scope`` and as locals, end in ``tag`` so that several wires can be
-    inlined into one function."""
+    inlined into one function.  ``action_field`` (name -> expression) reads
+    the action's fields from elsewhere (a row that never built the action:
+    plane_rows); by default they are ``action``'s attributes."""
     scope[f"EV{tag}"] = w.event
     target, req, chain = f"tgt{tag}", f"req{tag}", f"chain{tag}"
+    field_of = action_field or (lambda name: f"{action}.{identifier(name)}")
 
     def expr(field: str, source: Any) -> str:
         if isinstance(source, ActionField):
-            return f"{action}.{identifier(source.name)}"
+            return field_of(source.name)
         if isinstance(source, ConfigField):
             return f"plane.config.{identifier(source.name)}"
         if isinstance(source, Const):
@@ -47,10 +51,10 @@ def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str) -> list[st
     sources = [source for _, source in w.fields]
     lines = []
     if any(isinstance(source, HeartbeatChain) for source in sources):
-        lines.append(f"{chain} = plane.heartbeats.chain({action}.engine_id)")
+        lines.append(f"{chain} = plane.heartbeats.chain({field_of('engine_id')})")
     call = f"EV{tag}({_arguments(w, expr)})"
     if isinstance(w.target, Requesters):
-        lines += [f"for {req} in {action}.{identifier(w.target.field)}:", f"    queue.append({call})"]
+        lines += [f"for {req} in {field_of(w.target.field)}:", f"    queue.append({call})"]
     elif w.only_if_live or any(isinstance(source, TargetField) for source in sources):
         key = expr("key", dict(w.fields)[w.event.key_field])
         scope[f"KIND{tag}"] = w.target
