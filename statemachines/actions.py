@@ -6,24 +6,23 @@ validator reads the resources declared here statically.  Internal actions
 are carried out by the ControlPlane (cross-machine ones as declared in
 ``composition``); the rest go to the transport or the scheduler.
 
-Actions are mutable attrs slots classes without converters: one is built
-per emitted row entry on the hot path, and a frozen class (object.__setattr__
-per field) or a converter (``tuple()`` of what is already a tuple) made
-that several times dearer.  Nothing mutates an action after it is built;
-they stay hashable.  Builders pass tuples where a field says ``tuple``.
+Actions are frozen ``msgspec.Struct`` classes (see ``base.Action``): one is
+built per emitted row entry on the hot path, and a Struct's constructor is
+C (about 45 ns for three fields against 120 ns for an attrs slots class's
+generated ``__init__``).  They are hashable, compare by class and fields,
+and have no converters: builders pass tuples where a field says ``tuple``.
+Each class says ``frozen=True`` again, though a Struct inherits it, for mypy.
 """
 from __future__ import annotations
 
 from typing import ClassVar
 
-import attrs
 
 from .base import Action, declared
 
 
 # ------------------------------------------------------------- heartbeats (internal)
-@attrs.define(slots=True, unsafe_hash=True)
-class StartHeartbeat(Action):
+class StartHeartbeat(Action, frozen=True):
     engine_id: str
     remote_request_id: str
     ranks: tuple
@@ -31,16 +30,14 @@ class StartHeartbeat(Action):
     acquires: ClassVar[frozenset[str]] = frozenset({"heartbeat"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class StopHeartbeat(Action):
+class StopHeartbeat(Action, frozen=True):
     engine_id: str
     remote_request_id: str
     internal: ClassVar[bool] = True
     releases: ClassVar[frozenset[str]] = frozenset({"heartbeat"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class SendHeartbeat(Action):
+class SendHeartbeat(Action, frozen=True):
     """One batched ``HB:`` message for one remote engine, to every rank."""
 
     engine_id: str
@@ -49,8 +46,7 @@ class SendHeartbeat(Action):
 
 
 # --------------------------------------------------------- engine references (internal)
-@attrs.define(slots=True, unsafe_hash=True)
-class AcquireEngine(Action):
+class AcquireEngine(Action, frozen=True):
     engine_id: str
     kind: str
     key: str
@@ -58,8 +54,7 @@ class AcquireEngine(Action):
     acquires: ClassVar[frozenset[str]] = frozenset({"engine_ref"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class ReleaseEngine(Action):
+class ReleaseEngine(Action, frozen=True):
     engine_id: str
     kind: str
     key: str
@@ -67,24 +62,21 @@ class ReleaseEngine(Action):
     releases: ClassVar[frozenset[str]] = frozenset({"engine_ref"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class NoteActivity(Action):
+class NoteActivity(Action, frozen=True):
     """Internal: refresh the engine's liveness (any READ/WRITE/completion)."""
 
     engine_id: str
     internal: ClassVar[bool] = True
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class WakeRequesters(Action):
+class WakeRequesters(Action, frozen=True):
     engine_id: str
     requesters: tuple
     clock_offset: float = 0.0
     internal: ClassVar[bool] = True
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class FailRequesters(Action):
+class FailRequesters(Action, frozen=True):
     engine_id: str
     requesters: tuple
     reason: str = ""
@@ -92,20 +84,17 @@ class FailRequesters(Action):
 
 
 # ------------------------------------------------------------------- transport
-@attrs.define(slots=True, unsafe_hash=True)
-class StartHandshake(Action):
+class StartHandshake(Action, frozen=True):
     engine_id: str
     attempt: int
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class RemoveRemoteAgent(Action):
+class RemoveRemoteAgent(Action, frozen=True):
     engine_id: str
     releases: ClassVar[frozenset[str]] = frozenset({"remote_agent"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class PostRead(Action):
+class PostRead(Action, frozen=True):
     """READ the remote blocks into ours.  The transport attaches the completion
     notification (``remote_request_id``, ``expected_consumers``), which NIXL
     delivers to the remote when the READ completes."""
@@ -119,8 +108,7 @@ class PostRead(Action):
     acquires: ClassVar[frozenset[str]] = frozenset({"xfer"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class PostWrite(Action):
+class PostWrite(Action, frozen=True):
     request_id: str
     engine_id: str
     remote_request_id: str
@@ -129,8 +117,7 @@ class PostWrite(Action):
     acquires: ClassVar[frozenset[str]] = frozenset({"xfer"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class ReleaseXfer(Action):
+class ReleaseXfer(Action, frozen=True):
     """Release the transfer handle; ``cancel`` when it may still be in flight."""
 
     request_id: str
@@ -138,8 +125,7 @@ class ReleaseXfer(Action):
     releases: ClassVar[frozenset[str]] = frozenset({"xfer"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class SendNotif(Action):
+class SendNotif(Action, frozen=True):
     """Notify-only completion: tell the remote its blocks are no longer needed."""
 
     engine_id: str
@@ -147,8 +133,7 @@ class SendNotif(Action):
     expected_consumers: int = 1
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class SendPushRegistration(Action):
+class SendPushRegistration(Action, frozen=True):
     """``PUSH_REG``: our blocks await the remote's WRITE until ``deadline`` (our
     clock), when we give up and may reuse them."""
 
@@ -160,8 +145,7 @@ class SendPushRegistration(Action):
 
 
 # ------------------------------------------------------------------- scheduler
-@attrs.define(slots=True, unsafe_hash=True)
-class ReportRecv(Action):
+class ReportRecv(Action, frozen=True):
     """Tell the scheduler an awaited recv finished; reported exactly once."""
 
     request_id: str
@@ -170,16 +154,14 @@ class ReportRecv(Action):
     releases: ClassVar[frozenset[str]] = frozenset({"report"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class FreeBlocks(Action):
+class FreeBlocks(Action, frozen=True):
     request_id: str
     block_ids: tuple
     reason: str = ""
     releases: ClassVar[frozenset[str]] = frozenset({"blocks"})
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class GrantHold(Action):
+class GrantHold(Action, frozen=True):
     """Internal: keep a finished decode request's blocks for turn 2 (fixed TTL lease)."""
 
     request_id: str
@@ -187,8 +169,7 @@ class GrantHold(Action):
     internal: ClassVar[bool] = True
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class ConsumeLease(Action):
+class ConsumeLease(Action, frozen=True):
     """Internal: a push WRITE completed, which consumes the lease like a READ."""
 
     request_id: str
@@ -196,8 +177,7 @@ class ConsumeLease(Action):
     internal: ClassVar[bool] = True
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class RefuseNotification(Action):
+class RefuseNotification(Action, frozen=True):
     """A heartbeat or completion a lease refused; nothing changed.  For the
     embedder to count and log (a forged or misdirected message)."""
 
@@ -207,13 +187,11 @@ class RefuseNotification(Action):
     abstract: ClassVar[bool] = True  # the common base of the refusals below
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class RefuseForeignSender(RefuseNotification):
+class RefuseForeignSender(RefuseNotification, frozen=True):
     """From a sender the lease is not bound to."""
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class RefuseWrongCount(RefuseNotification):
+class RefuseWrongCount(RefuseNotification, frozen=True):
     """A completion whose consumer count disagrees with the lease's plan."""
 
 

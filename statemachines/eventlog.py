@@ -45,6 +45,7 @@ import orjson
 
 from .actions import ALL_ACTIONS
 from .base import Action, ArmTimer, CancelTimer, Event
+from .base import fields as class_fields
 from .config import PlaneConfig
 from .events import ALL_EVENTS
 from .observe import Step, Stimulus, cascade_effects, stimulus_actions
@@ -93,7 +94,7 @@ _CHECKS: dict[type, Callable[[Any], bool] | None] = {}
 def _field_names(cls: type) -> tuple[str, ...]:
     names = _FIELDS.get(cls)
     if names is None:
-        names = _FIELDS[cls] = tuple(a.name for a in attrs.fields(cls))
+        names = _FIELDS[cls] = tuple(a.name for a in class_fields(cls))
     return names
 
 
@@ -664,7 +665,7 @@ def _schema(cls: type) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
     schema = _SCHEMAS.get(cls)
     if schema is None:
         schema = _SCHEMAS[cls] = tuple((a.name, _type_options(a), a.converter is not None)
-                                       for a in attrs.fields(cls))
+                                       for a in class_fields(cls))
     return schema
 
 
@@ -756,7 +757,7 @@ _REQUIRED: dict[type, tuple[str, ...]] = {}
 
 
 def _required_fields(cls: type) -> tuple[str, ...]:
-    fields = attrs.fields(cls)
+    fields = class_fields(cls)
     if any(a.validator is not None for a in fields) or hasattr(cls, "__attrs_post_init__"):
         return _MUST_BUILD
     return tuple(a.name for a in fields if a.default is attrs.NOTHING)

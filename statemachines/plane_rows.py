@@ -31,6 +31,7 @@ import attrs
 
 
 from .base import Action, ArmTimer, CancelTimer, Event
+from .base import fields as fields_of
 from .composition import Wire
 from .machine import IGNORED, Machine, ProtocolViolation, generated, positional, transition_lines
 from .spec import Ignore, ProtocolError, Source
@@ -263,9 +264,9 @@ def unbuilt_action(cls: type[Action], expression: str, scope: dict[str, Any], pr
         return None
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and scope.get(call.func.id) is cls):
         return None
-    if hasattr(cls, "__attrs_post_init__") or hasattr(cls, "__attrs_pre_init__"):
+    if any(hasattr(cls, hook) for hook in ("__attrs_post_init__", "__attrs_pre_init__", "__post_init__")):
         return None
-    fields = attrs.fields(cls)
+    fields = fields_of(cls)
     if any(not f.init or f.converter is not None or f.validator is not None for f in fields):
         return None
     positional = [f for f in fields if not f.kw_only]

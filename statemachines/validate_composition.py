@@ -18,7 +18,7 @@ Checks, each reported with the machine, event or action at fault:
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from typing import Any, Iterable
 
 import attrs
 
@@ -28,6 +28,7 @@ from .composition import (
 )
 from .config import PlaneConfig
 from .base import Action, Event
+from .base import fields as fields_of
 from .spec import MachineDefinitionError, Spec, Transition
 
 
@@ -71,10 +72,9 @@ def validate_composition(specs: dict[str, Spec], wires: Iterable[Wire] = WIRES) 
         raise MachineDefinitionError("machine composition is invalid:\n  " + "\n  ".join(errors))
 
 
-def _fields(cls: type) -> tuple[attrs.Attribute, ...]:
-    # Plain ``type``: event and action classes are attrs classes, which their
-    # static types (type[Event], type[Action]) cannot say.
-    return attrs.fields(cls)
+def _fields(cls: type) -> tuple[Any, ...]:
+    # Events are attrs classes, actions msgspec Structs: base.fields reads both.
+    return fields_of(cls)
 
 
 def _field_names(cls: type) -> set[str]:

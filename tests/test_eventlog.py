@@ -214,7 +214,7 @@ def test_event_and_action_names_come_from_the_definitions_only():
         request_id: str
 
     class Shim(Action):
-        __slots__ = ()
+        pass
 
     assert E.ALL_EVENTS["ReadDone"] is E.ReadDone and E.ALL_EVENTS["TimerFired"] is TimerFired
     assert "Shim" not in ACTION_TYPES and ACTION_TYPES["ArmTimer"] is ArmTimer

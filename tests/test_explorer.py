@@ -209,7 +209,6 @@ def test_every_action_the_planes_emit_is_executed_or_declared_ignored():
 
     assert unhandled_actions() == []
 
-    @attrs.frozen
     class Unknown(Action):
         pass
 

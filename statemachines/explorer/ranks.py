@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import attrs
+import msgspec
 
 from .. import actions as A
 from .. import events as E
@@ -344,7 +344,7 @@ class RankModel(Model):
     def _emit_losing(self, w: World, pname: str, actions, rank: int) -> None:
         for a in actions:
             if isinstance(a, A.SendHeartbeat):
-                a = attrs.evolve(a, ranks=tuple(r for r in a.ranks if r != rank))
+                a = msgspec.structs.replace(a, ranks=tuple(r for r in a.ranks if r != rank))
             self._emit(w, pname, [a])
 
     def _abort_all(self, w: World, move: Abort) -> None:
