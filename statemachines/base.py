@@ -68,6 +68,14 @@ class Event:
         return None
 
 
+class StructEvent(msgspec.Struct, Event, frozen=True, gc=False):
+    """The base of the events the plane itself builds per dispatch (its wires'
+    events): a frozen Struct, built in C like an action, with the plain
+    fields an attrs event would have (no converters or validators)."""
+
+    abstract: ClassVar[bool] = True
+
+
 class Action(msgspec.Struct, frozen=True, gc=False):
     """An instruction for the world (transport, scheduler) or for the plane.
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import attrs
-
+from .base import fields as fields_of
 from .machine import generated
 from .composition import (
     ActionField, ConfigField, Const, HeartbeatChain, Requesters, RequesterKey, RequesterKind, TargetField, Wire,
@@ -71,8 +70,7 @@ def _arguments(w: Wire, expr: Callable[[str, Any], str]) -> str:
     about half the cost of a keyword one), the rest by keyword."""
     given = dict(w.fields)
     args = []
-    event: type = w.event  # an attrs class, which type[Event] cannot say
-    for f in attrs.fields(event):
+    for f in fields_of(w.event):
         if f.kw_only or not f.init or f.name not in given:
             break
         args.append(expr(f.name, given.pop(f.name)))

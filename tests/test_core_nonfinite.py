@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import attrs
+import msgspec
 import pytest
 
 from core_support import connect, names, new_request, of_type, plane, run_timers
@@ -90,7 +91,7 @@ def test_read_gate_declines_when_an_input_is_not_finite(renewable, field, bad):
     if field == "remote_expiry":
         r = _reader(remote_expiry=bad, renewable=renewable)
     else:
-        ev = attrs.evolve(ev, **{field: bad})
+        ev = msgspec.structs.replace(ev, **{field: bad})
     if not renewable and field in ("heartbeat_at", "heartbeats_since"):
         # A decoder's hold is a fixed TTL: heartbeats are not read at all.
         assert not decode_request.remote_blocks_expired(r, ev, CFG, now)
@@ -120,7 +121,7 @@ def test_push_gate_declines_when_an_input_is_not_finite(field, bad):
     if field == "remote_deadline":
         p.remote_deadline = bad
     else:
-        ev = attrs.evolve(ev, clock_offset=bad)
+        ev = msgspec.structs.replace(ev, clock_offset=bad)
     assert push_write.decoder_gives_up_first(p, ev, CFG, 10.0)
     for now in NON_FINITE:
         assert push_write.decoder_gives_up_first(attrs.evolve(p, remote_deadline=100.0), _ready(), CFG, now)

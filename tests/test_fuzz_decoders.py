@@ -236,10 +236,10 @@ def _field_value(name: str, annotation: str) -> st.SearchStrategy:
 def event_lines(draw, t):
     name = draw(st.sampled_from(sorted(ALL_EVENTS)))
     cls = ALL_EVENTS[name]
-    import attrs
+    from kvplane.statemachines.base import fields
 
     data = {}
-    for a in attrs.fields(cls):
+    for a in fields(cls):
         if draw(st.integers(0, 9)) == 0:
             continue  # a field left out
         ann = a.type if isinstance(a.type, str) else getattr(a.type, "__name__", "Any")

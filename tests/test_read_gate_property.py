@@ -10,6 +10,7 @@ D's clock, must lie beyond the post time.
 from __future__ import annotations
 
 import attrs
+import msgspec
 import pytest
 from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
@@ -124,7 +125,6 @@ def test_the_gate_declines_whenever_an_input_is_not_finite(expiry, offset, arriv
     """Whatever the finite inputs, replacing one that the gate reads by NaN
     or an infinity makes it decline (never a READ on a number it cannot
     compare)."""
-    import attrs
     from kvplane.statemachines.machines.decode_request import (
         DecodeRequest,
         remote_blocks_expired,
@@ -142,10 +142,10 @@ def test_the_gate_declines_whenever_an_input_is_not_finite(expiry, offset, arriv
     elif spoil in ("heartbeat_at", "heartbeats_since"):
         if not renewable:
             return  # a fixed-TTL hold does not read heartbeats
-        ev = attrs.evolve(ev, heartbeat_at=bad if spoil == "heartbeat_at" else (hb if hb is not None else 0.0),
-                          heartbeats_since=bad if spoil == "heartbeats_since" else (since if since is not None else 0.0))
+        ev = msgspec.structs.replace(ev, heartbeat_at=bad if spoil == "heartbeat_at" else (hb if hb is not None else 0.0),
+                                     heartbeats_since=bad if spoil == "heartbeats_since" else (since if since is not None else 0.0))
     else:
-        ev = attrs.evolve(ev, clock_offset=bad)
+        ev = msgspec.structs.replace(ev, clock_offset=bad)
     assert remote_blocks_expired(r, ev, CFG, now)
 
 
