@@ -274,3 +274,57 @@ class _Renamer(ast.NodeTransformer):
 def _immutable(value: tuple) -> bool:
     return all(isinstance(v, _BOUND_TYPES) and (not isinstance(v, tuple) or _immutable(v)) for v in value)
 
+
+
+# ----------------------------------------------------------- event properties
+_ALIASES: dict[type, dict[str, str]] = {}
+
+
+def field_aliases(cls: type) -> dict[str, str]:
+    """Properties of the event class ``cls`` whose getter is one ``return
+    self.<field>`` of its own fields (``ConsumerDone.sender`` ->
+    ``consumer``): name -> field.  A row over an event of ``cls`` reads the
+    field itself (a property call costs about four plain reads)."""
+    known = _ALIASES.get(cls)
+    if known is None:
+        from .base import fields  # base imports nothing of this module; kept local all the same
+
+        names = {f.name for f in fields(cls)}
+        known = {}
+        for klass in reversed(cls.__mro__):
+            for name, value in vars(klass).items():
+                known.pop(name, None)  # redefined below: only the last definition counts
+                if not isinstance(value, property) or value.fset is not None or value.fdel is not None:
+                    continue
+                try:
+                    node, (self_name,) = _function(value.fget, 1)
+                    expr = _single_expression(node)
+                except _NotInlinable:
+                    continue
+                if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) \
+                        and expr.value.id == self_name and expr.attr in names:
+                    known[name] = expr.attr
+        _ALIASES[cls] = known
+    return known
+
+
+def read_fields_for_aliases(body: list[str], event: type, name: str = "ev") -> list[str]:
+    """``body`` (statements indented one level, over the event variable
+    ``name``) with every read of an aliased property of ``event``
+    (``field_aliases``) replaced by a read of its field."""
+    aliases = field_aliases(event)
+    if not any(f"{name}.{a}" in line for a in aliases for line in body):
+        return body
+
+    class Reads(ast.NodeTransformer):
+        def visit_Attribute(self, node: ast.Attribute) -> ast.Attribute:
+            self.generic_visit(node)
+            if isinstance(node.value, ast.Name) and node.value.id == name and isinstance(node.ctx, ast.Load) \
+                    and node.attr in aliases:
+                node.attr = aliases[node.attr]
+            return node
+
+    function = ast.parse("def _():\n" + "\n".join(body)).body[0]
+    assert isinstance(function, ast.FunctionDef)
+    Reads().visit(function)
+    return ["    " + line for stmt in function.body for line in ast.unparse(stmt).splitlines()]

@@ -15,7 +15,7 @@ import attrs
 
 from .base import Action, ArmTimer, CancelTimer, Event, Instance
 from .spec import Effect, Guard, Ignore, ProtocolError, Spec, Transition, with_timer_ignores
-from .inline import inline_expression, inline_statements
+from .inline import inline_expression, inline_statements, read_fields_for_aliases
 from .validate import validate
 
 # A row's arguments, as the table's callables take them.
@@ -241,7 +241,8 @@ def transition_lines(machine: Machine, state: str, event: type, entry: tuple, sc
             body.append("    raise NoGuardMatched(name, inst.key, inst.state, ev, 'no guard matched')")
         else:
             body.append("    raise ProtocolViolation(name, inst.key, inst.state, ev, reason)")
-    return body
+    # A property of the event that only reads one of its fields is read as that field.
+    return read_fields_for_aliases(body, event) if machine.inline else body
 
 
 def generated(body: list[str], scope: dict[str, Any], name: str, where: str) -> Callable:

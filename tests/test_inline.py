@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import types
 
+import attrs
+
 from kvplane.statemachines import events as E
-from kvplane.statemachines.inline import inline_expression, inline_statements
+from kvplane.statemachines.inline import field_aliases, inline_expression, inline_statements, read_fields_for_aliases
 from kvplane.statemachines.machines import MACHINES
 
 ARGS = ("inst", "ev", "cfg", "now")
@@ -115,3 +117,32 @@ def test_the_real_machines_write_in_most_of_their_callables():
     assert not {"g1", "e1", "e2", "dl1"} & names, names  # renewable, _extend (with _bind), _bind, the expiry
     read_done = MACHINES["decode_request"]._handle_rows["READING"][E.ReadDone]
     assert not any(n.startswith("b0_") for n in read_done.__code__.co_names)
+
+
+@attrs.define(slots=True)
+class _WithProperties(E.Event):
+    request_id: str
+    consumer: str
+
+    @property
+    def sender(self) -> str:  # reads a field: aliased
+        return self.consumer
+
+    @property
+    def shouted(self) -> str:  # computes: stays a property
+        return self.consumer.upper()
+
+    @property
+    def elsewhere(self) -> str:  # reads no field of its own
+        return self.__class__.__name__
+
+
+def test_a_property_that_reads_one_field_is_read_as_that_field():
+    assert field_aliases(_WithProperties) == {"sender": "consumer"}
+    assert field_aliases(E.ConsumerDone) == {"sender": "consumer"}
+    body = ["    if ev.sender is not None and ev.shouted:", "        ev.sender.strip()", "    x = ev.sender"]
+    assert read_fields_for_aliases(body, _WithProperties) == [
+        "    if ev.consumer is not None and ev.shouted:", "        ev.consumer.strip()", "    x = ev.consumer"]
+    # The lease's completion row reads the field, no property (its guards and _bind say ev.sender).
+    done = MACHINES["lease"]._handle_rows["LEASED"][E.ConsumerDone]
+    assert "sender" not in done.__code__.co_names and "consumer" in done.__code__.co_names
