@@ -21,6 +21,10 @@ from typing import Callable
 
 import attrs
 
+# Seconds vLLM's API server waits for its engine core (and so the workers' connector shutdown) on a stop,
+# well inside EngineProcess.stop's SIGKILL timeout.
+SHUTDOWN_GRACE_S = 20
+
 CONNECTORS = {
     # name -> (kv_connector, kv_connector_module_path)
     "kvplane": ("KVPlaneConnector", "kvplane.connector.vllm"),
@@ -58,7 +62,11 @@ class EngineSpec:
                "--host", "127.0.0.1", "--port", str(self.http_port), "--load-format", "dummy", "--enforce-eager",
                "--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
                "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
-               "--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+               "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
+               # On SIGINT the API server gives its engine core this long to exit before it kills it. vLLM's
+               # default, 0, kills it at once, racing the workers' connector shutdown (its last status and the
+               # end of its event log): a loaded machine lost that race.
+               "--shutdown-timeout", str(SHUTDOWN_GRACE_S)]
         if self.num_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
         return cmd
