@@ -42,7 +42,8 @@ def declared(base: type[_T], *modules: str) -> dict[str, type[_T]]:
 
 
 class Event:
-    """A stimulus.  Subclasses are attrs slots classes (``@attrs.define(slots=True, unsafe_hash=True)``).
+    """A stimulus.  Subclasses are attrs slots classes (``@attrs.define(slots=True, unsafe_hash=True)``),
+    or frozen Structs through ``StructEvent`` where the plane builds them on every request.
 
     ``machine`` names the machine kind the plane routes it to and ``key_field``
     the attribute holding that machine's id.

@@ -9,10 +9,9 @@ Events are mutable attrs slots classes (a frozen one sets each field through
 object.__setattr__); nothing mutates one once built, and they stay hashable.
 The internal events the plane builds on every request from a wire (engine
 references, wake-ups, activity, heartbeat registration) are frozen msgspec
-Structs instead (``base.StructEvent``: built in C, for a third of the cost).  Fields an embedder
-fills from its own lists keep a converter to a tuple.  Events are built by
-keyword only, except those the plane builds itself from a wire on every
-request (engine references, wake-ups, activity, heartbeat registration): a
+Structs instead (``base.StructEvent``: built in C, for a third of the cost).
+Fields an embedder fills from its own lists keep a converter to a tuple.
+Events are built by keyword only, except those the plane builds itself: a
 class called with keywords costs about twice a positional call, and the
 plane's wire code (wire_code) passes their fields in order.
 """

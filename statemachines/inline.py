@@ -30,6 +30,8 @@ import linecache
 import types
 from typing import Any
 
+from .base import fields
+
 # Globals an inlined body may read, bound once at compile time: values that
 # a module does not rebind (a rebound global would go stale in the row).
 _BOUND_TYPES = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, int, float, str, bytes,
@@ -275,7 +277,6 @@ def _immutable(value: tuple) -> bool:
     return all(isinstance(v, _BOUND_TYPES) and (not isinstance(v, tuple) or _immutable(v)) for v in value)
 
 
-
 # ----------------------------------------------------------- event properties
 _ALIASES: dict[type, dict[str, str]] = {}
 
@@ -287,8 +288,6 @@ def field_aliases(cls: type) -> dict[str, str]:
     field itself (a property call costs about four plain reads)."""
     known = _ALIASES.get(cls)
     if known is None:
-        from .base import fields  # base imports nothing of this module; kept local all the same
-
         names = {f.name for f in fields(cls)}
         known = {}
         for klass in reversed(cls.__mro__):

@@ -29,7 +29,6 @@ from typing import Any, Callable, NamedTuple
 
 import attrs
 
-
 from .base import Action, ArmTimer, CancelTimer, Event
 from .base import fields as fields_of
 from .composition import Wire
