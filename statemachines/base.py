@@ -179,6 +179,12 @@ def fields(cls: type) -> tuple[Any, ...]:
         first_default = len(names) - len(defaults)
         known = _STRUCT_FIELDS[cls] = tuple(
             StructField(name, annotations[name],
-                        defaults[i - first_default] if i >= first_default else attrs.NOTHING)
+                        _as_attrs_default(defaults[i - first_default]) if i >= first_default else attrs.NOTHING)
             for i, name in enumerate(names))
     return known
+
+
+def _as_attrs_default(default: Any) -> Any:
+    # A Struct field's default_factory reads as attrs' Factory, which readers of defaults already handle.
+    factory = getattr(default, "factory", None) if type(default).__module__ == "msgspec._core" else None
+    return attrs.Factory(factory) if factory is not None else default

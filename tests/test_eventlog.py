@@ -8,7 +8,8 @@ import pytest
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.eventlog import (
-    EmptyLog, EventLogError, EventLogWriter, MalformedLine, MemoryLog, UnknownEvent, UnsupportedVersion, read_log,
+    EmptyLog, EventLogError, EventLogWriter, MalformedLine, MemoryLog, UnknownEvent, UnsupportedVersion, encode,
+    read_log,
 )
 from kvplane.statemachines.plane import ControlPlane
 
@@ -223,3 +224,35 @@ def test_event_and_action_names_come_from_the_definitions_only():
         assert name not in A.ALL_ACTIONS
     assert {"RefuseForeignSender", "RefuseWrongCount", "ReleaseXfer", "ReportRecv"} <= set(A.ALL_ACTIONS)
     assert all(v.__name__ == k for k, v in {**E.ALL_EVENTS, **A.ALL_ACTIONS}.items())
+
+
+def test_fields_reads_attrs_events_and_struct_actions_alike():
+    """base.fields: what the log's schema, the validators and the row compiler read of a class."""
+    import attrs
+    import msgspec
+
+    from kvplane.statemachines import actions as A
+    from kvplane.statemachines.base import StructEvent, fields
+    from kvplane.statemachines.plane_rows import unbuilt_action
+
+    post = fields(A.PostRead)
+    assert [f.name for f in post] == ["request_id", "engine_id", "remote_request_id", "local_block_ids",
+                                      "remote_block_ids", "expected_consumers"]
+    assert [f.type for f in post][-2:] == ["tuple", "int"] and post[-1].default == 1
+    assert post[0].default is attrs.NOTHING and not any(f.kw_only or f.converter or f.validator for f in post)
+    assert issubclass(E.EngineReady, StructEvent) and fields(E.EngineReady)[3].name == "clock_offset"
+    assert fields(E.NewRequest) == attrs.fields(E.NewRequest)  # an attrs event: attrs' own records
+    # A logged action encodes exactly the fields base.fields names, in that order.
+    act = A.ReleaseXfer("r1", cancel=True)
+    assert list(json.loads(encode(1, E.ReadDone(request_id="r1"), 0.0, "decode_request:r1", "READING",
+                                  "RECV_DONE", [act]))["actions"][0][1]) == [f.name for f in fields(A.ReleaseXfer)]
+
+    class WithFactory(msgspec.Struct):
+        name: str
+        ids: list = msgspec.field(default_factory=list)
+
+    (_, ids) = fields(WithFactory)
+    assert isinstance(ids.default, attrs.Factory) and ids.default.factory is list
+    # A row never binds a factory as a default value: it builds such an action.
+    scope = {"WithFactory": WithFactory}
+    assert unbuilt_action(WithFactory, "WithFactory('x')", scope, "a0_", "0_0") is None
