@@ -71,8 +71,8 @@ class Event:
 
 class StructEvent(msgspec.Struct, Event, frozen=True, gc=False):
     """The base of the events the plane itself builds per dispatch (its wires'
-    events): a frozen Struct, built in C like an action, with the plain
-    fields an attrs event would have (no converters or validators)."""
+    events, TimerFired): a frozen Struct, built in C like an action, with the
+    plain fields an attrs event would have (no converters or validators)."""
 
     abstract: ClassVar[bool] = True
 
@@ -109,9 +109,9 @@ class Instance:
     deadline: float | None = None
 
 
-@attrs.define(slots=True, unsafe_hash=True)
-class TimerFired(Event):
-    """A deadline armed by ``ArmTimer`` came due.  ``at`` identifies which arm."""
+class TimerFired(StructEvent, frozen=True):
+    """A deadline armed by ``ArmTimer`` came due.  ``at`` identifies which arm.
+    Built by the plane for every timer it fires: a Struct, like its wires' events."""
 
     kind: str
     key: Any
