@@ -184,6 +184,12 @@ def fields(cls: type) -> tuple[Any, ...]:
     return known
 
 
+def runs_code_when_built(cls: type) -> bool:
+    """Whether building ``cls`` runs a hook of its own (attrs' pre/post-init, a
+    Struct's ``__post_init__``): then only building it tells what it accepts."""
+    return any(hasattr(cls, hook) for hook in ("__attrs_pre_init__", "__attrs_post_init__", "__post_init__"))
+
+
 def _as_attrs_default(default: Any) -> Any:
     # A Struct field's default_factory reads as attrs' Factory, which readers of defaults already handle.
     factory = getattr(default, "factory", None) if type(default).__module__ == "msgspec._core" else None

@@ -46,6 +46,7 @@ import orjson
 from .actions import ALL_ACTIONS
 from .base import Action, ArmTimer, CancelTimer, Event
 from .base import fields as class_fields
+from .base import runs_code_when_built
 from .config import PlaneConfig
 from .events import ALL_EVENTS
 from .observe import Step, Stimulus, cascade_effects, stimulus_actions
@@ -758,7 +759,7 @@ _REQUIRED: dict[type, tuple[str, ...]] = {}
 
 def _required_fields(cls: type) -> tuple[str, ...]:
     fields = class_fields(cls)
-    if any(a.validator is not None for a in fields) or hasattr(cls, "__attrs_post_init__"):
+    if any(a.validator is not None for a in fields) or runs_code_when_built(cls):
         return _MUST_BUILD
     return tuple(a.name for a in fields if a.default is attrs.NOTHING)
 

@@ -31,6 +31,7 @@ import attrs
 
 from .base import Action, ArmTimer, CancelTimer, Event
 from .base import fields as fields_of
+from .base import runs_code_when_built
 from .composition import Wire
 from .machine import IGNORED, Machine, ProtocolViolation, generated, positional, transition_lines
 from .spec import Ignore, ProtocolError, Source
@@ -263,7 +264,7 @@ def unbuilt_action(cls: type[Action], expression: str, scope: dict[str, Any], pr
         return None
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and scope.get(call.func.id) is cls):
         return None
-    if any(hasattr(cls, hook) for hook in ("__attrs_post_init__", "__attrs_pre_init__", "__post_init__")):
+    if runs_code_when_built(cls):
         return None
     fields = fields_of(cls)
     if any(not f.init or f.converter is not None or f.validator is not None for f in fields):
