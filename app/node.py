@@ -337,10 +337,16 @@ class Node:
         any more, so free every lease (P) and hold (D) now instead of waiting
         out their terms (a hold's TTL is 480 s in production)."""
         live = [rid for rid, r in self.lease_rec.items() if r.freed is None] if self.role == "P" else list(self.holds)
+        holds_aborted = self.hold_stats["aborted"]
         for rid in live:
             self.sched.abort(rid)  # LeaseAbort: FreeBlocks
-        self.abandoned["leases_released" if self.role == "P" else "holds_released"] += len(live)
         self._settle(lambda: not self.lease_blocks_live and not self.holds)
+        # Counted once they ended, by how: a completion already on its way when the abort went out (the
+        # ranks report asynchronously) ends its lease consumed, and the abort released nothing there.
+        if self.role == "P":
+            self.abandoned["leases_released"] += sum(self.lease_rec[rid].reason == "aborted" for rid in live)
+        else:
+            self.abandoned["holds_released"] += self.hold_stats["aborted"] - holds_aborted
         self.send(Released(counts={k: v for k, v in self.abandoned.items() if v}, held_blocks=self.held_blocks()))
 
     def _settle(self, done: Callable[[], bool], timeout: float = 2.0) -> None:
