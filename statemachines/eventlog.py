@@ -21,12 +21,14 @@ Format (ARCHITECTURE.md, "Event log")::
 - The header records the PlaneConfig the log was made under.
 
 Recording is cheap enough to leave on: the plane hands the writer each
-stimulus as it kept it (``observe.Stimulus``: no Step, no timer action
-built), the writer keeps it, and encodes them a batch at a time with
-orjson (``json`` where the two would differ, see "encoding" and "batch
-encoding"); ``flush`` writes what was encoded.  Lines are the same JSON objects as ever; only the text may
-differ from what ``json.dumps`` wrote (non-ASCII characters as UTF-8, not
-``\\u`` escapes; floats in orjson's shortest form), which every JSON reader,
+stimulus as it kept it (``observe.Stimulus``: no Step built), the writer
+makes its line's record (a msgspec Struct holding the event and action
+objects themselves, no dicts), encodes 32 records at a time in one msgspec
+call (``json`` for a line holding a non-finite float, see "line encoding"),
+and ``flush`` writes what was encoded.  Lines are the same JSON objects as
+ever; only the text may differ from what ``json.dumps`` wrote (non-ASCII
+characters as UTF-8, not ``\\u`` escapes; floats in their shortest form; the
+keys of a mapping inside a value sorted, as a set's elements are), which every JSON reader,
 this one included, reads as the same values.  ``read_log`` reads a whole
 log into records; ``LogStream`` reads one as it is iterated, with the same
 checks and errors (replay's way).  All file I/O of
@@ -41,6 +43,7 @@ import os
 from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO, TypeGuard
 
 import attrs
+import msgspec
 import orjson
 
 from .actions import ALL_ACTIONS
@@ -49,6 +52,7 @@ from .base import fields as class_fields
 from .base import runs_code_when_built
 from .config import PlaneConfig
 from .events import ALL_EVENTS
+from .machine import timer_action
 from .observe import Step, Stimulus, cascade_effects, stimulus_actions
 
 LOG_VERSION = 1
@@ -79,17 +83,10 @@ class UnsupportedVersion(EventLogError):
 
 
 # ------------------------------------------------------------------ encoding
-# orjson writes the same JSON objects as ``json.dumps`` (same keys in the same
-# order, tuples as lists) several times faster.  Where the two would differ
-# a line is written by ``json`` as before: orjson turns NaN and infinities
-# into null (json writes NaN, which the reader refuses: a log keeps saying
-# what was recorded) and refuses integers past 64 bits.
+# What a line says about an object: its fields (``fields_of``), and whether
+# each may hold a non-finite float (``_check_expr``); see "line encoding".
 _FIELDS: dict[type, tuple[str, ...]] = {}
 _GETTERS: dict[type, Callable[[Any], dict]] = {}
-# Per class: None, or a check that every field which may hold a float
-# (declared float or Any, or a tuple of anything but indices and strings)
-# is finite.
-_CHECKS: dict[type, Callable[[Any], bool] | None] = {}
 
 
 def _field_names(cls: type) -> tuple[str, ...]:
@@ -102,15 +99,12 @@ def _field_names(cls: type) -> tuple[str, ...]:
 def _getter(cls: type) -> Callable[[Any], dict]:
     """A function building the fields dict of an instance of ``cls``: a dict
     display over the field names (attribute names are identifiers), about
-    three times faster than looping over them.  Also prepares its check."""
+    three times faster than looping over them."""
     get = _GETTERS.get(cls)
     if get is None:
         names = _field_names(cls)
         assert all(n.isidentifier() for n in names)
         get = _GETTERS[cls] = eval("lambda o: {" + ", ".join(f"{n!r}: o.{n}" for n in names) + "}")
-        checks = [_check_expr(n, options) for n, options, _ in _schema(cls)]
-        floaty = [c for c in checks if c is not None]
-        _CHECKS[cls] = eval("lambda o: " + " and ".join(floaty), {"_finite": _finite}) if floaty else None
     return get
 
 
@@ -200,199 +194,143 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _line_bytes(seq: int, event: Event, now: float, label: str, before: str | None, after: str | None,
-                actions: Iterable | None) -> bytes:
-    # One line; the hot loop of ``flush``, hence the locals.  ``now`` needs
-    # no check: the plane refuses a non-finite time.
-    getters, checks = _GETTERS, _CHECKS
+# ------------------------------------------------------------ line encoding
+# msgspec writes every line in C from typed records: the line's keys in the
+# format's order (the fields of ``_Line``), an event or action Struct as its
+# fields in declared order, tuples as lists, sets sorted (``deterministic``),
+# integers of any size.  It writes a non-finite float as null; a line whose
+# event or actions may hold one is checked first (``_value``) and written by
+# ``json`` (NaN, which the reader refuses: a log keeps saying what was
+# recorded).  An attrs class is written through a Struct of its fields
+# (``_mirror``): msgspec's own order for attrs classes is not the declared
+# one, and ``deterministic`` would sort a dict's keys.
+
+
+class _Line(msgspec.Struct, gc=False):
+    """One log line with states and actions (gc=False: it holds no cycle)."""
+
+    v: int
+    seq: int
+    t: float
+    machine: str
+    event: str
+    data: Any
+    state_before: str | None
+    state_after: str | None
+    actions: Any  # [(name, action value), ...]
+
+
+class _StimulusLine(msgspec.Struct, gc=False):
+    """A stimuli-only line."""
+
+    v: int
+    seq: int
+    t: float
+    machine: str
+    event: str
+    data: Any
+
+
+_ENCODER = msgspec.json.Encoder(order="deterministic")
+_NO_ACTIONS: tuple = ()  # written []
+
+
+class _NotFinite(Exception):
+    """Raised by a generated ``_value`` function: this line needs ``json``."""
+
+
+# event or action class -> None (the object is written as it is: a Struct
+# without a field that may hold a float), or a function from an instance to
+# what is written, raising _NotFinite for a non-finite value.
+_VALUES: dict[type, Callable[[Any], Any] | None] = {}
+_UNSEEN = object()
+
+
+def _value(cls: type) -> Callable[[Any], Any] | None:
+    value = _VALUES.get(cls, _UNSEEN)
+    if value is _UNSEEN:
+        checks = [c for c in (_check_expr(n, options) for n, options, _ in _schema(cls)) if c is not None]
+        struct = issubclass(cls, msgspec.Struct)
+        if struct and not checks:
+            value = None
+        else:
+            names = _field_names(cls)
+            assert all(n.isidentifier() for n in names)
+            lines = ["def value(o):"]
+            if checks:
+                lines += [f"    if not ({' and '.join(checks)}):", "        raise _NotFinite"]
+            lines.append("    return o" if struct else f"    return Mirror({', '.join('o.' + n for n in names)})")
+            scope: dict[str, Any] = {"_NotFinite": _NotFinite, "_finite": _finite, "Mirror": _mirror(cls)}
+            exec("\n".join(lines), scope)  # noqa: S102 (field names checked as identifiers)
+            value = scope["value"]
+        _VALUES[cls] = value
+    return value  # type: ignore[return-value]
+
+
+_MIRRORS: dict[type, type] = {}
+
+
+def _mirror(cls: type) -> type:
+    """A Struct with the fields of ``cls`` in order, written as ``cls`` is."""
+    mirror = _MIRRORS.get(cls)
+    if mirror is None:
+        mirror = _MIRRORS[cls] = msgspec.defstruct(cls.__name__, [(n, Any) for n in _field_names(cls)], gc=False)
+    return mirror
+
+
+def _entries(actions: Iterable) -> list:
+    """The line's actions as (name, value) pairs; raises _NotFinite."""
+    values = _VALUES
+    entries = []
+    for a in actions:
+        cls = a.__class__
+        value = values.get(cls, _UNSEEN)
+        if value is None:
+            entries.append((cls.__name__, a))
+        else:
+            if value is _UNSEEN:
+                value = _value(cls)
+            entries.append((cls.__name__, a if value is None else value(a)))
+    return entries
+
+
+def _line(seq: int, event: Event, now: float, label: str, before: str | None, after: str | None,
+          actions: Iterable | None) -> _Line | _StimulusLine:
+    """The record of one line (``actions`` None: stimuli only); raises _NotFinite."""
     cls = event.__class__
-    rec = {"v": LOG_VERSION, "seq": seq, "t": now, "machine": label, "event": cls.__name__,
-           "data": (getters.get(cls) or _getter(cls))(event)}
-    check = checks[cls]
-    finite = check is None or check(event)
-    if actions is not None:
-        rec["state_before"] = before
-        rec["state_after"] = after
-        acts = []
-        for a in actions:
-            cls = a.__class__
-            acts.append([cls.__name__, (getters.get(cls) or _getter(cls))(a)])
-            check = checks[cls]
-            if check is not None and not check(a):
-                finite = False
-        rec["actions"] = acts
-    return _dump_record(rec) if finite else _dump_with_json(rec)
+    value = _VALUES.get(cls, _UNSEEN)
+    if value is _UNSEEN:
+        value = _value(cls)
+    data = event if value is None else value(event)
+    if actions is None:
+        return _StimulusLine(LOG_VERSION, seq, now, label, cls.__name__, data)
+    return _Line(LOG_VERSION, seq, now, label, cls.__name__, data, before, after, _entries(actions))
 
 
-def _dump_record(rec: dict) -> bytes:
-    try:
-        return orjson.dumps(rec, default=_json_default)
-    except orjson.JSONEncodeError:  # an integer past 64 bits: json writes it (the reader refuses it)
-        return _dump_with_json(rec)
-
-
-def _dump_with_json(rec: dict) -> bytes:
-    return json.dumps(rec, separators=(",", ":"), default=_json_default).encode("utf-8")
+def _line_json(seq: int, event: Event, now: float, label: str, before: str | None, after: str | None,
+               actions: Iterable | None) -> bytes:
+    """The line ``_line`` refused, written by ``json`` (NaN and infinities as
+    json writes them), the same keys in the same order."""
+    cls = event.__class__
+    data = event if isinstance(event, msgspec.Struct) else _mirror(cls)(**fields_of(event))
+    if actions is None:
+        line: Any = _StimulusLine(LOG_VERSION, seq, now, label, cls.__name__, data)
+    else:
+        entries = [(a.__class__.__name__, a if isinstance(a, msgspec.Struct) else _mirror(a.__class__)(**fields_of(a)))
+                   for a in actions]
+        line = _Line(LOG_VERSION, seq, now, label, cls.__name__, data, before, after, entries)
+    plain = msgspec.to_builtins(line, order="deterministic")
+    return json.dumps(plain, separators=(",", ":"), ensure_ascii=False, default=_json_default).encode("utf-8")
 
 
 def encode(seq: int, event: Event, now: float, label: str, before: str | None, after: str | None,
            actions: Iterable | None) -> str:
     """One log line (no newline).  ``actions`` None writes a stimuli-only line."""
-    return _line_bytes(seq, event, now, label, before, after, actions).decode("utf-8")
-
-
-# ------------------------------------------------------------ batch encoding
-# The writer encodes what it recorded in batches (``encode_batch``): per event
-# and action class a generated function builds ``_line_bytes``'s dict with the
-# fields inline, and one orjson call writes the whole batch as a JSON array,
-# cut into lines where one record ends and the next begins.  Anything the
-# fast path cannot write exactly as ``_line_bytes`` does goes through it,
-# record by record: a field that may be non-finite (its record is written
-# by json), a set or an integer past 64 bits (orjson refuses the batch).
-
-
-class _NotFinite(Exception):
-    """Raised by a generated builder: this record needs ``_line_bytes``."""
-
-
-# event class -> its record builder (seq, event, now, label, state before,
-# state after, action entries) -> dict; and the stimuli-only one (seq, event,
-# now, label).
-_RECORDS: dict[type, Callable[..., dict]] = {}
-_STIMULUS_RECORDS: dict[type, Callable[..., dict]] = {}
-# action class -> its entry builder: action -> [name, {fields}].
-_ENTRIES: dict[type, Callable[[Any], list]] = {}
-# Every record starts with these keys, so the array's records are separated
-# by exactly this, which no value contains unless its count says otherwise.
-_BOUNDARY = b'},{"v":%d,"seq":' % LOG_VERSION
-_LINE_BOUNDARY = b'}\n{"v":%d,"seq":' % LOG_VERSION
-
-
-def _fields_display(cls: type, owner: str = "o.") -> str:
-    names = _field_names(cls)
-    assert all(n.isidentifier() for n in names)
-    return "{" + ", ".join(f"{n!r}: {owner}{n}" for n in names) + "}"
-
-
-def _finite_test(cls: type, owner: str = "o.") -> list[str]:
-    """Lines raising ``_NotFinite`` unless every field that may hold a float is finite (``_check_expr``)."""
-    checks = [c for c in (_check_expr(n, options, owner) for n, options, _ in _schema(cls)) if c is not None]
-    return [f"    if not ({' and '.join(checks)}):", "        raise _NotFinite"] if checks else []
-
-
-def _generate(name: str, lines: list[str], **scope: Any) -> Callable:
-    exec("\n".join(lines), scope)  # noqa: S102 (field names checked as identifiers)
-    made: Callable = scope[name]
-    return made
-
-
-def _entry_builder(cls: type) -> Callable[[Any], list]:
-    entry = _ENTRIES.get(cls)
-    if entry is None:
-        lines = ["def entry(o):", *_finite_test(cls), f"    return [{cls.__name__!r}, {_fields_display(cls)}]"]
-        entry = _ENTRIES[cls] = _generate("entry", lines, _NotFinite=_NotFinite, _finite=_finite)
-    return entry
-
-
-_ARGUMENT_ENTRIES: dict[type, Callable[..., list]] = {}
-
-
-def _argument_entry(cls: type) -> Callable[..., list]:
-    """The entry of the ``cls`` that ``cls(*args)`` would build, from the
-    arguments: the timer action of a stimulus (``timer_action``'s), which the
-    encoder writes without building it."""
-    entry = _ARGUMENT_ENTRIES.get(cls)
-    if entry is None:
-        names = _field_names(cls)
-        lines = [f"def entry({', '.join(names)}):", *_finite_test(cls, ""),
-                 f"    return [{cls.__name__!r}, {_fields_display(cls, '')}]"]
-        entry = _ARGUMENT_ENTRIES[cls] = _generate("entry", lines, _NotFinite=_NotFinite, _finite=_finite)
-    return entry
-
-
-def _record_builder(cls: type, stimuli_only: bool) -> Callable[..., dict]:
-    table = _STIMULUS_RECORDS if stimuli_only else _RECORDS
-    build = table.get(cls)
-    if build is None:
-        states = "" if stimuli_only else ', "state_before": before, "state_after": after, "actions": entries'
-        lines = [f"def record(seq, o, now, label{'' if stimuli_only else ', before, after, entries'}):",
-                 *_finite_test(cls),
-                 f'    return {{"v": {LOG_VERSION}, "seq": seq, "t": now, "machine": label, '
-                 f'"event": {cls.__name__!r}, "data": {_fields_display(cls)}{states}}}']
-        build = table[cls] = _generate("record", lines, _NotFinite=_NotFinite, _finite=_finite)
-    return build
-
-
-def encode_batch(recorded: Sequence, seq: int, stimuli_only: bool = False) -> bytes:
-    """The log lines of ``recorded`` numbered from ``seq + 1``, each ending in
-    a newline: byte for byte what ``_line_bytes`` writes for each.
-    ``recorded`` alternates a stimulus as the plane captured it and the
-    plane's output after its cascade, or None (see ``stimulus_actions``)."""
-    if stimuli_only:
-        return _encode_stimuli(recorded, seq)
-    table, entry, new_entry = _RECORDS, _ENTRIES.get, _entry_builder
-    arm, cancel = _argument_entry(ArmTimer), _argument_entry(CancelTimer)
-    pieces = []
-    records: list[dict] = []
-    pairs = iter(recorded)
-    for stimulus, out in zip(pairs, pairs):
-        seq += 1
-        event, now, kind, key, before, after, acts, old_deadline, deadline = stimulus
-        label = f"{kind}:{key}"
-        try:
-            # The actions in ``stimulus_actions``' order: own, timer, effects.
-            # (A loop, not a comprehension: most lists hold 0-2 actions.)
-            entries = []
-            for a in acts:
-                entries.append((entry(a.__class__) or new_entry(a.__class__))(a))
-            if deadline != old_deadline:
-                entries.append(cancel(kind, key) if deadline is None else arm(kind, key, deadline))
-            if out:
-                for a in cascade_effects(acts, out):
-                    entries.append((entry(a.__class__) or new_entry(a.__class__))(a))
-            cls = event.__class__
-            records.append((table.get(cls) or _record_builder(cls, False))(
-                seq, event, now, label, before, after, entries))
-        except _NotFinite:
-            if records:
-                pieces.append(_dump_records(records))
-                records = []
-            actions = stimulus_actions(stimulus, out)
-            pieces.append(_line_bytes(seq, event, now, label, before, after, actions) + b"\n")
-    if records:
-        pieces.append(_dump_records(records))
-    return b"".join(pieces)
-
-
-def _encode_stimuli(recorded: Sequence, seq: int) -> bytes:
-    table = _STIMULUS_RECORDS
-    pieces = []
-    records: list[dict] = []
-    for stimulus in recorded[::2]:
-        seq += 1
-        event, now, kind, key = stimulus[:4]
-        label = f"{kind}:{key}"
-        cls = event.__class__
-        try:
-            records.append((table.get(cls) or _record_builder(cls, True))(seq, event, now, label))
-        except _NotFinite:
-            if records:
-                pieces.append(_dump_records(records))
-                records = []
-            pieces.append(_line_bytes(seq, event, now, label, None, None, None) + b"\n")
-    if records:
-        pieces.append(_dump_records(records))
-    return b"".join(pieces)
-
-
-def _dump_records(records: list[dict]) -> bytes:
     try:
-        text = orjson.dumps(records)
-    except orjson.JSONEncodeError:  # a set, or an integer past 64 bits: record by record
-        return b"".join(_dump_record(r) + b"\n" for r in records)
-    if text.count(_BOUNDARY) != len(records) - 1:  # a value holds the boundary's bytes
-        return b"".join(orjson.dumps(r) + b"\n" for r in records)
-    return text[1:-1].replace(_BOUNDARY, _LINE_BOUNDARY) + b"\n"
+        text = _ENCODER.encode(_line(seq, event, now, label, before, after, actions))
+    except _NotFinite:
+        text = _line_json(seq, event, now, label, before, after, actions)
+    return text.decode("utf-8")
 
 
 def header(config: PlaneConfig) -> str:
@@ -403,18 +341,17 @@ class EventLogWriter:
     """A ControlPlane recorder writing JSONL.
 
     ``plane.recorder = writer`` (or ``EventLogWriter.attach``).  Each call
-    keeps its stimulus (``capture``, as the plane kept it; or a Step from an
-    observer chaining this writer); every ``ENCODE_BATCH`` of them are
-    encoded together (``encode_batch``), and ``flush()`` encodes what is
-    left and writes it all to the stream (automatically every
-    ``flush_every`` records, as before): what was not flushed is what a
-    crash loses.  ``stimuli_only`` drops states and actions.
+    numbers its stimulus and makes its line's record (``capture``, from the
+    stimulus as the plane kept it; or a Step from an observer chaining this
+    writer); every ``ENCODE_BATCH`` records are encoded together, and
+    ``flush()`` encodes what is left and writes it all to the stream
+    (automatically every ``flush_every`` records): what was not flushed is
+    what a crash loses.  ``stimuli_only`` drops states and actions.
     """
 
-    # Stimuli encoded at a time: enough for one orjson call to amortize,
-    # few enough that what they hold dies before the collector runs (bench
-    # eventlog, 24,000 stimuli: 17 young collections with 32, 56 with 64,
-    # 178 with 256, 12 without a recorder) and no recorder call takes long.
+    # Records encoded at a time: enough for one msgspec call to amortize,
+    # few enough that what they hold dies before the collector runs and no
+    # recorder call takes long.
     ENCODE_BATCH = 32
 
     def __init__(self, stream: TextIO, *, config: PlaneConfig | None = None, flush_every: int = 4096,
@@ -422,14 +359,14 @@ class EventLogWriter:
         self.stream = stream
         self.flush_every = flush_every
         self.stimuli_only = stimuli_only
-        self.seq = 0  # the last record encoded
-        # Not encoded yet: each stimulus, then the plane's output after its
-        # cascade or None (``encode_batch``), flat: no pair built per stimulus.
-        self._recorded: list = []
+        self.seq = 0  # the last record numbered
+        self._lines: list = []  # records not encoded yet
         self._encoded: list[bytes] = []  # encoded, not written yet
         self._unwritten = 0  # records in _encoded
         self._encode_at = 1
         self._next_encode()
+        if stimuli_only:
+            self.capture = self._capture_stimulus  # type: ignore[method-assign]
         if config is not None:
             stream.write(header(config) + "\n")
 
@@ -440,21 +377,65 @@ class EventLogWriter:
         return writer
 
     def capture(self, stimulus: Stimulus, out: Sequence[Action] | None) -> None:
-        """The plane's way in (see ControlPlane.recorder): kept as captured."""
-        recorded = self._recorded
-        recorded.append(stimulus)
-        recorded.append(out)
-        if len(recorded) >= self._encode_at:
+        """The plane's way in (see ControlPlane.recorder): the line's actions
+        in ``stimulus_actions``' order (own, timer, the cascade's effects),
+        the timer's written without a call where its key is a string."""
+        event, now, kind, key, before, after, acts, old_deadline, deadline = stimulus
+        self.seq += 1
+        cls = event.__class__
+        try:
+            value = _VALUES.get(cls, _UNSEEN)
+            if value is _UNSEEN:
+                value = _value(cls)
+            data = event if value is None else value(event)
+            entries = _entries(acts) if acts else []
+            if deadline != old_deadline:
+                if key.__class__ is not str:
+                    entries += _entries((timer_action(kind, key, old_deadline, deadline),))
+                elif deadline is None:
+                    entries.append(("CancelTimer", CancelTimer(kind, key)))
+                elif deadline - deadline == 0.0:  # finite (the plane's deadlines are)
+                    entries.append(("ArmTimer", ArmTimer(kind, key, deadline)))
+                else:
+                    raise _NotFinite
+            if out:
+                entries += _entries(cascade_effects(acts, out))
+            lines = self._lines
+            lines.append(_Line(LOG_VERSION, self.seq, now, f"{kind}:{key}", cls.__name__, data, before, after,
+                               entries))
+        except _NotFinite:
+            self._add_json(_line_json(self.seq, event, now, f"{kind}:{key}", before, after,
+                                      stimulus_actions(stimulus, out)))
+            return
+        if len(lines) >= self._encode_at:
             self._encode_due()
+
+    def _capture_stimulus(self, stimulus: Stimulus, out: Sequence[Action] | None) -> None:
+        """``capture`` of a stimuli-only writer."""
+        self._add(stimulus[0], stimulus[1], f"{stimulus[2]}:{stimulus[3]}", None, None, None)
 
     def __call__(self, step: Step) -> None:
         """Any other producer's (an observer chaining this writer): the Step as a stimulus."""
-        recorded = self._recorded
-        recorded.append((step.event, step.now, step.kind, step.key, step.state_before, step.state_after,
-                         step.actions, None, None))
-        recorded.append(None)
-        if len(recorded) >= self._encode_at:
+        self._add(step.event, step.now, step.machine, step.state_before, step.state_after,
+                  None if self.stimuli_only else step.actions)
+
+    def _add(self, event: Event, now: float, label: str, before: str | None, after: str | None,
+             actions: Sequence[Action] | None) -> None:
+        seq = self.seq = self.seq + 1
+        try:
+            self._lines.append(_line(seq, event, now, label, before, after, actions))
+        except _NotFinite:
+            self._add_json(_line_json(seq, event, now, label, before, after, actions))
+            return
+        if len(self._lines) >= self._encode_at:
             self._encode_due()
+
+    def _add_json(self, text: bytes) -> None:
+        # After the records before it, in order.
+        self._encode()
+        self._encoded.append(text + b"\n")
+        self._unwritten += 1
+        self._encode_due()
 
     def _encode_due(self) -> None:
         self._encode()
@@ -464,15 +445,15 @@ class EventLogWriter:
             self._next_encode()
 
     def _encode(self) -> None:
-        recorded, self._recorded = self._recorded, []
-        if recorded:
-            self._encoded.append(encode_batch(recorded, self.seq, self.stimuli_only))
-            self.seq += len(recorded) // 2
-            self._unwritten += len(recorded) // 2
+        lines = self._lines
+        if lines:
+            self._lines = []
+            self._encoded.append(_ENCODER.encode_lines(lines))
+            self._unwritten += len(lines)
 
     def _next_encode(self) -> None:
-        # In list items (two per stimulus); a batch never runs past the next automatic flush.
-        self._encode_at = 2 * max(1, min(self.ENCODE_BATCH, self.flush_every - self._unwritten))
+        # A batch never runs past the next automatic flush.
+        self._encode_at = max(1, min(self.ENCODE_BATCH, self.flush_every - self._unwritten))
 
     def flush(self) -> None:
         self._encode()
