@@ -242,7 +242,7 @@ class _NotFinite(Exception):
 # event or action class -> None (the object is written as it is: a Struct
 # without a field that may hold a float), or a function from an instance to
 # what is written, raising _NotFinite for a non-finite value.
-_VALUES: dict[type, Callable[[Any], Any] | None] = {}
+_VALUES: dict[type, Any] = {}  # Callable[[Any], Any] | None; Any: read with an _UNSEEN default
 _UNSEEN = object()
 
 
