@@ -264,7 +264,7 @@ def _value(cls: type) -> Callable[[Any], Any] | None:
             exec("\n".join(lines), scope)  # noqa: S102 (field names checked as identifiers)
             value = scope["value"]
         _VALUES[cls] = value
-    return value  # type: ignore[return-value]
+    return value
 
 
 _MIRRORS: dict[type, type] = {}
