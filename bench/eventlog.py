@@ -104,6 +104,8 @@ def run(quick: bool) -> list[Table]:
                      "top-level stimuli only, so internal events (EngineReady, EngineAcquire...) are not lines of "
                      "their own.")
 
+    parts = _writer_parts(n, rounds)
+
     # Replay: one recorded log of the same workload, written to a file and
     # replayed from it as ``kvplane replay`` does (reading and parsing included).
     plane = ControlPlane(CFG)
@@ -157,4 +159,62 @@ def run(quick: bool) -> list[Table]:
                 goal=50_000)
     targets.notes.append("Replay is one thread: its CPU time is its speed on an idle core, which a shared "
                          "machine's wall clock understates; both are shown.")
-    return [rec, rep, targets]
+    return [rec, parts, rep, targets]
+
+
+class _Keep:
+    """A recorder keeping each stimulus as the plane hands it over."""
+
+    def __init__(self) -> None:
+        self.kept: list = []
+
+    def capture(self, stimulus, out) -> None:
+        self.kept.append((stimulus, out))
+
+    def __call__(self, step) -> None:
+        pass
+
+
+def _writer_parts(n: int, rounds: int) -> Table:
+    """The writer's own cost per line, split: making the records (Python) and
+    encoding them (msgspec, C), from stimuli captured beforehand."""
+    from kvplane.statemachines import eventlog as L
+
+    plane = ControlPlane(CFG)
+    W.connect_plane(plane, 1000.0)
+    keep = _Keep()
+    plane.recorder = keep
+    _drive(plane, _events(n, "parts"))
+    kept = keep.kept
+
+    class Unencoded(L.EventLogWriter):
+        """Keeps its records instead of encoding them."""
+
+        def _encode(self) -> None:
+            self.made.extend(self._lines)
+            self._lines = []
+
+    build, encode = [], []
+    for _ in range(rounds):
+        writer = Unencoded(io.StringIO())
+        writer.made = []
+        capture = writer.capture
+        t0 = time.process_time()
+        for stimulus, out in kept:
+            capture(stimulus, out)
+        writer.flush()
+        build.append((time.process_time() - t0) / len(kept) * 1e6)
+        made, batch = writer.made, L.EventLogWriter.ENCODE_BATCH
+        t0 = time.process_time()
+        for i in range(0, len(made), batch):
+            L._ENCODER.encode_lines(made[i:i + batch])
+        encode.append((time.process_time() - t0) / len(made) * 1e6)
+    tab = Table("eventlog.parts", f"Event log: the writer's own cost per line, in parts (CPU µs, median of {rounds})",
+                ["part", "µs / line"])
+    tab.add("making the line's record (capture: the Struct, its action entries, the label)", median(build),
+            part="build", us_per_line=median(build))
+    tab.add("encoding the records (msgspec encode_lines, 32 at a time)", median(encode), part="encode",
+            us_per_line=median(encode))
+    tab.notes.append("From the stimuli of the recording workload, captured first and fed to the writer again; "
+                     "with the plane's side (\"capture only\" above) these make the recording's added cost.")
+    return tab
