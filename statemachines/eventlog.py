@@ -136,12 +136,6 @@ def fields_of(obj: Any) -> dict:
     return (_GETTERS.get(cls) or _getter(cls))(obj)
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    raise TypeError(f"not serializable in the event log: {value!r}")
-
-
 def action_json(actions: Iterable) -> list:
     """Actions as ``[[name, {fields}], ...]`` with JSON types (tuples as lists)."""
     plains = _PLAINS
@@ -232,7 +226,6 @@ class _StimulusLine(msgspec.Struct, gc=False):
 
 
 _ENCODER = msgspec.json.Encoder(order="deterministic")
-_NO_ACTIONS: tuple = ()  # written []
 
 
 class _NotFinite(Exception):
@@ -320,7 +313,7 @@ def _line_json(seq: int, event: Event, now: float, label: str, before: str | Non
                    for a in actions]
         line = _Line(LOG_VERSION, seq, now, label, cls.__name__, data, before, after, entries)
     plain = msgspec.to_builtins(line, order="deterministic")
-    return json.dumps(plain, separators=(",", ":"), ensure_ascii=False, default=_json_default).encode("utf-8")
+    return json.dumps(plain, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 def encode(seq: int, event: Event, now: float, label: str, before: str | None, after: str | None,
@@ -445,10 +438,12 @@ class EventLogWriter:
             self._encode_due()
 
     def _add_json(self, text: bytes) -> None:
-        # After the records before it, in order.
-        self._encode()
-        self._encoded.append(text + b"\n")
-        self._unwritten += 1
+        # After the records before it, in order (kept even when one of those cannot be written).
+        try:
+            self._encode()
+        finally:
+            self._encoded.append(text + b"\n")
+            self._unwritten += 1
         self._encode_due()
 
     def _encode_due(self) -> None:
@@ -462,8 +457,24 @@ class EventLogWriter:
         lines = self._lines
         if lines:
             self._lines = []
-            self._encoded.append(_ENCODER.encode_lines(lines))
-            self._unwritten += len(lines)
+            try:
+                self._encoded.append(_ENCODER.encode_lines(lines))
+                self._unwritten += len(lines)
+            except TypeError:  # a value JSON cannot hold: keep the batch's other lines
+                self._encode_each(lines)
+
+    def _encode_each(self, lines: list) -> None:
+        """Encode ``lines`` one by one, keeping every line that encodes; then
+        raise for the first that does not (its stimulus is not in the log)."""
+        failed = None
+        for line in lines:
+            try:
+                self._encoded.append(_ENCODER.encode(line) + b"\n")
+                self._unwritten += 1
+            except TypeError as exc:
+                failed = failed or TypeError(f"event log: seq {line.seq} ({line.event}, {line.machine}) not written: {exc}")
+        if failed is not None:
+            raise failed
 
     def _next_encode(self) -> None:
         # A batch never runs past the next automatic flush.

@@ -104,6 +104,25 @@ def test_a_value_holding_what_starts_a_record_stays_inside_its_line(monkeypatch)
     assert json.loads(lines[0])["actions"][0][1]["key"] == [{"seq": 5, "v": 1}, '}\n{"v":1,"seq":6}']
 
 
+def test_a_value_json_cannot_hold_loses_its_own_line_only(monkeypatch):
+    # Not a value the machines make (an embedder's object in an Any field):
+    # the batch it is in is written line by line, and the error names it.
+    monkeypatch.setattr(EventLogWriter, "ENCODE_BATCH", 4)
+    writer = EventLogWriter(io.StringIO())
+    plain = E.LeaseHeartbeat(request_id="L")
+    stimuli = [plain, TimerFired("lease", object(), 1.0), plain, plain, plain]
+    captured = []
+    for i, ev in enumerate(stimuli):
+        try:
+            writer.capture((ev, float(i), "lease", "L", "LEASED", "LEASED", [], None, None), None)
+        except TypeError as exc:
+            captured.append((i, str(exc)))
+    assert len(captured) == 1 and captured[0][0] == 3  # raised when its batch (4) was encoded
+    assert "seq 2 (TimerFired" in captured[0][1] and "unsupported" in captured[0][1]
+    writer.flush()
+    assert [json.loads(line)["seq"] for line in writer.stream.getvalue().splitlines()] == [1, 3, 4, 5]
+
+
 def test_the_stream_sees_records_every_flush_every_and_on_flush(monkeypatch):
     monkeypatch.setattr(EventLogWriter, "ENCODE_BATCH", 4)
     plane = ControlPlane()
