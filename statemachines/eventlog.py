@@ -404,22 +404,8 @@ class EventLogWriter:
             self._encode_due()
 
     def _capture_stimulus(self, stimulus: Stimulus, out: Sequence[Action] | None) -> None:
-        """``capture`` of a stimuli-only writer (``_add``, without its calls)."""
-        event, now, kind, key = stimulus[0], stimulus[1], stimulus[2], stimulus[3]
-        self.seq += 1
-        cls = event.__class__
-        try:
-            value = _VALUES.get(cls, _UNSEEN)
-            if value is _UNSEEN:
-                value = _value(cls)
-            data = event if value is None else value(event)
-        except _NotFinite:
-            self._add_json(_line_json(self.seq, event, now, f"{kind}:{key}", None, None, None))
-            return
-        lines = self._lines
-        lines.append(_StimulusLine(LOG_VERSION, self.seq, now, f"{kind}:{key}", cls.__name__, data))
-        if len(lines) >= self._encode_at:
-            self._encode_due()
+        """``capture`` of a stimuli-only writer."""
+        self._add(stimulus[0], stimulus[1], f"{stimulus[2]}:{stimulus[3]}", None, None, None)
 
     def __call__(self, step: Step) -> None:
         """Any other producer's (an observer chaining this writer): the Step as a stimulus."""
