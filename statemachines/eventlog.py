@@ -200,8 +200,8 @@ def _plain(value: Any) -> Any:
 # one, and ``deterministic`` would sort a dict's keys.
 
 
-class _Line(msgspec.Struct, gc=False):
-    """One log line with states and actions (gc=False: it holds no cycle)."""
+class _StimulusLine(msgspec.Struct, gc=False):
+    """A stimuli-only line (gc=False: a line holds no cycle)."""
 
     v: int
     seq: int
@@ -209,20 +209,14 @@ class _Line(msgspec.Struct, gc=False):
     machine: str
     event: str
     data: Any
+
+
+class _Line(_StimulusLine, gc=False):
+    """One log line with states and actions: a stimulus line's keys, then these."""
+
     state_before: str | None
     state_after: str | None
     actions: Any  # [(name, action value), ...]
-
-
-class _StimulusLine(msgspec.Struct, gc=False):
-    """A stimuli-only line."""
-
-    v: int
-    seq: int
-    t: float
-    machine: str
-    event: str
-    data: Any
 
 
 _ENCODER = msgspec.json.Encoder(order="deterministic")
