@@ -1,8 +1,9 @@
 """Base types shared by every machine: events, actions, instances, timers.
 
-Events are attrs slots classes and actions frozen msgspec Structs (cheaper to
-build: one is built per emitted row entry); neither is mutated once built.
-``fields`` reads either kind's fields alike.  Each class says, as
+Actions are frozen msgspec Structs (cheaper to build: one is built per
+emitted row entry); events are attrs slots classes, except those the plane
+builds itself per dispatch, frozen Structs too (``StructEvent``); none is
+mutated once built.  ``fields`` reads either kind's fields alike.  Each class says, as
 class variables, which resources it acquires or releases; the definition-time
 validator uses these to prove that every path to a terminal state releases
 everything a state holds.

@@ -18,7 +18,7 @@ Checks, each reported with the machine, event or action at fault:
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable
+from typing import Iterable
 
 import attrs
 
@@ -72,13 +72,8 @@ def validate_composition(specs: dict[str, Spec], wires: Iterable[Wire] = WIRES) 
         raise MachineDefinitionError("machine composition is invalid:\n  " + "\n  ".join(errors))
 
 
-def _fields(cls: type) -> tuple[Any, ...]:
-    # Events are attrs classes, actions msgspec Structs: base.fields reads both.
-    return fields_of(cls)
-
-
 def _field_names(cls: type) -> set[str]:
-    return {f.name for f in _fields(cls)}
+    return {f.name for f in fields_of(cls)}
 
 
 def _check_addresses(name: str, spec: Spec, err) -> None:
@@ -139,7 +134,7 @@ def _check_wire(w: Wire, specs: dict[str, Spec], err) -> None:
             err(f"{where}: field {field!r} given {n} times")
     for field in sorted(set(names) - event_fields):
         err(f"{where}: {w.event.__name__} has no field {field!r}")
-    required = {f.name for f in _fields(w.event) if f.default is attrs.NOTHING}
+    required = {f.name for f in fields_of(w.event) if f.default is attrs.NOTHING}
     for field in sorted(required - set(names)):
         err(f"{where}: required field {field!r} is not given")
     config_fields = _field_names(PlaneConfig)
