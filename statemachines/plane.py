@@ -43,6 +43,7 @@ from .composition import WIRES
 from .config import PlaneConfig
 from .heartbeats import Heartbeats
 from .machines import MACHINES
+from .machines.remote_engine import Requesters
 from .observe import Observer, Step, Stimulus, stimulus_step
 from .stats import (
     NONFINITE_DEADLINE, PROTOCOL_VIOLATION, SOURCE_NOT_HELD, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed, Final,
@@ -511,7 +512,7 @@ def _copy_instance(inst):
 
 # Instance class -> its generated copier (``_instance_copier``).
 _COPIERS: dict[type, Callable[[Any], Any]] = {}
-_CONTAINERS = (set, list, dict)
+_CONTAINERS = (set, list, dict, Requesters)
 # Field annotations whose values are never changed in place: shared by the copy.
 _IMMUTABLE_TYPES = frozenset({"str", "int", "float", "bool", "tuple", "frozenset", "float | None", "str | None",
                               "int | None"})

@@ -392,3 +392,39 @@ def test_stats_keys_are_records_with_the_report_labels():
     assert str(Ignored("lease", "LEASED", "LeaseGranted")) == "ignored:lease:LEASED:LeaseGranted"
     assert [str(Final("lease", "EXPIRED")), str(FailClosed("lease")), str(SourceEnded("push_write", "PushReady"))] == [
         "final:lease:EXPIRED", "fail_closed:lease", "source_ended:push_write:PushReady"]
+
+
+# ------------------------------------------------------- engine references
+def test_engine_references_are_a_set_of_requester_pairs():
+    """An engine's references read as the (kind, key) pairs they were, though
+    kept as keys per kind; a request's reference goes with its READ."""
+    p = plane()
+    reading(p, "r1", "p1")
+    reading(p, "r2", "p2")
+    refs = p.get("remote_engine", P0).refs
+    assert set(refs) >= {("decode_request", "r1"), ("decode_request", "r2")}
+    assert ("decode_request", "r3") not in refs and ("push_write", "r1") not in refs
+    assert "r1" not in refs and (["unhashable"], "r1") not in refs  # not a pair of a kind and a key: absent
+    assert len(refs) == len(set(refs))
+    p.handle(E.ReadDone(request_id="r1"), 1.0)
+    assert ("decode_request", "r1") not in refs and ("decode_request", "r2") in refs
+    # A clone's references are its own.
+    q = p.clone()
+    q.handle(E.ReadDone(request_id="r2"), 1.0)
+    assert ("decode_request", "r2") in refs and ("decode_request", "r2") not in q.get("remote_engine", P0).refs
+
+
+def test_requesters_drop_an_emptied_kind():
+    from kvplane.statemachines.machines.remote_engine import Requesters
+
+    refs = Requesters([("decode_request", "r1"), ("heartbeat", "P0")])
+    assert bool(refs) and len(refs) == 2 and refs == {("decode_request", "r1"), ("heartbeat", "P0")}
+    refs.discard("decode_request", "r1")
+    refs.discard("decode_request", "r1")  # twice: nothing to drop
+    refs.discard("lease", "x")  # a kind never added
+    assert refs == {("heartbeat", "P0")} and sorted(refs) == [("heartbeat", "P0")]
+    refs.discard("heartbeat", "P0")
+    assert not refs and refs == set() and len(refs) == 0
+    copy = Requesters(refs)
+    copy.add("heartbeat", "P1")
+    assert not refs and copy == {("heartbeat", "P1")}

@@ -313,14 +313,13 @@ def test_bug_read_gate_without_heartbeat_chain_under_stall(tmp_path):
 
 
 def _uncapped_read_deadline():
-    """_connected without the cap: a READ's deadline ignores the lease's validity."""
+    """_reading without the cap: a READ's deadline ignores the lease's validity."""
     def uncapped(r, ev, cfg, now):
         r.clock_offset = ev.clock_offset
         r.transfer_deadline = now + cfg.transfer_timeout
-        r.push_deadline = now + cfg.push_registration_timeout
 
     table = tuple(attrs.evolve(e, effect=uncapped) if isinstance(e, Transition)
-                  and e.effect is decode_request._connected else e for e in decode_request.TABLE)
+                  and e.effect is decode_request._reading else e for e in decode_request.TABLE)
     assert table != decode_request.TABLE
     return compile_machine(attrs.evolve(decode_request.SPEC, table=table))
 

@@ -80,9 +80,9 @@ def _allocated(r: DecodeRequest, ev: BlocksAllocated, cfg, now) -> None:
     r.recv_deadline = now + cfg.recv_timeout
 
 
-def _connected(r: DecodeRequest, ev: EngineReady, cfg, now) -> None:
-    """Keep the clock offset; a READ must end by now + transfer_timeout (and
-    before the remote blocks may go), a push by now + push_registration_timeout."""
+def _reading(r: DecodeRequest, ev: EngineReady, cfg, now) -> None:
+    """Keep the clock offset; the READ must end by now + transfer_timeout and
+    before the remote blocks may go."""
     r.clock_offset = ev.clock_offset
     r.transfer_deadline = now + cfg.transfer_timeout
     # A READ must also end before the remote blocks may be gone: otherwise a
@@ -91,6 +91,12 @@ def _connected(r: DecodeRequest, ev: EngineReady, cfg, now) -> None:
     valid_until = remote_valid_until(r, ev, cfg)
     if valid_until is not None:
         r.transfer_deadline = min(r.transfer_deadline, valid_until)
+
+
+def _awaiting_push(r: DecodeRequest, ev: EngineReady, cfg, now) -> None:
+    """Keep the clock offset; the push must be registered and done by now + push_registration_timeout."""
+    # Each path sets only its own deadline: a float per request in flight.
+    r.clock_offset = ev.clock_offset
     r.push_deadline = now + cfg.push_registration_timeout
 
 
@@ -270,8 +276,8 @@ TABLE = rows(
     on(S.HANDSHAKING, EngineReady, S.RECV_DONE, send_notif, stop_heartbeat, release_engine, report_done,
        when=full_prefix_hit),
     on(S.HANDSHAKING, EngineReady, S.RECV_FAILED, *GIVE_UP, when=remote_blocks_expired),
-    on(S.HANDSHAKING, EngineReady, S.AWAITING_PUSH, send_push_registration, when=push_mode, do=_connected),
-    on(S.HANDSHAKING, EngineReady, S.READING, post_read, do=_connected),
+    on(S.HANDSHAKING, EngineReady, S.AWAITING_PUSH, send_push_registration, when=push_mode, do=_awaiting_push),
+    on(S.HANDSHAKING, EngineReady, S.READING, post_read, do=_reading),
     on(S.NOTIFYING, EngineReady, S.RELEASED, send_notif, stop_heartbeat, release_engine),
     ignore(NO_ENGINE_WAIT, EngineReady, "stale wake-up: the request no longer waits for the engine"),
 
