@@ -414,17 +414,16 @@ def test_engine_references_are_a_set_of_requester_pairs():
     assert ("decode_request", "r2") in refs and ("decode_request", "r2") not in q.get("remote_engine", P0).refs
 
 
-def test_requesters_drop_an_emptied_kind():
+def test_requesters_read_as_pairs():
     from kvplane.statemachines.machines.remote_engine import Requesters
 
     refs = Requesters([("decode_request", "r1"), ("heartbeat", "P0")])
     assert bool(refs) and len(refs) == 2 and refs == {("decode_request", "r1"), ("heartbeat", "P0")}
-    refs.discard("decode_request", "r1")
-    refs.discard("decode_request", "r1")  # twice: nothing to drop
-    refs.discard("lease", "x")  # a kind never added
-    assert refs == {("heartbeat", "P0")} and sorted(refs) == [("heartbeat", "P0")]
-    refs.discard("heartbeat", "P0")
-    assert not refs and refs == set() and len(refs) == 0
+    refs.by_kind["decode_request"].discard("r1")
+    assert refs == {("heartbeat", "P0")} and sorted(refs) == [("heartbeat", "P0")] and len(refs) == 1
+    assert ("lease", "x") not in refs and "lease" not in refs.by_kind  # asking adds no kind
+    refs.by_kind["heartbeat"].discard("P0")
+    assert not refs and refs == set() and len(refs) == 0 and list(refs) == []
     copy = Requesters(refs)
-    copy.add("heartbeat", "P1")
-    assert not refs and copy == {("heartbeat", "P1")}
+    copy.by_kind["heartbeat"].add("P1")
+    assert not refs and copy == {("heartbeat", "P1")} and repr(copy) == "Requesters([('heartbeat', 'P1')])"

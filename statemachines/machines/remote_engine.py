@@ -13,6 +13,7 @@ usable has an unknown (NaN) offset, which every expiry gate declines.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Set
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -29,52 +30,41 @@ from ..table import error, ignore, on, rows
 
 class Requesters(Set):
     """The (kind, key) requesters referencing an engine, as a set of pairs,
-    kept as one set of keys per kind: no tuple per reference (each engine
-    holds one reference per request in flight on it, ~140 bytes as a pair
-    in a set against ~70 as a key)."""
+    kept as one set of keys per kind (``by_kind``): no tuple per reference
+    (an engine holds one reference per request in flight on it: ~140 bytes
+    as a pair in a set, ~70 as a key).  The effects add and drop through
+    ``by_kind`` itself, in C, as they did with a set of pairs; a kind whose
+    keys are all gone keeps its empty set (there are three kinds)."""
 
-    __slots__ = ("_keys",)
+    __slots__ = ("by_kind",)
 
     def __init__(self, pairs: Iterable[tuple[str, Any]] = ()):
-        self._keys: dict[str, set] = {}
+        self.by_kind: defaultdict[str, set] = defaultdict(set)
         if isinstance(pairs, Requesters):
-            self._keys = {kind: set(keys) for kind, keys in pairs._keys.items()}
+            self.by_kind.update((kind, set(keys)) for kind, keys in pairs.by_kind.items() if keys)
         else:
             for kind, key in pairs:
-                self.add(kind, key)
-
-    def add(self, kind: str, key: Any) -> None:
-        keys = self._keys.get(kind)
-        if keys is None:
-            keys = self._keys[kind] = set()
-        keys.add(key)
-
-    def discard(self, kind: str, key: Any) -> None:
-        keys = self._keys.get(kind)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._keys[kind]
+                self.by_kind[kind].add(key)
 
     def __contains__(self, pair: object) -> bool:
         if not isinstance(pair, tuple) or len(pair) != 2:
             return False
-        keys = self._keys.get(pair[0]) if isinstance(pair[0], str) else None
+        keys = self.by_kind.get(pair[0]) if isinstance(pair[0], str) else None
         try:
             return keys is not None and pair[1] in keys
         except TypeError:  # an unhashable key: never added
             return False
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        for kind, keys in self._keys.items():
+        for kind, keys in self.by_kind.items():
             for key in keys:
                 yield kind, key
 
     def __len__(self) -> int:
-        return sum(len(keys) for keys in self._keys.values())
+        return sum(len(keys) for keys in self.by_kind.values())
 
     def __bool__(self) -> bool:
-        return bool(self._keys)  # a kind without keys is dropped
+        return any(self.by_kind.values())
 
     def __repr__(self) -> str:
         return f"Requesters({sorted(self)!r})"
@@ -106,18 +96,18 @@ def _first_acquire(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> None:
 
 def _add_waiter(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> None:
     """Add the requester as a reference that waits for the handshake."""
-    e.refs.add(ev.requester_kind, ev.requester_key)
+    e.refs.by_kind[ev.requester_kind].add(ev.requester_key)
     e.waiters.append(_requester(ev))
 
 
 def _add_ref(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> None:
     """Add the requester as a reference (it is woken at once)."""
-    e.refs.add(ev.requester_kind, ev.requester_key)
+    e.refs.by_kind[ev.requester_kind].add(ev.requester_key)
 
 
 def _drop_ref(e: RemoteEngine, ev: EngineRelease, cfg, now) -> None:
     """Drop the requester's reference (and its wait, if any)."""
-    e.refs.discard(ev.requester_kind, ev.requester_key)
+    e.refs.by_kind[ev.requester_kind].discard(ev.requester_key)
     if e.waiters:
         r = _requester(ev)
         if r in e.waiters:
