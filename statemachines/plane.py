@@ -93,8 +93,11 @@ class ControlPlane:
         # Event class -> its dispatcher through the plane's compiled rows
         # (plane_rows); a class not here takes _dispatch, the general path.
         self._fast = _fast_routes(tuple(self.machines.items()))
-        self._kinds: dict[str, _Kind] = {}
-        self._bind_kinds()
+        # What the general path reads of each kind (no instance: clones share it).
+        keys = self._stat_key
+        self._kinds: dict[str, _Kind] = {
+            kind: _Kind(kind, m, self._sources.get(kind), self._users.get(kind), keys)
+            for kind, m in self.machines.items()}
         # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
         self.anomalies: deque = deque(maxlen=256)
         self._recorder: Observer | None = None
@@ -174,7 +177,7 @@ class ControlPlane:
         q = ControlPlane.__new__(ControlPlane)
         q.config, q.machines = self.config, self.machines
         q._sources, q._users, q._creators, q._internal = self._sources, self._users, self._creators, self._internal
-        q._stat_key, q._routes, q._fast = self._stat_key, self._routes, self._fast
+        q._stat_key, q._routes, q._fast, q._kinds = self._stat_key, self._routes, self._fast, self._kinds
         q.instances = {kind: {key: _copy_instance(i) for key, i in insts.items()}
                        for kind, insts in self.instances.items()}
         q.heartbeats = Heartbeats(q.instances.get("heartbeat", {}), q.config)
@@ -185,15 +188,7 @@ class ControlPlane:
         q.anomalies = deque(maxlen=256)
         q.recorder = None
         q._top = None
-        q._bind_kinds()
         return q
-
-    def _bind_kinds(self) -> None:
-        """(Re)build the per-kind records the dispatch reads (after ``instances`` is replaced)."""
-        keys = self._stat_key
-        self._kinds = {
-            kind: _Kind(kind, m, self.instances[kind], self._sources.get(kind), self._users.get(kind), keys)
-            for kind, m in self.machines.items()}
 
     # ---------------------------------------------------------------- queries
     def get(self, kind: str, key: Any):
@@ -231,7 +226,7 @@ class ControlPlane:
             if top and self._recorder is not None:
                 self._recorder(Step(event, now, kind, key, None, None, IGNORED))
             return
-        insts = k.insts
+        insts = self.instances[kind]
         inst = insts.get(key)
         created = inst is None
         if inst is None:
@@ -293,7 +288,7 @@ class ControlPlane:
         if top and self._recorder is not None:
             self._note_top(event, now, kind, key, before, inst.state, acts, old_deadline, deadline)
         state = inst.state
-        insts = k.insts
+        insts = self.instances[kind]
         if state in k.terminal:
             del insts[key]
             self.stats[k.final_key(state)] += 1
@@ -426,15 +421,15 @@ _STAT_KEYS = StatKeys()
 
 
 class _Kind:
-    """What the general path reads of one machine kind, gathered once per plane."""
+    """What the general path reads of one machine kind, gathered once per
+    plane and shared by its clones (nothing in it changes with the instances)."""
 
-    __slots__ = ("name", "machine", "rows", "insts", "terminal", "initial", "source", "users", "_keys", "_final",
+    __slots__ = ("name", "machine", "rows", "terminal", "initial", "source", "users", "_keys", "_final",
                  "_ignored")
 
-    def __init__(self, name: str, machine: Any, insts: dict, source: Any, users: Any, keys: StatKeys):
+    def __init__(self, name: str, machine: Any, source: Any, users: Any, keys: StatKeys):
         self.name = name
         self.machine = machine
-        self.insts = insts
         self.terminal = machine.terminal_states
         self.initial = machine.spec.initial
         # The compiled rows, called without Machine.apply's frame; None for any
@@ -532,7 +527,7 @@ def _instance_copier(cls: type) -> Callable[[Any], Any]:
     for a in fields:
         if a.type not in _IMMUTABLE_TYPES:
             name = identifier(a.name)
-            body += [f"    v = inst.{name}", f"    c.{name} = v.__class__(v) if v.__class__ in CONTAINERS else v"]
+            body += [f"    v = inst.{name}", f"    c.{name} = v.copy() if v.__class__ in CONTAINERS else v"]
     body.append("    return c")
     scope: dict[str, Any] = {"new": object.__new__, "cls": cls, "CONTAINERS": _CONTAINERS}
     exec("\n".join(body), scope)  # noqa: S102 (field names checked as identifiers)

@@ -424,6 +424,6 @@ def test_requesters_read_as_pairs():
     assert ("lease", "x") not in refs and "lease" not in refs.by_kind  # asking adds no kind
     refs.by_kind["heartbeat"].discard("P0")
     assert not refs and refs == set() and len(refs) == 0 and list(refs) == []
-    copy = Requesters(refs)
+    copy = refs.copy()
     copy.by_kind["heartbeat"].add("P1")
     assert not refs and copy == {("heartbeat", "P1")} and repr(copy) == "Requesters([('heartbeat', 'P1')])"

@@ -230,7 +230,7 @@ class Canonical:
         out = []
         for key, e in sorted(plane.instances["remote_engine"].items()):
             up = e.state in ("CONNECTED", "STALE")
-            out.append((key, (pname, key, e.state, rel(e.deadline, t)), tuple(e.refs), tuple(e.waiters),
+            out.append((key, (pname, key, e.state, rel(e.deadline, t)), tuple(e.refs.pairs()), tuple(e.waiters),
                         (e.attempts, None if up else rel(e.retry_at, t), rel(e.last_activity, t) if up else None,
                          e.clock_offset, e.notify_only), up))
         return tuple(out)

@@ -137,7 +137,7 @@ class RankCanonical(Canonical):
             shared: list[tuple] = []
             for key, e in sorted(plane.instances["remote_engine"].items()):
                 up = e.state in ("CONNECTED", "STALE")
-                shared.append((key, e.state, self._rel(e.deadline, t), tuple(sorted(e.refs)), tuple(e.waiters),
+                shared.append((key, e.state, self._rel(e.deadline, t), tuple(sorted(e.refs.pairs())), tuple(e.waiters),
                                e.attempts, None if up else self._rel(e.retry_at, t),
                                self._rel(e.last_activity, t) if up else None, e.clock_offset, e.notify_only,
                                self._rel(w.activity.get((pname, key)), t) if up else None))

@@ -40,11 +40,16 @@ class Requesters(Set):
 
     def __init__(self, pairs: Iterable[tuple[str, Any]] = ()):
         self.by_kind: defaultdict[str, set] = defaultdict(set)
-        if isinstance(pairs, Requesters):
-            self.by_kind.update((kind, set(keys)) for kind, keys in pairs.by_kind.items() if keys)
-        else:
-            for kind, key in pairs:
-                self.by_kind[kind].add(key)
+        for kind, key in pairs:
+            self.by_kind[kind].add(key)
+
+    def copy(self) -> "Requesters":
+        """An independent copy (the explorer copies every engine per explored move)."""
+        c = object.__new__(Requesters)
+        by_kind = c.by_kind = defaultdict(set)
+        for kind, keys in self.by_kind.items():
+            by_kind[kind] = keys.copy()
+        return c
 
     def __contains__(self, pair: object) -> bool:
         if not isinstance(pair, tuple) or len(pair) != 2:
@@ -55,13 +60,16 @@ class Requesters(Set):
         except TypeError:  # an unhashable key: never added
             return False
 
+    def pairs(self) -> list[tuple[str, Any]]:
+        """The (kind, key) pairs, as a list (the explorer reads every
+        engine's references per explored state: a list is the cheapest)."""
+        return [(kind, key) for kind, keys in self.by_kind.items() for key in keys]
+
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        for kind, keys in self.by_kind.items():
-            for key in keys:
-                yield kind, key
+        return iter(self.pairs())
 
     def __len__(self) -> int:
-        return sum(len(keys) for keys in self.by_kind.values())
+        return sum(map(len, self.by_kind.values()))
 
     def __bool__(self) -> bool:
         return any(self.by_kind.values())
