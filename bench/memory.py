@@ -11,6 +11,7 @@ GC-tracked objects each request adds.
 from __future__ import annotations
 
 import gc
+import linecache
 import time
 import tracemalloc
 from pathlib import Path
@@ -101,6 +102,7 @@ def measure(build, n: int, traced: bool = True) -> dict[str, float]:
             after = tracemalloc.take_snapshot().filter_traces(keep)
             grown = sum(st.size_diff for st in after.compare_to(before.filter_traces(keep), "filename"))
             out["own_bytes_per_request"] = grown / n
+            out["by_line"] = _by_line(after, before.filter_traces(keep), n)
         tracemalloc.stop()
     if isinstance(holder, ControlPlane):
         live = sum(1 for insts in holder.instances.values() for i in insts.values() if i.deadline is not None)
@@ -110,6 +112,19 @@ def measure(build, n: int, traced: bool = True) -> dict[str, float]:
     del holder, fill
     gc.collect()
     return out
+
+
+def _by_line(after, before, n: int, top: int = 8) -> list[dict]:
+    """What holds the own bytes, per request: the lines that allocated them
+    (generated rows included: their source is in linecache), largest first."""
+    rows = []
+    for st in after.compare_to(before, "lineno")[:top]:
+        frame = st.traceback[0]
+        code = linecache.getline(frame.filename, frame.lineno).strip()
+        path, colon, generated = frame.filename.partition(":")  # "plane_rows.py: dispatch ..." for generated code
+        rows.append({"where": f"{Path(path).name}{colon}{generated}:{frame.lineno}", "code": code, "bytes": st.size_diff / n,
+                     "objects": st.count_diff / n})
+    return rows
 
 
 def _gc_ms(repeat: int = 5) -> float:
@@ -167,7 +182,7 @@ def run(quick: bool) -> list[Table]:
         by = m["bytes_per_request"]
         t.add(name, f"{n:,}", f"≈{by:,.0f}" if m.get("bytes_from_1k_sample") else by, m.get("own_bytes_per_request"),
               m["tracked_per_request"], m.get("timer_entries_per_live"), m["gc_ms"], ratio(by, b and b["bytes_per_request"]), ratio(m["gc_ms"], b and b["gc_ms"]),
-              implementation=name, in_flight=n, **{k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})
+              implementation=name, in_flight=n, **{k: round(v, 3) if isinstance(v, float) else v for k, v in m.items() if k != "by_line"})
     t.notes += [
         "bytes / request: tracemalloc, retained after the population is built and a gc.collect(); includes the "
         "request-id strings and block-id tuples (every implementation keeps those) and, for the plane, the timer "
@@ -185,6 +200,15 @@ def run(quick: bool) -> list[Table]:
     goals = targets_table("memory.targets", "memory (issue 13, target 2)")
     big = max(sizes)
     m = next(m for name, n, m in rows if name == "kvplane ControlPlane" and n == big)
+    parts = Table("memory.by_line", f"What holds the plane's own bytes at {big:,} in flight, per request (the lines "
+                  "that allocated them, largest first)", ["bytes / request", "objects / request", "allocated at", "code"])
+    for line in m["by_line"]:
+        parts.add(line["bytes"], line["objects"], line["where"], f"`{line['code']}`", **line)
+    parts.notes.append("tracemalloc grouped by the allocating line (the first frame), from the same population as "
+                       "the table above; a generated row is named as plane_rows.py: dispatch/row <kind> ... "
+                       "and its line in the generated function.  Fractions of an object: containers shared per "
+                       "engine (its reference set, its heartbeat batch) grow by a slot per request, and "
+                       "superseded timer entries not yet compacted.")
     own, tracked, entries = m["own_bytes_per_request"], m["tracked_per_request"], m["timer_entries_per_live"]
     add_target(goals, f"2. bytes per in-flight request at {big:,}, without ids and block tuples", f"{own:.0f} B",
                f"<= {BYTES_GOAL} B", own <= BYTES_GOAL, check="bytes", in_flight=big, bytes=own)
@@ -192,4 +216,4 @@ def run(quick: bool) -> list[Table]:
                f"<= {TRACKED_GOAL}", tracked <= TRACKED_GOAL, check="tracked", in_flight=big, tracked=tracked)
     add_target(goals, f"2. superseded timer entries compacted: heap entries per live deadline at {big:,}",
                f"{entries:.2f}", "<= 2 (compaction bound)", entries <= 2.0, check="timer_entries", entries=entries)
-    return [t, goals]
+    return [t, parts, goals]
