@@ -178,7 +178,8 @@ class ControlPlane:
         q.config, q.machines = self.config, self.machines
         q._sources, q._users, q._creators, q._internal = self._sources, self._users, self._creators, self._internal
         q._stat_key, q._routes, q._fast, q._kinds = self._stat_key, self._routes, self._fast, self._kinds
-        q.instances = {kind: {key: _copy_instance(i) for key, i in insts.items()}
+        copiers = _COPIERS
+        q.instances = {kind: {key: copiers[i.__class__](i) for key, i in insts.items()}
                        for kind, insts in self.instances.items()}
         q.heartbeats = Heartbeats(q.instances.get("heartbeat", {}), q.config)
         q._timers = list(self._timers)
@@ -495,18 +496,18 @@ def _fast_routes(machines: tuple) -> dict[type, Callable]:
                           ControlPlane._dispatch)
 
 
-def _copy_instance(inst):
-    """Copy an instance, with fresh containers (refs, waiters) so the
-    copy's transitions never touch the original."""
-    cls = type(inst)
-    copier = _COPIERS.get(cls)
-    if copier is None:
-        copier = _COPIERS[cls] = _instance_copier(cls)
-    return copier(inst)
+class _Copiers(dict):
+    """Instance class -> its generated copier (``_instance_copier``), made on
+    first use: ``_COPIERS[inst.__class__](inst)`` copies an instance, with
+    fresh containers (refs, waiters) so the copy's transitions never touch
+    the original."""
+
+    def __missing__(self, cls: type) -> Callable[[Any], Any]:
+        copier = self[cls] = _instance_copier(cls)
+        return copier
 
 
-# Instance class -> its generated copier (``_instance_copier``).
-_COPIERS: dict[type, Callable[[Any], Any]] = {}
+_COPIERS = _Copiers()
 _CONTAINERS = (set, list, dict, Requesters)
 # Field annotations whose values are never changed in place: shared by the copy.
 _IMMUTABLE_TYPES = frozenset({"str", "int", "float", "bool", "tuple", "frozenset", "float | None", "str | None",
