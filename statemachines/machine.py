@@ -227,7 +227,8 @@ def transition_lines(machine: Machine, state: str, event: type, entry: tuple, sc
             body += [indent + line for line in (lines if lines is not None else [f"a{j} = {expression}"])]
             acts.append(f"a{j}")
         scope[f"d{i}"] = dest
-        body.append(f"{indent}inst.state = d{i}")
+        if dest != state:  # a self-loop leaves the state as it is (effects never set it)
+            body.append(f"{indent}inst.state = d{i}")
         deadline = machine._deadlines.get(dest)
         if deadline is None:
             body.append(f"{indent}inst.deadline = None")
