@@ -518,8 +518,8 @@ def _instance_copier(cls: type) -> Callable[[Any], Any]:
     """One function that copies an instance of ``cls`` slot by slot: what
     ``attrs.evolve`` did, without its per-call introspection and __init__
     (the explorer copies a few instances per explored move).  A field of
-    any other annotation (Any, set, list, dict) gets a fresh container
-    when it holds one."""
+    any other annotation (Any, set, list, dict, Requesters) gets a fresh
+    container (its ``copy()``) when it holds one."""
     body = ["def copy(inst):", "    c = new(cls)"]
     fields = attrs.fields(cls)
     shared = [identifier(a.name) for a in fields if a.type in _IMMUTABLE_TYPES]

@@ -32,7 +32,7 @@ class Requesters(Set):
     """The (kind, key) requesters referencing an engine, as a set of pairs,
     kept as one set of keys per kind (``by_kind``): no tuple per reference
     (an engine holds one reference per request in flight on it: ~140 bytes
-    as a pair in a set, ~70 as a key).  The effects add and drop through
+    as a pair in a set, 35-85 as a key, as full as the set happens to be).  The effects add and drop through
     ``by_kind`` itself, in C, as they did with a set of pairs; a kind whose
     keys are all gone keeps its empty set (there are three kinds)."""
 
