@@ -103,11 +103,17 @@ class Instance:
 
     Mutable on purpose: a transition updates a few slots in place instead of
     allocating a new object per event.
+
+    ``timer_at`` is the plane's, not the table's: when its one live timer
+    entry comes due (None: it has none).  A deadline that moves later keeps
+    that entry, which re-arms at the deadline when it comes due, so a lease
+    extended on every heartbeat is one entry, not one per heartbeat.
     """
 
     key: Any
     state: str
     deadline: float | None = None
+    timer_at: float | None = None
 
 
 class TimerFired(StructEvent, frozen=True):

@@ -146,21 +146,24 @@ class ControlPlane:
 
     def next_deadline(self) -> float | None:
         """The earliest armed timer, or None."""
-        timers = self._timers
-        while timers and not self._timer_live(timers[0]):
-            heapq.heappop(timers)
-        return timers[0][0] if timers else None
+        # self._timers read anew each time: a re-arm may compact it into a new list.
+        while self._timers and self._due(self._timers[0]) is None:
+            pass
+        return self._timers[0][0] if self._timers else None
 
     def fire_due(self, now: float) -> list[Action]:
         """Fire every timer due at ``now``; returns the actions for the world."""
         _check_now(now)
         out: list[Action] = []
-        timers = self._timers
-        while timers and timers[0][0] <= now:
-            entry = heapq.heappop(timers)
-            if not self._timer_live(entry):
+        while True:
+            timers = self._timers  # anew each time: a re-arm or a handle() may compact it into a new list
+            if not timers or timers[0][0] > now:
+                break
+            inst = self._due(timers[0])
+            if inst is None:
                 continue
-            at, _, kind, key = entry
+            at, _, kind, key = heapq.heappop(timers)
+            inst.timer_at = None
             acts = self.handle(TimerFired(kind, key, at), now)
             for a in acts:
                 if a.__class__ is A.SendHeartbeat:
@@ -281,11 +284,7 @@ class ControlPlane:
         if deadline is not None and deadline != old_deadline:
             if not _isfinite(deadline):
                 deadline = self._nonfinite_deadline(kind, key, event, inst, now)
-            self._seq += 1
-            timers = self._timers
-            _heappush(timers, (deadline, self._seq, kind, key))
-            if len(timers) > self._compact_at:
-                self._compact_timers()
+            self._push_timer(inst, deadline, kind, key)
         if top and self._recorder is not None:
             self._note_top(event, now, kind, key, before, inst.state, acts, old_deadline, deadline)
         state = inst.state
@@ -385,31 +384,57 @@ class ControlPlane:
     }
 
     def _arm(self, at: float, kind: str, key: Any) -> None:
-        self._seq += 1
-        timers = self._timers
-        heapq.heappush(timers, (at, self._seq, kind, key))
-        if len(timers) > self._compact_at:
-            self._compact_timers()
+        # An armed time that is not the instance's deadline would never fire.
+        inst = self.instances[kind].get(key)
+        if inst is not None and inst.deadline == at:
+            self._push_timer(inst, at, kind, key)
+
+    def _push_timer(self, inst: Any, deadline: float, kind: str, key: Any) -> None:
+        """The instance's new deadline: a heap entry unless its live entry
+        comes due no later (that one re-arms at the deadline when it does;
+        ``_due``).  The compiled rows of plane_rows write the same inline."""
+        at = inst.timer_at
+        if at is None or deadline < at:
+            inst.timer_at = deadline
+            self._seq += 1
+            timers = self._timers
+            _heappush(timers, (deadline, self._seq, kind, key))
+            if len(timers) > self._compact_at:
+                self._compact_timers()
+
+    def _due(self, entry: tuple) -> Any:
+        """The instance whose deadline the heap's head ``entry`` is, or None
+        after dropping the head: superseded (its instance ended, or a later
+        entry took over), no deadline any more, or one that moved later (then
+        re-armed at it)."""
+        at, _, kind, key = entry
+        inst = self.instances[kind].get(key)
+        if inst is None or inst.timer_at != at:
+            heapq.heappop(self._timers)
+            return None
+        deadline = inst.deadline
+        if deadline == at:
+            return inst
+        heapq.heappop(self._timers)
+        inst.timer_at = None
+        if deadline is not None:
+            self._push_timer(inst, deadline, kind, key)
+        return None
 
     def _compact_timers(self) -> None:
-        """Drop superseded entries (their instance ended or its deadline
-        moved): lazy deletion otherwise keeps one per deadline change until it
-        would have come due, 30-120 s on.  Amortized O(1) per arm: the next
-        compaction waits until the heap has doubled again."""
+        """Drop superseded entries (their instance ended, or a deadline moved
+        earlier): lazy deletion otherwise keeps each until it would have come
+        due, 30-120 s on.  Amortized O(1) per arm: the next compaction waits
+        until the heap has doubled again."""
         instances = self.instances
         live = []
-        for entry in self._timers:  # _timer_live, inlined: this visits every entry
+        for entry in self._timers:  # _due's first test, inlined: this visits every entry
             inst = instances[entry[2]].get(entry[3])
-            if inst is not None and inst.deadline == entry[0]:
+            if inst is not None and inst.timer_at == entry[0]:
                 live.append(entry)
         heapq.heapify(live)
         self._timers = live
         self._compact_at = max(_MIN_COMPACT, 2 * len(live))
-
-    def _timer_live(self, entry) -> bool:
-        at, _, kind, key = entry
-        inst = self.instances[kind].get(key)
-        return inst is not None and inst.deadline == at
 
 
 # The smallest heap size at which superseded timer entries are compacted.

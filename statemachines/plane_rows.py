@@ -180,11 +180,14 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
                       "if dl is not None and dl != old:",
                       "    if not isfinite(dl):",
                       "        dl = plane._nonfinite_deadline(KIND, key, ev, inst, now)",
-                      "    plane._seq = seq = plane._seq + 1",
-                      "    timers = plane._timers",
-                      "    heappush(timers, (dl, seq, KIND, key))",
-                      "    if len(timers) > plane._compact_at:",
-                      "        plane._compact_timers()"]
+                      "    ta = inst.timer_at  # ControlPlane._push_timer, inline",
+                      "    if ta is None or dl < ta:",
+                      "        inst.timer_at = dl",
+                      "        plane._seq = seq = plane._seq + 1",
+                      "        timers = plane._timers",
+                      "        heappush(timers, (dl, seq, KIND, key))",
+                      "        if len(timers) > plane._compact_at:",
+                      "            plane._compact_timers()"]
         lines += ["if top and plane._recorder is not None:  # ControlPlane._note_top, inline",
                   f"    plane._top = (ev, now, KIND, key, SRC, inst.state, "
                   f"[{', '.join(listed(i, j) for j in range(len(acts)))}], old, inst.deadline)"]

@@ -119,3 +119,11 @@ class RefInstance:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inst, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The plane writes the record's fields too (its timer entry, a
+        # deadline it had to replace): they go through to the record.
+        if name in RefInstance.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inst, name, value)

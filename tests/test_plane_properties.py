@@ -156,7 +156,10 @@ class PlaneMachine(RuleBasedStateMachine):
             for key, inst in insts.items():
                 if states[inst.state].deadline is not None:
                     assert inst.deadline is not None, f"{kind}:{key} in {inst.state} has no deadline"
-                    assert (kind, key, inst.deadline) in armed, f"{kind}:{key} deadline {inst.deadline} not armed"
+                    # Its one live entry comes due at the deadline or before it (then re-arms at it).
+                    at = inst.timer_at
+                    assert at is not None and (kind, key, at) in armed, f"{kind}:{key} deadline {inst.deadline} not armed"
+                    assert at <= inst.deadline, f"{kind}:{key} armed at {at}, after its deadline {inst.deadline}"
 
 
 PlaneMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
