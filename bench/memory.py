@@ -106,7 +106,7 @@ def measure(build, n: int, traced: bool = True) -> dict[str, float]:
         tracemalloc.stop()
     if isinstance(holder, ControlPlane):
         live = sum(1 for insts in holder.instances.values() for i in insts.values() if i.deadline is not None)
-        out["timer_entries_per_live"] = len(holder._timers) / live
+        out["timer_entries_per_live"] = len(holder.timer_entries()) / live
     out["tracked_per_request"] = (len(gc.get_objects()) - tracked0) / n
     out["gc_ms"] = _gc_ms()
     del holder, fill

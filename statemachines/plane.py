@@ -82,6 +82,9 @@ class ControlPlane:
         # What the heartbeat batches hold, for the driver and the explorer.
         self.heartbeats = Heartbeats(self.instances.get("heartbeat", {}), self.config)
         self._timers: list[tuple[float, int, str, Any]] = []
+        # The heap a compaction is moving live entries out of, a few per push
+        # (``_compact_timers``), or None; its head competes with _timers'.
+        self._draining: list[tuple[float, int, str, Any]] | None = None
         self._seq = 0
         # The heap is compacted (superseded entries dropped) when it grows past this.
         self._compact_at = _MIN_COMPACT
@@ -146,23 +149,25 @@ class ControlPlane:
 
     def next_deadline(self) -> float | None:
         """The earliest armed timer, or None."""
-        # self._timers read anew each time: a re-arm may compact it into a new list.
-        while self._timers and self._due(self._timers[0]) is None:
-            pass
-        return self._timers[0][0] if self._timers else None
+        while True:
+            heap = self._head()
+            if heap is None:
+                return None
+            if self._due(heap) is not None:
+                return heap[0][0]
 
     def fire_due(self, now: float) -> list[Action]:
         """Fire every timer due at ``now``; returns the actions for the world."""
         _check_now(now)
         out: list[Action] = []
         while True:
-            timers = self._timers  # anew each time: a re-arm or a handle() may compact it into a new list
-            if not timers or timers[0][0] > now:
+            heap = self._head()  # anew each time: a re-arm or a handle() may compact
+            if heap is None or heap[0][0] > now:
                 break
-            inst = self._due(timers[0])
+            inst = self._due(heap)
             if inst is None:
                 continue
-            at, _, kind, key = heapq.heappop(timers)
+            at, _, kind, key = heapq.heappop(heap)
             inst.timer_at = None
             acts = self.handle(TimerFired(kind, key, at), now)
             for a in acts:
@@ -186,6 +191,7 @@ class ControlPlane:
                        for kind, insts in self.instances.items()}
         q.heartbeats = Heartbeats(q.instances.get("heartbeat", {}), q.config)
         q._timers = list(self._timers)
+        q._draining = None if self._draining is None else list(self._draining)
         q._seq = self._seq
         q._compact_at = self._compact_at
         q.stats = Counter()
@@ -402,20 +408,33 @@ class ControlPlane:
             if len(timers) > self._compact_at:
                 self._compact_timers()
 
-    def _due(self, entry: tuple) -> Any:
-        """The instance whose deadline the heap's head ``entry`` is, or None
-        after dropping the head: superseded (its instance ended, or a later
-        entry took over), no deadline any more, or one that moved later (then
+    def timer_entries(self) -> list[tuple[float, int, str, Any]]:
+        """Every entry of the timer heap, superseded ones included: (at, seq,
+        kind, key).  For tests and benchmarks; nothing reads it on a path."""
+        return self._timers + (self._draining or [])
+
+    def _head(self) -> list | None:
+        """The heap whose head is the earliest entry (the one being drained
+        counts too), or None when both are empty."""
+        timers, draining = self._timers, self._draining
+        if draining and (not timers or draining[0] < timers[0]):
+            return draining
+        return timers or None
+
+    def _due(self, heap: list) -> Any:
+        """The instance whose deadline the head of ``heap`` is, or None after
+        dropping the head: superseded (its instance ended, or a later entry
+        took over), no deadline any more, or one that moved later (then
         re-armed at it)."""
-        at, _, kind, key = entry
+        at, _, kind, key = heap[0]
         inst = self.instances[kind].get(key)
         if inst is None or inst.timer_at != at:
-            heapq.heappop(self._timers)
+            heapq.heappop(heap)
             return None
         deadline = inst.deadline
         if deadline == at:
             return inst
-        heapq.heappop(self._timers)
+        heapq.heappop(heap)
         inst.timer_at = None
         if deadline is not None:
             self._push_timer(inst, deadline, kind, key)
@@ -424,21 +443,35 @@ class ControlPlane:
     def _compact_timers(self) -> None:
         """Drop superseded entries (their instance ended, or a deadline moved
         earlier): lazy deletion otherwise keeps each until it would have come
-        due, 30-120 s on.  Amortized O(1) per arm: the next compaction waits
-        until the heap has doubled again."""
-        instances = self.instances
-        live = []
-        for entry in self._timers:  # _due's first test, inlined: this visits every entry
-            inst = instances[entry[2]].get(entry[3])
+        due, 30-120 s on.  When the heap has doubled since the last
+        compaction, it is set aside to drain and a fresh one takes the
+        pushes; until it is empty, every push (the rows call this while
+        ``_compact_at`` is -1) moves the live ones among a few of its last
+        entries over (the rest of a heap's list stays a heap).  No step pays
+        for the whole heap at once, and it costs O(1) per push."""
+        draining = self._draining
+        if draining is None:
+            draining = self._draining = self._timers
+            self._timers = []
+            self._compact_at = -1
+        instances, timers = self.instances, self._timers
+        for _ in range(_DRAIN_PER_PUSH):
+            if not draining:
+                break
+            entry = draining.pop()
+            inst = instances[entry[2]].get(entry[3])  # _due's first test, inlined
             if inst is not None and inst.timer_at == entry[0]:
-                live.append(entry)
-        heapq.heapify(live)
-        self._timers = live
-        self._compact_at = max(_MIN_COMPACT, 2 * len(live))
+                _heappush(timers, entry)
+        if not draining:
+            self._draining = None
+            self._compact_at = max(_MIN_COMPACT, 2 * len(timers))
 
 
 # The smallest heap size at which superseded timer entries are compacted.
 _MIN_COMPACT = 4096
+# Entries a compaction moves per push: more than one, so a drain ends before
+# the pushes it takes have doubled the fresh heap.
+_DRAIN_PER_PUSH = 8
 _isfinite = math.isfinite
 _heappush = heapq.heappush
 _NO_ROWS: dict = {}

@@ -73,7 +73,7 @@ def state_of(plane: ControlPlane) -> str:
     its repr does not)."""
     instances = {kind: {key: attrs.asdict(i, recurse=False) for key, i in insts.items()}
                  for kind, insts in plane.instances.items()}
-    return repr((instances, list(plane._timers), plane._seq, dict(plane.stats), list(plane.anomalies)))
+    return repr((instances, list(plane._timers), plane._draining, plane._seq, dict(plane.stats), list(plane.anomalies)))
 
 
 @pytest.mark.parametrize("config", [CFG, PlaneConfig(), PlaneConfig(heartbeat_spread=True)],

@@ -137,7 +137,7 @@ class PlaneMachine(RuleBasedStateMachine):
     def deadlines_are_finite(self):
         import math
 
-        for at, _, _, _ in self.plane._timers:
+        for at, _, _, _ in self.plane.timer_entries():
             assert math.isfinite(at)
 
     @invariant()
@@ -150,7 +150,7 @@ class PlaneMachine(RuleBasedStateMachine):
     @invariant()
     def every_deadline_has_a_live_timer(self):
         p = self.plane
-        armed = {(kind, key, at) for at, _, kind, key in p._timers}
+        armed = {(kind, key, at) for at, _, kind, key in p.timer_entries()}
         for kind, insts in p.instances.items():
             states = p.machines[kind].states
             for key, inst in insts.items():

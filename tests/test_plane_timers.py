@@ -38,22 +38,26 @@ def run(steps, min_compact: int, monkeypatch) -> tuple[list, int]:
     for e in ("P0", "P1", "P2"):
         p.handle(new_request(f"keep-{e}", e, f"pkeep-{e}"), 0.0)
         connect(p, e, 0.0)
-    out, peak = [], 0
+    out, peak, drained = [], 0, 0
     for t, ev in steps:
         out.append(("fire", t, p.fire_due(t)))
+        drained += p._draining is not None
         out.append(("event", t, p.handle(ev, t)))
-        peak = max(peak, len(p._timers))
+        drained += p._draining is not None
+        peak = max(peak, len(p.timer_entries()))
     out.append(("end", 500.0, p.fire_due(500.0)))
-    return out, peak
+    return out, peak, drained
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_compaction_changes_nothing_that_fires(seed, monkeypatch):
     steps = workload(seed, 300)
-    compacted, peak = run(steps, 8, monkeypatch)
-    lazy, lazy_peak = run(steps, 10 ** 9, monkeypatch)
+    compacted, peak, drained = run(steps, 8, monkeypatch)
+    lazy, lazy_peak, never = run(steps, 10 ** 9, monkeypatch)
     assert compacted == lazy
-    # Superseded entries no longer pile up until their deadlines.
+    # Compactions ran, each draining its heap over many steps, and
+    # superseded entries no longer pile up until their deadlines.
+    assert drained > 10 and never == 0
     assert peak < lazy_peak
 
 
@@ -63,7 +67,7 @@ def test_the_heap_stays_within_twice_its_live_entries(monkeypatch):
     p.handle(E.LeaseGranted(request_id="l", block_ids=(1,)), 0.0)
     for k in range(1, 2000):
         p.handle(E.LeaseHeartbeat(request_id="l"), k * 0.01)  # each moves the expiry later
-        assert len(p._timers) <= 9
+        assert len(p.timer_entries()) <= 9
     assert p.next_deadline() == pytest.approx(1999 * 0.01 + p.config.lease_extension)
 
 
@@ -77,11 +81,11 @@ def test_a_deadline_moved_later_keeps_its_one_entry_and_fires_at_the_deadline():
     first = p.get("lease", "l").deadline
     for k in range(1, 40):
         p.handle(E.LeaseHeartbeat(request_id="l"), float(k))
-        assert len(p._timers) == 1 and p._timers[0][0] == first
+        assert [e[0] for e in p.timer_entries()] == [first]
     expiry = 39.0 + ext
     assert p.get("lease", "l").deadline == expiry > first
     assert p.fire_due(first) == [] and p.get("lease", "l").state == "LEASED"  # re-armed, not fired
-    assert [e[0] for e in p._timers] == [expiry]
+    assert [e[0] for e in p.timer_entries()] == [expiry]
     p.handle(E.LeaseHeartbeat(request_id="l"), 40.0)
     assert p.next_deadline() == 40.0 + ext  # the true deadline, the early entry re-armed on the way
     assert p.fire_due(40.0 + ext - 0.001) == []
@@ -99,7 +103,7 @@ def test_a_deadline_moved_earlier_than_its_entry_is_armed_again():
     p.handle(E.BlocksAllocated(request_id="r", block_ids=(1,), num_remote_tokens=8), 0.0)
 
     def entries() -> list[float]:
-        return sorted(at for at, _, kind, _ in p._timers if kind == "decode_request")
+        return sorted(at for at, _, kind, _ in p.timer_entries() if kind == "decode_request")
 
     r = p.get("decode_request", "r")
     assert entries() == [100.0] and r.timer_at == 100.0
