@@ -382,7 +382,7 @@ class ControlPlane:
         self._arm(a.at, a.kind, a.key)
 
     def _do_cancel(self, a: CancelTimer, now: float, queue: list) -> None:
-        pass  # lazy deletion: a popped entry whose deadline moved is skipped
+        pass  # lazy deletion: an entry no longer its instance's live one is skipped (_due)
 
     # Internal actions the plane runs itself; the wired ones are added per plane.
     _own_internal: dict = {
