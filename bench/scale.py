@@ -28,6 +28,7 @@ from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.plane import ControlPlane
 
+from . import workload as W
 from .report import Table, add_target, targets_table
 from .step import PER_STAGE, _plane_ops
 from .timing import median
@@ -134,19 +135,16 @@ class _Pipeline:
 
 
 def run_churn(n: int, steps: int) -> dict:
-    """``n`` READs in flight over 64 engines; each step the 32 oldest finish
+    """``n`` READs in flight over the workload's 64 engines; each step the 32 oldest finish
     and 32 new ones start their READ, then due timers fire."""
     plane = ControlPlane(PlaneConfig())
     handle = plane.handle
     t = 1000.0
-    for i in range(64):
-        e = engine(i, 64)
-        handle(E.NewRequest(request_id=f"keep-{e}", engine_id=e, remote_request_id=f"pkeep-{e}"), t)
-        handle(E.HandshakeOk(engine_id=e, samples=((0.0, 1e-4),)), t)
+    W.connect_plane(plane, t)
 
     def start(i: int) -> list:
         r = f"r{i}"
-        return [E.NewRequest(request_id=r, engine_id=engine(i, 64), remote_request_id="p" + r, remote_block_ids=(1,)),
+        return [E.NewRequest(request_id=r, engine_id=W.engine_of(i), remote_request_id="p" + r, remote_block_ids=(1,)),
                 E.BlocksAllocated(request_id=r, block_ids=(2,), num_remote_tokens=8), E.StartLoad(request_id=r)]
 
     def finish(i: int) -> list:
