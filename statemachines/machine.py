@@ -54,7 +54,7 @@ class Machine:
     """A compiled spec.  Stateless: instances carry all per-request data."""
 
     __slots__ = ("spec", "name", "states", "_table", "_deadlines", "terminal_states", "_no_guard", "_rows",
-                 "_handle_rows", "inline", "_new_by_position", "handle")
+                 "_handle_rows", "inline", "handle", "new")
 
     def __init__(self, spec: Spec, table: dict, *, inline: bool = True):
         self.spec = spec
@@ -75,15 +75,10 @@ class Machine:
         for (state, event), entry in table.items():
             self._rows.setdefault(state, {})[event] = _row(self, state, event, entry)
             self._handle_rows.setdefault(state, {})[event] = _handle_row(self, state, event, entry)
-        self._new_by_position = positional(spec.instance_type, ("key", "state"))
-        # handle(inst, event, config, now): a function held by the instance,
-        # not a method, so a call costs no bound method and no attribute reads.
+        # handle(inst, event, config, now) and new(key, **data): functions held
+        # by the instance, not methods, so a call costs no bound method and no attribute reads.
         self.handle: Callable[[Instance, Event, Any, float], list[Action] | tuple[()]] = _handler(self)
-
-    def new(self, key: Any, **data: Any) -> Instance:
-        if not data and self._new_by_position:  # a keyword call costs about twice
-            return self.spec.instance_type(key, self.spec.initial)
-        return self.spec.instance_type(key=key, state=self.spec.initial, **data)
+        self.new: Callable[..., Instance] = _maker(spec)
 
     def is_terminal(self, inst: Instance) -> bool:
         return inst.state in self.terminal_states
@@ -122,6 +117,20 @@ def _handler(machine: Machine) -> Callable:
 
     handle.__qualname__ = f"Machine.handle ({machine.name})"
     return handle
+
+
+def _maker(spec: Spec) -> Callable[..., Instance]:
+    cls, initial = spec.instance_type, spec.initial
+    by_position = positional(cls, ("key", "state"))
+
+    def new(key: Any, **data: Any) -> Instance:
+        """A new instance in the initial state; ``data`` sets its other fields."""
+        if data or not by_position:  # a keyword call costs about twice
+            return cls(key=key, state=initial, **data)
+        return cls(key, initial)
+
+    new.__qualname__ = f"Machine.new ({spec.name})"
+    return new
 
 
 def positional(cls: type, names: tuple[str, ...]) -> bool:
@@ -164,8 +173,7 @@ def _handle_row(machine: Machine, state: str, event: type, entry: Any) -> Callab
         listed = "".join(f"{a}, " for a in acts)
         lines = []
         if t.dest in machine._deadlines:
-            lines += ["new = inst.deadline",
-                      "if new is not None:",
+            lines += ["if new is not None:",
                       "    if new != old:",
                       f"        return [{listed}ArmTimer(name, inst.key, new)]",
                       f"    return [{listed}]"]
@@ -173,7 +181,7 @@ def _handle_row(machine: Machine, state: str, event: type, entry: Any) -> Callab
                         f"return [{listed}]"]
 
     body = ["def row(inst, ev, cfg, now):", "    old = inst.deadline"]
-    body += transition_lines(machine, state, event, entry, scope, finish)
+    body += transition_lines(machine, state, event, entry, scope, finish, deadline_as="new")
     return generated(body, scope, "row", f"{__file__}: handle {machine.name} {state} {event.__name__}")
 
 
@@ -186,7 +194,7 @@ Bind = Callable[[int, int, str], "list[str] | None"]
 
 
 def transition_lines(machine: Machine, state: str, event: type, entry: tuple, scope: dict[str, Any],
-                     finish: Finish, bind: Bind | None = None) -> list[str]:
+                     finish: Finish, bind: Bind | None = None, deadline_as: str | None = None) -> list[str]:
     """The body (indented one level) of a row over ``inst, ev, cfg, now``
     that carries out a group of transitions: per transition, in table order,
     its guard, effect, builders (into ``a0``, ``a1``, ...), the state change
@@ -195,7 +203,9 @@ def transition_lines(machine: Machine, state: str, event: type, entry: tuple, sc
     names it binds go into ``scope``.  Shared by the machine's rows and the
     plane's (``plane_rows``), so both run the table's transitions alike.
     ``bind(i, j, expression)`` may give the lines that stand for
-    ``a<j> = <expression>`` (None: that assignment)."""
+    ``a<j> = <expression>`` (None: that assignment).  Where a destination
+    has a deadline, ``deadline_as`` names a local that is assigned it too
+    (for ``finish``'s lines to read without reading the instance again)."""
     reason = machine._no_guard.get((state, event))
 
     def call(fn: Callable, name: str, args: tuple[str, ...]) -> str:
@@ -233,7 +243,8 @@ def transition_lines(machine: Machine, state: str, event: type, entry: tuple, sc
         if deadline is None:
             body.append(f"{indent}inst.deadline = None")
         else:
-            body.append(f"{indent}inst.deadline = {call(deadline, f'dl{i}', _DEADLINE_ARGS)}")
+            also = "" if deadline_as is None else f"{deadline_as} = "
+            body.append(f"{indent}{also}inst.deadline = {call(deadline, f'dl{i}', _DEADLINE_ARGS)}")
         body += [indent + line for line in finish(i, compiled, acts)]
         if guard is None:
             break  # an unguarded transition always matches: later rows are unreachable

@@ -106,6 +106,7 @@ class ControlPlane:
         self._recorder: Observer | None = None
         self._capture: Callable[[Stimulus, list | None], None] | None = None
         self._top: Stimulus | None = None  # the stimulus being handled, logged once its effects are known
+        self._queue: list[Event] = []  # internal events; empty between calls (see handle)
 
     @property
     def recorder(self) -> Observer | None:
@@ -126,25 +127,36 @@ class ControlPlane:
         if not _isfinite(now):
             _check_now(now)
         out: list[Action] = []
-        queue: list[Event] = []  # internal events (no deque per call)
+        # Internal events, FIFO.  The plane's list is empty between calls and
+        # most stimuli queue nothing, so none is made per call: one that
+        # fills is this call's, and a fresh one takes its place.
+        queue = self._queue
+        note = self._recorder is not None  # the rows note the stimulus for its log line
         fast = self._fast
         dispatch = fast.get(event.__class__)
-        if dispatch is None:
-            self._dispatch(event, now, out, queue, True)
-        else:
-            dispatch(self, event, now, out, queue, True)
-        for internal in queue:  # the list grows while it is walked: FIFO
-            dispatch = fast.get(internal.__class__)
+        try:
             if dispatch is None:
-                self._dispatch(internal, now, out, queue, False)
+                self._dispatch(event, now, out, queue, note)
             else:
-                dispatch(self, internal, now, out, queue, False)
-        if self._top is not None:  # only set while recording
+                dispatch(self, event, now, out, queue, note)
+        except BaseException:
+            queue.clear()  # a row that raised (a bug) leaves nothing queued for the next call
+            raise
+        if queue:
+            self._queue = []
+            for internal in queue:  # the list grows while it is walked: FIFO
+                dispatch = fast.get(internal.__class__)
+                if dispatch is None:
+                    self._dispatch(internal, now, out, queue, False)
+                else:
+                    dispatch(self, internal, now, out, queue, False)
+        if note:
             top, self._top = self._top, None
-            if self._capture is not None:  # out: the caller's, copied
-                self._capture(top, out[:] if queue else None)
-            elif self._recorder is not None:
-                self._recorder(stimulus_step(top, out if queue else None))
+            if top is not None:  # None: a refused stimulus, handed to the recorder as a Step already
+                if self._capture is not None:  # out: the caller's, copied
+                    self._capture(top, out[:] if queue else None)
+                elif self._recorder is not None:
+                    self._recorder(stimulus_step(top, out if queue else None))
         return out
 
     def next_deadline(self) -> float | None:
@@ -198,6 +210,7 @@ class ControlPlane:
         q.anomalies = deque(maxlen=256)
         q.recorder = None
         q._top = None
+        q._queue = []
         return q
 
     # ---------------------------------------------------------------- queries
@@ -219,9 +232,11 @@ class ControlPlane:
         return report
 
     # --------------------------------------------------------------- dispatch
-    def _dispatch(self, event: Event, now: float, out: list, queue: list, top: bool) -> None:
+    def _dispatch(self, event: Event, now: float, out: list, queue: list, note: bool) -> None:
         """The general path: any machine, any event (the compiled rows of
-        plane_rows cover the common cases and come here for the rest)."""
+        plane_rows cover the common cases and come here for the rest).
+        ``note``: the event is the top-level stimulus and a recorder is
+        attached, so its step is noted for the log line."""
         # Route: the event class names its machine kind (internal wake-ups
         # carry it as ``kind``) and which field holds the instance id.
         cls = event.__class__
@@ -233,7 +248,7 @@ class ControlPlane:
         k = self._kinds.get(kind)
         if k is None:
             self._anomaly(UNKNOWN_KIND, kind, key, event)
-            if top and self._recorder is not None:
+            if note and self._recorder is not None:
                 self._recorder(Step(event, now, kind, key, None, None, IGNORED))
             return
         insts = self.instances[kind]
@@ -241,7 +256,7 @@ class ControlPlane:
         created = inst is None
         if inst is None:
             if self._creators.get(cls) != kind:
-                self._refuse_uncreated(event, kind, key, UNKNOWN_ID, "", now, out, top)
+                self._refuse_uncreated(event, kind, key, UNKNOWN_ID, "", now, out, note)
                 return
             inst = insts[key] = k.machine.new(key)
         before, old_deadline = inst.state, inst.deadline
@@ -253,7 +268,7 @@ class ControlPlane:
                 # needs it ends now, one about to take it never does.
                 if created:
                     del insts[key]
-                    self._refuse_uncreated(event, kind, key, SOURCE_NOT_HELD, source.kind, now, out, top)
+                    self._refuse_uncreated(event, kind, key, SOURCE_NOT_HELD, source.kind, now, out, note)
                     return
                 applied = self._source_ended(source, kind, key, cls)
         try:
@@ -274,10 +289,10 @@ class ControlPlane:
                 refund = event.refund()
                 if refund is not None:
                     acts = [*acts, refund]
-        self._finish(k, inst, key, event, acts, before, old_deadline, created, now, out, queue, top)
+        self._finish(k, inst, key, event, acts, before, old_deadline, created, now, out, queue, note)
 
     def _finish(self, k: "_Kind", inst: Any, key: Any, event: Event, acts: Any, before: str,
-                old_deadline: float | None, created: bool, now: float, out: list, queue: list, top: bool) -> None:
+                old_deadline: float | None, created: bool, now: float, out: list, queue: list, note: bool) -> None:
         """What the plane does after a machine handled ``event``: count an
         ignore, arm the new deadline, note the step for the recorder, drop
         an ended instance, end its source's users, run the actions.  (The
@@ -291,7 +306,7 @@ class ControlPlane:
             if not _isfinite(deadline):
                 deadline = self._nonfinite_deadline(kind, key, event, inst, now)
             self._push_timer(inst, deadline, kind, key)
-        if top and self._recorder is not None:
+        if note:
             self._note_top(event, now, kind, key, before, inst.state, acts, old_deadline, deadline)
         state = inst.state
         insts = self.instances[kind]
@@ -313,7 +328,7 @@ class ControlPlane:
                 run(self, a, now, queue)
 
     def _violated(self, kind: str, inst: Any, key: Any, event: Event, exc: ProtocolViolation, created: bool,
-                  now: float, out: list, queue: list, top: bool) -> None:
+                  now: float, out: list, queue: list, note: bool) -> None:
         """A compiled row raised ProtocolViolation (before changing anything):
         what the general path does with one."""
         k = self._kinds[kind]
@@ -323,7 +338,7 @@ class ControlPlane:
         refund = event.refund()
         if refund is not None:
             acts = [*acts, refund]
-        self._finish(k, inst, key, event, acts, before, old_deadline, created, now, out, queue, top)
+        self._finish(k, inst, key, event, acts, before, old_deadline, created, now, out, queue, note)
 
     def _nonfinite_deadline(self, kind: str, key: Any, event: Event, inst: Any, now: float) -> float:
         """A deadline that is not a number (a NaN or infinite duration in an
@@ -343,7 +358,7 @@ class ControlPlane:
         self._top = (event, now, kind, key, before, after, acts, old_deadline, deadline)
 
     def _refuse_uncreated(self, event: Event, kind: str, key: Any, what: str, detail: str, now: float,
-                          out: list, top: bool) -> None:
+                          out: list, note: bool) -> None:
         """An event that addresses no instance and may not create one: a
         counted anomaly.  What the event carried goes back (e.g. a handshake
         that lands after its engine was evicted removes the agent it added)."""
@@ -351,7 +366,7 @@ class ControlPlane:
         refund = event.refund()
         acts = IGNORED if refund is None else [refund]
         out.extend(acts)
-        if top and self._recorder is not None:
+        if note and self._recorder is not None:
             # Logged too, so a log holds every stimulus; no instance: no states.
             self._recorder(Step(event, now, kind, key, None, None, acts))
 

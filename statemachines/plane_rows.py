@@ -38,7 +38,7 @@ from .spec import Ignore, ProtocolError, Source
 from .stats import Final, Ignored, StatKeys
 from .wire_code import wire_lines
 
-# dispatch(plane, event, now, out, queue, top): the signature of the plane's _dispatch.
+# dispatch(plane, event, now, out, queue, note): the signature of the plane's _dispatch.
 Dispatch = Callable[[Any, Event, float, list, list, bool], None]
 
 
@@ -69,7 +69,7 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
                       general: Dispatch) -> Dispatch:
     scope: dict[str, Any] = {"KIND": kind, "ROWS": rows, "GENERAL": general, "ProtocolViolation": ProtocolViolation,
                              "NEW": machine.spec.instance_type, "INITIAL": machine.spec.initial}
-    body = ["def dispatch(plane, ev, now, out, queue, top):",
+    body = ["def dispatch(plane, ev, now, out, queue, note):",
             f"    key = ev.{_identifier(event.key_field)}",
             "    insts = plane.instances[KIND]",
             "    inst = insts.get(key)",
@@ -80,7 +80,7 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
             else "NEW(key=key, state=INITIAL)"
         body += [f"        inst = insts[key] = {call}", "        created = True"]
     else:  # an unknown id: refused there
-        body += ["        return GENERAL(plane, ev, now, out, queue, top)"]
+        body += ["        return GENERAL(plane, ev, now, out, queue, note)"]
     # The rows of the few states where the event makes a transition are
     # written in (a call and a lookup fewer); the rest are looked up.
     written = [(state, row.written) for state, row in rows.items() if hasattr(row, "written")]
@@ -90,17 +90,17 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
             body += [f"    if state == {state!r}:", "        try:"]
             body += ["            " + line for line in text.statements(scope, f"R{n}_")]
             body += ["        except ProtocolViolation as exc:",
-                     "            plane._violated(KIND, inst, key, ev, exc, created, now, out, queue, top)",
+                     "            plane._violated(KIND, inst, key, ev, exc, created, now, out, queue, note)",
                      "        return"]
     body += ["    row = ROWS.get(inst.state)",
              "    if row is None:",  # outside the alphabet: refused there
              "        if created:",
              "            del insts[key]",
-             "        return GENERAL(plane, ev, now, out, queue, top)",
+             "        return GENERAL(plane, ev, now, out, queue, note)",
              "    try:",
-             "        row(plane, insts, inst, key, ev, now, out, queue, top, created)",
+             "        row(plane, insts, inst, key, ev, now, out, queue, note, created)",
              "    except ProtocolViolation as exc:",
-             "        plane._violated(KIND, inst, key, ev, exc, created, now, out, queue, top)"]
+             "        plane._violated(KIND, inst, key, ev, exc, created, now, out, queue, note)"]
     return generated(body, scope, "dispatch", f"{__file__}: dispatch {kind} {event.__name__}")
 
 
@@ -112,11 +112,11 @@ _WRITTEN_STATES = 4
 def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]], general: Dispatch) -> Dispatch:
     """For an event routed by its ``kind`` field (a timer, a wake-up); none creates an instance."""
     scope: dict[str, Any] = {"BY_KIND": by_kind, "GENERAL": general, "ProtocolViolation": ProtocolViolation}
-    body = ["def dispatch(plane, ev, now, out, queue, top):",
+    body = ["def dispatch(plane, ev, now, out, queue, note):",
             "    kind = ev.kind",
             "    rows = BY_KIND.get(kind)",
             "    if rows is None:",
-            "        return GENERAL(plane, ev, now, out, queue, top)",
+            "        return GENERAL(plane, ev, now, out, queue, note)",
             f"    key = ev.{_identifier(event.key_field)}",
             "    insts = plane.instances[kind]",
             "    inst = insts.get(key)"]
@@ -129,20 +129,20 @@ def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]]
             body += [f"        if kind == {kind!r} and state == {state!r}:", "            try:"]
             body += ["                " + line for line in text.statements(scope, f"R{n}_")]
             body += ["            except ProtocolViolation as exc:",
-                     "                plane._violated(kind, inst, key, ev, exc, False, now, out, queue, top)",
+                     "                plane._violated(kind, inst, key, ev, exc, False, now, out, queue, note)",
                      "            return"]
     body += ["    row = None if inst is None else rows.get(inst.state)",
             "    if row is None:",
-            "        return GENERAL(plane, ev, now, out, queue, top)",
+            "        return GENERAL(plane, ev, now, out, queue, note)",
             "    try:",
-            "        row(plane, insts, inst, key, ev, now, out, queue, top, False)",
+            "        row(plane, insts, inst, key, ev, now, out, queue, note, False)",
             "    except ProtocolViolation as exc:",
-            "        plane._violated(kind, inst, key, ev, exc, False, now, out, queue, top)"]
+            "        plane._violated(kind, inst, key, ev, exc, False, now, out, queue, note)"]
     return generated(body, scope, "dispatch", f"{__file__}: dispatch by kind {event.__name__}")
 
 
-# row(plane, insts, inst, key, event, now, out, queue, top, created)
-_ROW_ARGS = "plane, insts, inst, key, ev, now, out, queue, top, created"
+# row(plane, insts, inst, key, event, now, out, queue, note, created)
+_ROW_ARGS = "plane, insts, inst, key, ev, now, out, queue, note, created"
 
 
 def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entry: Any,
@@ -176,8 +176,7 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
         # ControlPlane._finish, for this transition (keep the two in step).
         lines = []
         if t.dest in machine._deadlines:
-            lines += ["dl = inst.deadline",
-                      "if dl is not None and dl != old:",
+            lines += ["if dl is not None and dl != old:",
                       "    if not isfinite(dl):",
                       "        dl = plane._nonfinite_deadline(KIND, key, ev, inst, now)",
                       "    ta = inst.timer_at  # ControlPlane._push_timer, inline",
@@ -188,7 +187,7 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
                       "        heappush(timers, (dl, seq, KIND, key))",
                       "        if len(timers) > plane._compact_at:",
                       "            plane._compact_timers()"]
-        lines += ["if top and plane._recorder is not None:  # ControlPlane._note_top, inline",
+        lines += ["if note:  # ControlPlane._note_top, inline",
                   f"    plane._top = (ev, now, KIND, key, SRC, inst.state, "
                   f"[{', '.join(listed(i, j) for j in range(len(acts)))}], old, inst.deadline)"]
         if t.dest in terminal:
@@ -207,7 +206,7 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
             lines += _action_lines(cls, f"a{j}", wires, scope, f"{i}_{j}", field)
         return lines + ["return"]
 
-    lines = transition_lines(machine, state, event, entry, scope, finish, bind)
+    lines = transition_lines(machine, state, event, entry, scope, finish, bind, deadline_as="dl")
     # The row's own locals, where its lines read them (most of them now read no configuration).
     used = [f"    {name} = {value}" for name, value in (("cfg", "plane.config"), ("old", "inst.deadline"))
             if any(re.search(rf"\b{name}\b", line) for line in lines)]
@@ -301,10 +300,10 @@ class UnbuiltAction(NamedTuple):
 
 def _ignore_row(kind: str, state: str, stat: Any, in_initial: bool) -> Callable:
     """A declared ignore: counted; an instance just created for it is dropped."""
-    def row(plane: Any, insts: dict, inst: Any, key: Any, ev: Event, now: float, out: list, queue: list, top: bool,
+    def row(plane: Any, insts: dict, inst: Any, key: Any, ev: Event, now: float, out: list, queue: list, note: bool,
             created: bool) -> None:
         plane.stats[stat] += 1
-        if top and plane._recorder is not None:  # ControlPlane._note_top, inline
+        if note:  # ControlPlane._note_top, inline
             plane._top = (ev, now, kind, key, state, state, IGNORED, inst.deadline, inst.deadline)
         if in_initial and created:
             del insts[key]
@@ -313,7 +312,7 @@ def _ignore_row(kind: str, state: str, stat: Any, in_initial: bool) -> Callable:
 
 
 def _error_row(name: str, reason: str) -> Callable:
-    def row(plane: Any, insts: dict, inst: Any, key: Any, ev: Event, now: float, out: list, queue: list, top: bool,
+    def row(plane: Any, insts: dict, inst: Any, key: Any, ev: Event, now: float, out: list, queue: list, note: bool,
             created: bool) -> None:
         raise ProtocolViolation(name, inst.key, inst.state, ev, reason)
 

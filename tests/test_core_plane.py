@@ -427,3 +427,25 @@ def test_requesters_read_as_pairs():
     copy = refs.copy()
     copy.by_kind["heartbeat"].add("P1")
     assert not refs and copy == {("heartbeat", "P1")} and repr(copy) == "Requesters([('heartbeat', 'P1')])"
+
+
+# ------------------------------------------------------------ internal queue
+def test_the_internal_queue_is_empty_between_calls_and_after_a_raise():
+    # handle() keeps one internal-event list that is empty between calls:
+    # a cascade takes a fresh one, and a row that raises (a bug) leaves
+    # nothing behind for the next stimulus to run.
+    p = plane()
+    reading(p)  # StartLoad's cascade: EngineAcquire, EngineReady
+    assert p._queue == []
+
+    def raising(plane_, ev, now, out, queue, note):
+        queue.append(E.ReadDone(request_id="ghost"))  # an unknown id: counted if it ever ran
+        raise RuntimeError("a row failed")
+
+    p._fast = {**p._fast, E.RequestRunning: raising}
+    with pytest.raises(RuntimeError):
+        p.handle(E.RequestRunning(request_id="r1"), 1.0)
+    assert p._queue == []
+    assert names(p.handle(E.ReadDone(request_id="r1"), 2.0)) == ["ReleaseXfer", "ReportRecv"]
+    assert p._queue == []
+    assert p.stats[Anomaly("unknown_id", "decode_request", "ReadDone")] == 0  # the ghost never ran

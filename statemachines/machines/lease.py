@@ -80,6 +80,12 @@ def _extend(lease: Lease, ev, cfg, now) -> None:
 def _consumed(lease: Lease, ev: ConsumerDone, cfg, now) -> None:
     """Bind the sender and count it as a consumer that has read."""
     _bind(lease, ev, cfg, now)
+    _count(lease, ev, cfg, now)
+
+
+def _count(lease: Lease, ev: ConsumerDone, cfg, now) -> None:
+    """Count the sender as a consumer that has read (the last one binds
+    nothing: the lease is released, no message can act on it again)."""
     lease.consumers = lease.consumers | {ev.consumer}
 
 
@@ -186,7 +192,7 @@ TABLE = rows(
             on(s, ConsumerDone, s, refuse_foreign_sender, when=foreign_sender),
             on(s, ConsumerDone, s, refuse_wrong_count, when=wrong_consumer_count),
             on(s, ConsumerDone, s, when=duplicate_consumer) if s == S.PARTIALLY_READ else [],
-            on(s, ConsumerDone, S.RELEASED, free_consumed, when=last_consumer, do=_consumed),
+            on(s, ConsumerDone, S.RELEASED, free_consumed, when=last_consumer, do=_count),
             on(s, ConsumerDone, S.PARTIALLY_READ, do=_consumed),
         )
         for s in HELD
