@@ -197,6 +197,14 @@ def runs_code_when_built(cls: type) -> bool:
     return any(hasattr(cls, hook) for hook in ("__attrs_pre_init__", "__attrs_post_init__", "__post_init__"))
 
 
+def built_from_fields(cls: type) -> bool:
+    """Whether ``cls`` is built from its fields alone: no hook (see
+    ``runs_code_when_built``), converter or validator runs when it is, so
+    its fields can stand in for an instance not yet built."""
+    return not runs_code_when_built(cls) and all(
+        f.init and f.converter is None and f.validator is None for f in fields(cls))
+
+
 def _as_attrs_default(default: Any) -> Any:
     # A Struct field's default_factory reads as attrs' Factory, which readers of defaults already handle.
     factory = getattr(default, "factory", None) if type(default).__module__ == "msgspec._core" else None

@@ -6,7 +6,9 @@ leaves.  The plane routes events by machine kind and id, creates a machine
 on its creating event, discards it when it reaches a terminal state, and
 executes internal actions itself (timers, heartbeat registration, and the
 cross-machine wires declared in ``composition``), feeding the resulting
-events to the other machines in FIFO order within the same call.  Which
+events to the other machines in FIFO order within the same call (the
+compiled rows run a wire's target row in place where the order cannot be
+told apart: ``wire_inline``).  Which
 event creates which machine is each spec's ``created_by``.  One timer heap
 serves every machine.
 

@@ -31,12 +31,13 @@ import attrs
 
 from .base import Action, ArmTimer, CancelTimer, Event
 from .base import fields as fields_of
-from .base import runs_code_when_built
+from .base import built_from_fields
 from .composition import Wire
 from .machine import IGNORED, Machine, ProtocolViolation, generated, positional, transition_lines
 from .spec import Ignore, ProtocolError, Source
 from .stats import Final, Ignored, StatKeys
 from .wire_code import wire_lines
+from .wire_inline import inline_wire
 
 # dispatch(plane, event, now, out, queue, note): the signature of the plane's _dispatch.
 Dispatch = Callable[[Any, Event, float, list, list, bool], None]
@@ -48,12 +49,21 @@ def compile_routes(machines: tuple[tuple[str, Any], ...], users: dict[str, tuple
     """Event class -> its dispatcher, for every class that some compiled
     machine without a Source handles; other classes take ``general``."""
     fast = {kind: m for kind, m in machines if type(m) is Machine and m.spec.source is None}
-    # event class -> kind -> state -> plane row
+    holding = {kind: frozenset(s.name for s in m.spec.states if s.holds) for kind, m in fast.items()}
+    # event class -> kind -> state -> plane row.  Each pass after the first
+    # writes the previous pass's rows in at the wires that reach them
+    # (wire_inline), recompiling only the rows that carry out a wire.
     rows: dict[type[Event], dict[str, dict[str, Callable]]] = {}
-    for kind, m in fast.items():
-        for (state, event), entry in m._table.items():
-            row = _plane_row(kind, m, state, event, entry, users.get(kind, ()), wires, keys)
-            rows.setdefault(event, {}).setdefault(kind, {})[state] = row
+    targets: dict[tuple[str, type[Event]], dict[str, Callable]] = {}
+    for depth in range(_INLINE_DEPTH + 1):
+        for kind, m in fast.items():
+            for (state, event), entry in m._table.items():
+                if depth and not any(a in wires for t in transitions_of_entry(entry) for a in t.actions):
+                    continue
+                row = _plane_row(kind, m, state, event, entry, users.get(kind, ()), wires, keys, targets, holding)
+                rows.setdefault(event, {}).setdefault(kind, {})[state] = row
+        targets = {(kind, event): dict(by_state) for event, by_kind in rows.items()
+                   for kind, by_state in by_kind.items()}
     routes: dict[type[Event], Dispatch] = {}
     for event, by_kind in rows.items():
         if not event.machine:  # routed by the event's ``kind``
@@ -63,6 +73,11 @@ def compile_routes(machines: tuple[tuple[str, Any], ...], users: dict[str, tuple
             routes[event] = _class_dispatcher(kind, fast[kind], event, by_kind[kind], creators.get(event) == kind,
                                               general)
     return routes
+
+
+def transitions_of_entry(entry: Any) -> tuple:
+    """The compiled transitions of a table entry (none for an ignore or an error)."""
+    return () if entry.__class__ in (Ignore, ProtocolError) else entry
 
 
 def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dict[str, Callable], creates: bool,
@@ -85,6 +100,7 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
     # written in (a call and a lookup fewer); the rest are looked up.
     written = [(state, row.written) for state, row in rows.items() if hasattr(row, "written")]
     if len(written) <= _WRITTEN_STATES:
+        written = [(state, text) for state, text in written if len(text.body) <= _WRITTEN_LINES]
         body.append("    state = inst.state")
         for n, (state, text) in enumerate(written):
             body += [f"    if state == {state!r}:", "        try:"]
@@ -104,9 +120,14 @@ def _class_dispatcher(kind: str, machine: Machine, event: type[Event], rows: dic
     return generated(body, scope, "dispatch", f"{__file__}: dispatch {kind} {event.__name__}")
 
 
+# How deep rows are written in at wires: a row's wire target's row, and the row of that row's wire.
+_INLINE_DEPTH = 2
 # At most this many states' rows are written into a dispatcher (each costs a
 # string comparison in front of the states after it).
 _WRITTEN_STATES = 4
+# A row longer than this (one that writes wire targets' rows in) is called, not
+# written in: the call is a small part of its cost, and its text a large part of compiling.
+_WRITTEN_LINES = 60
 
 
 def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]], general: Dispatch) -> Dispatch:
@@ -124,6 +145,7 @@ def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]]
     written = [(kind, state, row.written) for kind, rows in by_kind.items() for state, row in rows.items()
                if hasattr(row, "written")]
     if len(written) <= _WRITTEN_STATES:
+        written = [(kind, state, text) for kind, state, text in written if len(text.body) <= _WRITTEN_LINES]
         body += ["    if inst is not None:", "        state = inst.state", "        created = False"]
         for n, (kind, state, text) in enumerate(written):
             body += [f"        if kind == {kind!r} and state == {state!r}:", "            try:"]
@@ -146,7 +168,9 @@ _ROW_ARGS = "plane, insts, inst, key, ev, now, out, queue, note, created"
 
 
 def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entry: Any,
-               users: tuple[tuple[str, Source], ...], wires: dict[type[Action], Wire], keys: StatKeys) -> Callable:
+               users: tuple[tuple[str, Source], ...], wires: dict[type[Action], Wire], keys: StatKeys,
+               targets: dict[tuple[str, type[Event]], dict[str, Callable]],
+               holding: dict[str, frozenset[str]]) -> Callable:
     if entry.__class__ is Ignore:
         return _ignore_row(kind, state, keys(Ignored, kind, state, event.__name__), state == machine.spec.initial)
     if entry.__class__ is ProtocolError:
@@ -203,7 +227,11 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
                               f"    queue.append(plane._source_ended(SOURCE{i}_{u}, USER{i}_{u}, key, EVENT))"]
         for j, cls in enumerate(t.actions):
             field = (lambda name, j=j: f"a{j}_{name}") if (i, j) in unbuilt else None
-            lines += _action_lines(cls, f"a{j}", wires, scope, f"{i}_{j}", field)
+            wire = wires.get(cls)
+            written = None if wire is None else inline_wire(
+                wire, f"a{j}", scope, f"{i}_{j}", field, targets, holding,
+                last=all(c is CancelTimer for c in t.actions[j + 1:]))
+            lines += written if written is not None else _action_lines(cls, f"a{j}", wires, scope, f"{i}_{j}", field)
         return lines + ["return"]
 
     lines = transition_lines(machine, state, event, entry, scope, finish, bind, deadline_as="dl")
@@ -266,11 +294,9 @@ def unbuilt_action(cls: type[Action], expression: str, scope: dict[str, Any], pr
         return None
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and scope.get(call.func.id) is cls):
         return None
-    if runs_code_when_built(cls):
+    if not built_from_fields(cls):
         return None
     fields = fields_of(cls)
-    if any(not f.init or f.converter is not None or f.validator is not None for f in fields):
-        return None
     positional = [f for f in fields if not f.kw_only]
     if len(call.args) > len(positional) or any(isinstance(a, ast.Starred) for a in call.args):
         return None

@@ -26,6 +26,27 @@ def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str,
     the action's fields from elsewhere (a row that never built the action:
     plane_rows); by default they are ``action``'s attributes."""
     scope[f"EV{tag}"] = w.event
+    target, req = f"tgt{tag}", f"req{tag}"
+    lines, exprs = wire_fields(w, action, scope, tag, action_field)
+    call = f"EV{tag}({_arguments(w, exprs)})"
+    if isinstance(w.target, Requesters):
+        field_of = action_field or (lambda name: f"{action}.{identifier(name)}")
+        lines += [f"for {req} in {field_of(w.target.field)}:", f"    queue.append({call})"]
+    elif w.only_if_live or any(isinstance(source, TargetField) for _, source in w.fields):
+        scope[f"KIND{tag}"] = w.target
+        lines += [f"{target} = plane.instances[KIND{tag}].get({exprs[w.event.key_field]})",
+                  f"if {target} is not None:", f"    queue.append({call})"]
+    else:
+        lines.append(f"queue.append({call})")
+    return lines
+
+
+def wire_fields(w: Wire, action: str, scope: dict[str, Any], tag: str,
+                action_field: Callable[[str], str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The lines binding what the wire's fields read (the heartbeat chain),
+    and each field of its event as an expression over ``action`` (or
+    ``action_field``), ``plane``, the target instance ``tgt<tag>`` and, for
+    a fan-out, the requester ``req<tag>`` (see ``wire_lines``)."""
     target, req, chain = f"tgt{tag}", f"req{tag}", f"chain{tag}"
     field_of = action_field or (lambda name: f"{action}.{identifier(name)}")
 
@@ -47,34 +68,23 @@ def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str,
             return f"{chain}[{('since', 'last').index(source.which)}]"
         raise TypeError(f"unknown wire field source {source!r}")
 
-    sources = [source for _, source in w.fields]
     lines = []
-    if any(isinstance(source, HeartbeatChain) for source in sources):
+    if any(isinstance(source, HeartbeatChain) for _, source in w.fields):
         lines.append(f"{chain} = plane.heartbeats.chain({field_of('engine_id')})")
-    call = f"EV{tag}({_arguments(w, expr)})"
-    if isinstance(w.target, Requesters):
-        lines += [f"for {req} in {field_of(w.target.field)}:", f"    queue.append({call})"]
-    elif w.only_if_live or any(isinstance(source, TargetField) for source in sources):
-        key = expr("key", dict(w.fields)[w.event.key_field])
-        scope[f"KIND{tag}"] = w.target
-        lines += [f"{target} = plane.instances[KIND{tag}].get({key})", f"if {target} is not None:",
-                  f"    queue.append({call})"]
-    else:
-        lines.append(f"queue.append({call})")
-    return lines
+    return lines, {field: expr(field, source) for field, source in w.fields}
 
 
-def _arguments(w: Wire, expr: Callable[[str, Any], str]) -> str:
+def _arguments(w: Wire, exprs: dict[str, str]) -> str:
     """The event's constructor arguments: its fields in order while the wire
     gives each and the class takes them by position (a positional call is
     about half the cost of a keyword one), the rest by keyword."""
-    given = dict(w.fields)
+    given = dict(exprs)
     args = []
     for f in fields_of(w.event):
         if f.kw_only or not f.init or f.name not in given:
             break
-        args.append(expr(f.name, given.pop(f.name)))
-    args += [f"{identifier(field)}={expr(field, source)}" for field, source in given.items()]
+        args.append(given.pop(f.name))
+    args += [f"{identifier(field)}={value}" for field, value in given.items()]
     return ", ".join(args)
 
 

@@ -76,16 +76,26 @@ def state_of(plane: ControlPlane) -> str:
     return repr((instances, list(plane._timers), plane._draining, plane._seq, dict(plane.stats), list(plane.anomalies)))
 
 
+@pytest.mark.parametrize("recording", [True, False], ids=["recording", "not-recording"])
 @pytest.mark.parametrize("config", [CFG, PlaneConfig(), PlaneConfig(heartbeat_spread=True)],
                          ids=["short", "default", "spread"])
 @pytest.mark.parametrize("seed", range(8))
-def test_compiled_rows_and_general_path_agree(seed, config, monkeypatch):
+def test_compiled_rows_and_general_path_agree(seed, config, recording, monkeypatch):
+    """Not recording, the compiled rows also write wire targets' rows in
+    (wire_inline) where the general path queues their events: the same
+    actions, and the same instances, heap (entry order and sequence
+    numbers), stats and anomalies after every step."""
     monkeypatch.setattr(plane_module, "_MIN_COMPACT", 8)  # compactions happen, both paths trigger them
     rng = random.Random(seed)
     fast, general = ControlPlane(config), general_plane(config)
     assert fast._fast, "the plain machines dispatch through compiled rows"
     logs: tuple[list, list] = ([], [])
-    fast.recorder, general.recorder = logs[0].append, logs[1].append
+
+    def record() -> None:
+        if recording:
+            fast.recorder, general.recorder = logs[0].append, logs[1].append
+
+    record()
     now = 0.0
     for n in range(600):
         s = stimulus(rng)
@@ -101,7 +111,7 @@ def test_compiled_rows_and_general_path_agree(seed, config, monkeypatch):
         assert state_of(fast) == state_of(general), (n, s)
         if n % 50 == 49:  # the explorer's copies dispatch the same way
             fast, general = fast.clone(), general.clone()
-            fast.recorder, general.recorder = logs[0].append, logs[1].append
+            record()
 
 
 def test_engine_reused_by_many_requests_agrees():
@@ -123,6 +133,63 @@ def test_engine_reused_by_many_requests_agrees():
             assert fast.handle(ev, now) == general.handle(ev, now), (i, ev)
         assert fast.fire_due(now) == general.fire_due(now)
         assert state_of(fast) == state_of(general)
+
+
+def lifecycle_stimuli(rng: random.Random, n: int):
+    """Requests walking their lifecycles against a few engines, interleaved,
+    with faults and time steps among them: where the compiled rows write
+    the wire targets' rows in (a connected engine, a heartbeat batch in
+    use), a uniform mix seldom goes."""
+    steps: dict[str, int] = {}
+    serial = 0
+    for _ in range(n):
+        if rng.random() < 0.15:
+            yield stimulus(rng)
+            continue
+        if len(steps) < 6 and rng.random() < 0.3:
+            serial += 1
+            steps[f"q{serial}"] = 0
+        if not steps:
+            continue
+        rid = rng.choice(sorted(steps))
+        step, engine = steps[rid], rng.choice(ENGINES[:2])
+        steps[rid] += 1
+        if step == 0:
+            yield E.NewRequest(request_id=rid, engine_id=engine, remote_request_id="p" + rid, remote_block_ids=(1,))
+            yield E.HandshakeOk(engine_id=engine, samples=((0.0, 0.01),))
+        elif step == 1:
+            yield E.BlocksAllocated(request_id=rid, block_ids=(2,), num_remote_tokens=rng.choice([0, 4, 4, 4]))
+        elif step == 2:
+            yield E.StartLoad(request_id=rid)
+        elif step == 3:
+            yield rng.choice([E.ReadDone, E.ReadDone, E.ReadFailed])(request_id=rid)
+        elif step == 4:
+            yield E.RequestRunning(request_id=rid)
+        else:
+            yield E.RequestFinished(request_id=rid, block_ids=(2,), hold_for_next_turn=rng.random() < 0.3)
+            del steps[rid]
+        if rng.random() < 0.1:
+            yield rng.choice([0.5, 1.0, 2.5, 4.5])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_written_in_wire_targets_agree_with_the_queue(seed, monkeypatch):
+    """Whole lifecycles, interleaved, not recording: the compiled rows write
+    the rows of wire targets in (wire_inline) where the general path queues
+    their events; after every step the same actions and the same instances,
+    heap (entry order, sequence numbers), stats and anomalies."""
+    monkeypatch.setattr(plane_module, "_MIN_COMPACT", 8)
+    rng = random.Random(2000 + seed)
+    fast, general = ControlPlane(CFG), general_plane(CFG)
+    now = 0.0
+    for n, s in enumerate(lifecycle_stimuli(rng, 800)):
+        if isinstance(s, float):
+            now += s
+            got = fast.fire_due(now), general.fire_due(now)
+        else:
+            got = fast.handle(s, now), general.handle(s, now)
+        assert repr(got[0]) == repr(got[1]), (n, s)
+        assert state_of(fast) == state_of(general), (n, s)
 
 
 @pytest.mark.parametrize("recording", [True, False], ids=["recording", "not-recording"])
