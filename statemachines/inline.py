@@ -49,6 +49,38 @@ class _NotInlinable(Exception):
 def inline_expression(fn: Any, args: tuple[str, ...], scope: dict[str, Any], tag: str) -> str | None:
     """The expression (parenthesized) that ``fn(*args)`` returns, written
     over the names ``args``, or None where ``fn`` stays a call."""
+    return _remembered(_expression, fn, args, scope, tag, 0)
+
+
+def inline_statements(fn: Any, args: tuple[str, ...], scope: dict[str, Any], tag: str,
+                      depth: int = 0) -> list[str] | None:
+    """The statements (not indented) that ``fn(*args)`` runs, for a
+    function returning nothing, or None where ``fn`` stays a call."""
+    return _remembered(_statements, fn, args, scope, tag, depth)
+
+
+# (writer, callable, arguments, tag, depth) -> (its text, the names it bound in
+# scope): the plane writes a row again in each pass of wire_inline, and
+# every machine set compiles the same callables.
+_REMEMBERED: dict[tuple, tuple[Any, dict[str, Any]]] = {}
+_REMEMBER_AT_MOST = 20_000
+
+
+def _remembered(write: Any, fn: Any, args: tuple[str, ...], scope: dict[str, Any], tag: str, depth: int) -> Any:
+    key = (write, fn, args, tag, depth)
+    known = _REMEMBERED.get(key)
+    if known is None:
+        bound: dict[str, Any] = {}
+        known = (write(fn, args, bound, tag, depth), bound)
+        if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
+            _REMEMBERED.clear()
+        _REMEMBERED[key] = known
+    scope.update(known[1])
+    text = known[0]
+    return list(text) if isinstance(text, list) else text
+
+
+def _expression(fn: Any, args: tuple[str, ...], scope: dict[str, Any], tag: str, depth: int) -> str | None:
     try:
         node, params = _function(fn, len(args))
         expr = _single_expression(node)
@@ -59,10 +91,7 @@ def inline_expression(fn: Any, args: tuple[str, ...], scope: dict[str, Any], tag
         return None
 
 
-def inline_statements(fn: Any, args: tuple[str, ...], scope: dict[str, Any], tag: str,
-                      depth: int = 0) -> list[str] | None:
-    """The statements (not indented) that ``fn(*args)`` runs, for a
-    function returning nothing, or None where ``fn`` stays a call."""
+def _statements(fn: Any, args: tuple[str, ...], scope: dict[str, Any], tag: str, depth: int) -> list[str] | None:
     try:
         node, params = _function(fn, len(args))
         if isinstance(node, ast.Lambda):

@@ -32,7 +32,7 @@ import attrs
 from .base import Action, ArmTimer, CancelTimer, Event
 from .base import fields as fields_of
 from .base import built_from_fields
-from .composition import Wire
+from .composition import Requesters, Wire
 from .machine import IGNORED, Machine, ProtocolViolation, generated, positional, transition_lines
 from .spec import Ignore, ProtocolError, Source
 from .stats import Final, Ignored, StatKeys
@@ -52,18 +52,30 @@ def compile_routes(machines: tuple[tuple[str, Any], ...], users: dict[str, tuple
     holding = {kind: frozenset(s.name for s in m.spec.states if s.holds) for kind, m in fast.items()}
     # event class -> kind -> state -> plane row.  Each pass after the first
     # writes the previous pass's rows in at the wires that reach them
-    # (wire_inline), recompiling only the rows that carry out a wire.
-    rows: dict[type[Event], dict[str, dict[str, Callable]]] = {}
-    targets: dict[tuple[str, type[Event]], dict[str, Callable]] = {}
+    # (wire_inline), writing again only the rows with a wire to a row the
+    # pass before wrote again; a row with a wire is compiled once its text
+    # is final (until then only its text is read).
+    rows: dict[type[Event], dict[str, dict[str, Any]]] = {}
+    rewritten: set[tuple[str, type[Event]]] = set()
     for depth in range(_INLINE_DEPTH + 1):
-        for kind, m in fast.items():
-            for (state, event), entry in m._table.items():
-                if depth and not any(a in wires for t in transitions_of_entry(entry) for a in t.actions):
-                    continue
-                row = _plane_row(kind, m, state, event, entry, users.get(kind, ()), wires, keys, targets, holding)
-                rows.setdefault(event, {}).setdefault(kind, {})[state] = row
         targets = {(kind, event): dict(by_state) for event, by_kind in rows.items()
                    for kind, by_state in by_kind.items()}
+        now_rewritten = set()
+        for kind, m in fast.items():
+            for (state, event), entry in m._table.items():
+                reached = [w for t in transitions_of_entry(entry) for a in t.actions if (w := wires.get(a))]
+                if depth and not any(_reaches(w, rewritten) for w in reached) and (depth > 1 or not reached):
+                    continue
+                row = _plane_row(kind, m, state, event, entry, users.get(kind, ()), wires, keys, targets, holding,
+                                 build=not reached)
+                rows.setdefault(event, {}).setdefault(kind, {})[state] = row
+                now_rewritten.add((kind, event))
+        rewritten = now_rewritten
+    for by_kind in rows.values():
+        for by_state in by_kind.values():
+            for state, row in by_state.items():
+                if isinstance(row, _TextRow):
+                    by_state[state] = row.compiled()
     routes: dict[type[Event], Dispatch] = {}
     for event, by_kind in rows.items():
         if not event.machine:  # routed by the event's ``kind``
@@ -73,6 +85,12 @@ def compile_routes(machines: tuple[tuple[str, Any], ...], users: dict[str, tuple
             routes[event] = _class_dispatcher(kind, fast[kind], event, by_kind[kind], creators.get(event) == kind,
                                               general)
     return routes
+
+
+def _reaches(w: Wire, rewritten: set[tuple[str, type[Event]]]) -> bool:
+    """Whether wire ``w`` reaches a (kind, event) whose rows were written again."""
+    return any(event is w.event and (kind == w.target or isinstance(w.target, Requesters))
+               for kind, event in rewritten)
 
 
 def transitions_of_entry(entry: Any) -> tuple:
@@ -169,8 +187,10 @@ _ROW_ARGS = "plane, insts, inst, key, ev, now, out, queue, note, created"
 
 def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entry: Any,
                users: tuple[tuple[str, Source], ...], wires: dict[type[Action], Wire], keys: StatKeys,
-               targets: dict[tuple[str, type[Event]], dict[str, Callable]],
-               holding: dict[str, frozenset[str]]) -> Callable:
+               targets: dict[tuple[str, type[Event]], dict[str, Any]],
+               holding: dict[str, frozenset[str]], build: bool = True) -> Any:
+    """The plane row of one table entry (with ``build`` False, only its
+    text: a ``_TextRow``, for a later pass to write in)."""
     if entry.__class__ is Ignore:
         return _ignore_row(kind, state, keys(Ignored, kind, state, event.__name__), state == machine.spec.initial)
     if entry.__class__ is ProtocolError:
@@ -240,9 +260,21 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
             if any(re.search(rf"\b{name}\b", line) for line in lines)]
     body = [f"def row({_ROW_ARGS}):", *used, *lines]
     names = dict(scope)  # before generated() adds the function and __builtins__
-    row = generated(body, scope, "row", f"{__file__}: row {kind} {state} {event.__name__}")
-    row.written = WrittenRow(body, names)  # type: ignore[attr-defined]  # for a dispatcher to write it in
-    return row
+    text = _TextRow(WrittenRow(body, names), f"{__file__}: row {kind} {state} {event.__name__}")
+    return text.compiled() if build else text
+
+
+class _TextRow(NamedTuple):
+    """A row not compiled yet: its text (for a later pass to write in) and
+    where its compiled code is filed."""
+
+    written: "WrittenRow"
+    where: str
+
+    def compiled(self) -> Callable:
+        row = generated(self.written.body, dict(self.written.names), "row", self.where)
+        row.written = self.written  # type: ignore[attr-defined]  # for a dispatcher to write it in
+        return row
 
 
 class WrittenRow(NamedTuple):

@@ -177,44 +177,45 @@ def _template(body: tuple[str, ...], quiet: bool) -> tuple[list[str], list[tuple
         return None  # a name that looks like a slot: leave the row alone
     function = ast.parse(text).body[0]
     assert isinstance(function, ast.FunctionDef)
-    statements = [s for s in function.body if not _is_note(s)]
-    if any(isinstance(n, _REFUSED) for s in statements for n in ast.walk(s)):
-        return None
+    statements = _WithoutNotes().visit(function).body
     if quiet:
-        if not statements or not isinstance(statements[-1], ast.Return) or not _quiet(statements):
+        if not statements or not isinstance(statements[-1], ast.Return):
             return None
         statements = statements[:-1]
-    local = {n.id for s in statements for n in ast.walk(s)
-             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} - set(_ROW_PARAMS)
-    params = {n.id for s in statements for n in ast.walk(s) if isinstance(n, ast.Name)}
-    scope_names = params - local - set(_ROW_PARAMS) - set(dir(builtins))
-    rewriter = _Rewriter(scope_names, local)
+    # One walk: what refuses the row, what is not quiet, the names it stores and reads.
+    local: set[str] = set()
+    read: set[str] = set()
+    for s in statements:
+        for n in ast.walk(s):
+            if isinstance(n, ast.Name):
+                (local if isinstance(n.ctx, ast.Store) else read).add(n.id)
+                if quiet and n.id in ("out", "queue", "insts"):
+                    return None  # appends to out or the queue, or drops an instance
+            elif isinstance(n, _REFUSED) or (quiet and isinstance(n, (ast.Delete, ast.Return))):
+                return None
+    local -= _PARAMS
+    rewriter = _Rewriter(read - local - _PARAMS - _BUILTINS, local)
     statements = [rewriter.visit(s) for s in statements]
-    if rewriter.refused:
-        return None
     lines = [line for s in statements for line in ast.unparse(ast.fix_missing_locations(s)).splitlines()]
     return lines or ["pass"], rewriter.slots
 
 
+_PARAMS = frozenset(_ROW_PARAMS)
+_BUILTINS = frozenset(dir(builtins))
 # What a written-in row may not hold: a raise (a protocol error closes the
 # instance through its dispatcher), a handler, or a scope of its own.
 _REFUSED = (ast.Raise, ast.Try, ast.Global, ast.Nonlocal, ast.Lambda, ast.FunctionDef, ast.Yield, ast.Await)
 
 
-def _is_note(statement: ast.stmt) -> bool:
-    # ``if note: plane._top = ...``: the recording branch, never taken at a wire.
-    return isinstance(statement, ast.If) and isinstance(statement.test, ast.Name) and statement.test.id == "note"
+class _WithoutNotes(ast.NodeTransformer):
+    """Drops ``if note: plane._top = ...`` (the recording branch, never
+    taken at a wire) wherever it is."""
 
-
-def _quiet(statements: list[ast.stmt]) -> bool:
-    """Appends to neither out nor the queue, drops nothing, returns only at the end."""
-    for s in statements:
-        for n in ast.walk(s):
-            if isinstance(n, ast.Delete) or (isinstance(n, ast.Return) and n is not statements[-1]):
-                return False
-            if isinstance(n, ast.Name) and n.id in ("out", "queue", "insts"):
-                return False
-    return True
+    def visit_If(self, node: ast.If) -> Any:
+        if isinstance(node.test, ast.Name) and node.test.id == "note":
+            return node.orelse or None
+        self.generic_visit(node)
+        return node
 
 
 class _Rewriter(ast.NodeTransformer):
@@ -224,7 +225,6 @@ class _Rewriter(ast.NodeTransformer):
         self.scope_names, self.local = scope_names, local
         self.slots: list[tuple[str, str]] = []
         self._numbers: dict[tuple[str, str], int] = {}
-        self.refused = False
 
     def _slot(self, what: str, name: str, node: ast.AST) -> ast.AST:
         n = self._numbers.get((what, name))
@@ -242,7 +242,7 @@ class _Rewriter(ast.NodeTransformer):
 
     def visit_Name(self, node: ast.Name) -> ast.AST:
         name = node.id
-        if name in ("note", "created"):
+        if name in ("note", "created"):  # the wire's target exists, and the step is not recorded
             return ast.copy_location(ast.Constant(False), node)
         if name in ("inst", "key", "insts"):
             return self._slot(name, "", node)
