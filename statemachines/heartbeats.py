@@ -17,6 +17,12 @@ class Heartbeats:
         self.interval = config.heartbeat_interval
         self.max_gap = read_gate.max_gap(config)
 
+    def over(self, batches: dict) -> "Heartbeats":
+        """The same reader over another plane's batches (a clone's)."""
+        h = Heartbeats.__new__(Heartbeats)
+        h._batches, h.interval, h.max_gap = batches, self.interval, self.max_gap
+        return h
+
     def registered(self, engine_id: str) -> tuple[str, ...]:
         """Peer request ids the engine's next batch carries."""
         b = self._batches.get(engine_id)

@@ -141,7 +141,7 @@ def _written_in(body: list[str], names: dict[str, Any], event: type[Event], scop
     template = _template(tuple(body), quiet)
     if template is None:
         return None
-    lines, slots = template
+    text, slots = template
     values = []
     for what, name in slots:
         if what == "field":
@@ -158,18 +158,19 @@ def _written_in(body: list[str], names: dict[str, Any], event: type[Event], scop
             values.append(prefix + name)
         else:
             values.append(getattr(at, what))
-    return [_SLOT.sub(lambda m: values[int(m.group(1))], line) for line in lines]
+    return text.format(*values).splitlines()
 
 
 _SLOT = re.compile(r"__P(\d+)__")
 
 
 @functools.lru_cache(maxsize=4096)  # row texts: one per compiled row of each machine set
-def _template(body: tuple[str, ...], quiet: bool) -> tuple[list[str], list[tuple[str, str]]] | None:
-    """A row's text with every name a wire fills in as a numbered slot
-    ``__P<n>__``, and what each slot is: ("field", name) for ``ev.<name>``,
-    ("scope", name), ("local", name), or the ``_Names`` attribute it takes
-    (inst, key, insts, event).  Made once per row text, filled per wire."""
+def _template(body: tuple[str, ...], quiet: bool) -> tuple[str, list[tuple[str, str]]] | None:
+    """A row's text as a format string with every name a wire fills in as
+    a numbered field ``{n}``, and what each is: ("field", name) for
+    ``ev.<name>``, ("scope", name), ("local", name), or the ``_Names``
+    attribute it takes (inst, key, insts, event).  Made once per row text,
+    filled per wire."""
     if len(body) > _MAX_LINES:
         return None  # the call it saves is a small part of such a row's cost; its text, of compiling
     text = "\n".join(body)
@@ -197,7 +198,9 @@ def _template(body: tuple[str, ...], quiet: bool) -> tuple[list[str], list[tuple
     rewriter = _Rewriter(read - local - _PARAMS - _BUILTINS, local)
     statements = [rewriter.visit(s) for s in statements]
     lines = [line for s in statements for line in ast.unparse(ast.fix_missing_locations(s)).splitlines()]
-    return lines or ["pass"], rewriter.slots
+    # A format string: the text's own braces doubled, each slot ``{n}``, filled in C.
+    text = "\n".join(lines or ["pass"]).replace("{", "{{").replace("}", "}}")
+    return _SLOT.sub(r"{\1}", text), rewriter.slots
 
 
 _PARAMS = frozenset(_ROW_PARAMS)
