@@ -37,7 +37,7 @@ from .machine import IGNORED, Machine, ProtocolViolation, generated, positional,
 from .spec import Ignore, ProtocolError, Source
 from .stats import Final, Ignored, StatKeys
 from .wire_code import wire_lines
-from .wire_inline import inline_wire
+from .wire_inline import ROW_PARAMS, inline_wire
 
 # dispatch(plane, event, now, out, queue, note): the signature of the plane's _dispatch.
 Dispatch = Callable[[Any, Event, float, list, list, bool], None]
@@ -64,7 +64,7 @@ def compile_routes(machines: tuple[tuple[str, Any], ...], users: dict[str, tuple
         for kind, m in fast.items():
             for (state, event), entry in m._table.items():
                 reached = [w for t in transitions_of_entry(entry) for a in t.actions if (w := wires.get(a))]
-                if depth and not any(_reaches(w, rewritten) for w in reached) and (depth > 1 or not reached):
+                if depth and not any(_reaches(w, rewritten) for w in reached):
                     continue
                 row = _plane_row(kind, m, state, event, entry, users.get(kind, ()), wires, keys, targets, holding,
                                  build=not reached)
@@ -181,8 +181,7 @@ def _kind_dispatcher(event: type[Event], by_kind: dict[str, dict[str, Callable]]
     return generated(body, scope, "dispatch", f"{__file__}: dispatch by kind {event.__name__}")
 
 
-# row(plane, insts, inst, key, event, now, out, queue, note, created)
-_ROW_ARGS = "plane, insts, inst, key, ev, now, out, queue, note, created"
+_ROW_ARGS = ", ".join(ROW_PARAMS)
 
 
 def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entry: Any,

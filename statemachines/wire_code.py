@@ -28,7 +28,7 @@ def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str,
     scope[f"EV{tag}"] = w.event
     target, req = f"tgt{tag}", f"req{tag}"
     lines, exprs = wire_fields(w, action, scope, tag, action_field)
-    call = f"EV{tag}({_arguments(w, exprs)})"
+    call = f"EV{tag}({event_arguments(w, exprs)})"
     if isinstance(w.target, Requesters):
         field_of = action_field or (lambda name: f"{action}.{identifier(name)}")
         lines += [f"for {req} in {field_of(w.target.field)}:", f"    queue.append({call})"]
@@ -74,7 +74,7 @@ def wire_fields(w: Wire, action: str, scope: dict[str, Any], tag: str,
     return lines, {field: expr(field, source) for field, source in w.fields}
 
 
-def _arguments(w: Wire, exprs: dict[str, str]) -> str:
+def event_arguments(w: Wire, exprs: dict[str, str]) -> str:
     """The event's constructor arguments: its fields in order while the wire
     gives each and the class takes them by position (a positional call is
     about half the cost of a keyword one), the rest by keyword."""

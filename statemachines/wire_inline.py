@@ -44,10 +44,10 @@ from typing import Any, Callable, NamedTuple
 
 from .base import Event, built_from_fields
 from .composition import Requesters, Wire
-from .wire_code import _arguments, wire_fields, wire_lines
+from .wire_code import event_arguments, wire_fields, wire_lines
 
-# The parameters of a plane row (plane_rows._ROW_ARGS).
-_ROW_PARAMS = ("plane", "insts", "inst", "key", "ev", "now", "out", "queue", "note", "created")
+# The parameters of a plane row: row(plane, insts, inst, key, ev, now, out, queue, note, created).
+ROW_PARAMS = ("plane", "insts", "inst", "key", "ev", "now", "out", "queue", "note", "created")
 # The most states of a target written in at one wire (each costs a comparison on the way to the next).
 _MAX_STATES = 2
 # The longest target row written in at a wire.
@@ -74,7 +74,7 @@ def inline_wire(w: Wire, action: str, scope: dict[str, Any], tag: str, action_fi
     prelude, exprs = wire_fields(w, action, scope, tag, action_field)
     locals_ = {field: f"ev{tag}_{field}" for field in exprs}
     target, key_local = f"tgt{tag}", locals_[w.event.key_field]
-    built = f"EV{tag}({_arguments(w, locals_)})"
+    built = f"EV{tag}({event_arguments(w, locals_)})"
     branches: list[tuple[str, str, list[str]]] = []  # (kind, state, statements)
     for kind in kinds:
         rows = targets[(kind, w.event)]
@@ -83,7 +83,7 @@ def inline_wire(w: Wire, action: str, scope: dict[str, Any], tag: str, action_fi
         for state in sorted(rows, key=lambda s: s not in holding.get(kind, ())):
             written = getattr(rows[state], "written", None)
             statements = None if written is None else _written_in(
-                written.body, written.names, w.event, scope, f"I{tag}_{len(branches)}_", names, quiet=not last)
+                written.body, written.names, scope, f"I{tag}_{len(branches)}_", names, quiet=not last)
             if statements is not None:
                 branches.append((kind, state, statements))
                 found += 1
@@ -131,8 +131,8 @@ class _Names(NamedTuple):
     event: str  # the expression that builds the event (for a row that passes it on)
 
 
-def _written_in(body: list[str], names: dict[str, Any], event: type[Event], scope: dict[str, Any], prefix: str,
-                at: _Names, quiet: bool) -> list[str] | None:
+def _written_in(body: list[str], names: dict[str, Any], scope: dict[str, Any], prefix: str, at: _Names,
+                quiet: bool) -> list[str] | None:
     """The statements of a plane row (its ``WrittenRow`` text) to run at a
     wire, over the wire's locals ``at``; its scope names bound in ``scope``
     under ``prefix``, as are its own locals.  None where the row cannot be
@@ -203,7 +203,7 @@ def _template(body: tuple[str, ...], quiet: bool) -> tuple[str, list[tuple[str, 
     return _SLOT.sub(r"{\1}", text), rewriter.slots
 
 
-_PARAMS = frozenset(_ROW_PARAMS)
+_PARAMS = frozenset(ROW_PARAMS)
 _BUILTINS = frozenset(dir(builtins))
 # What a written-in row may not hold: a raise (a protocol error closes the
 # instance through its dispatcher), a handler, or a scope of its own.
