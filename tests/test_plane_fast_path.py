@@ -61,6 +61,15 @@ def stimulus(rng: random.Random):
     ])()
 
 
+def step_both(a: ControlPlane, b: ControlPlane, s, now: float) -> tuple[tuple, float]:
+    """Feed stimulus ``s`` (an event, or a time step: fire what is due
+    after it) to both planes: (what each returned, the time now)."""
+    if isinstance(s, float):
+        now += s
+        return (a.fire_due(now), b.fire_due(now)), now
+    return (a.handle(s, now), b.handle(s, now)), now
+
+
 def general_plane(config: PlaneConfig) -> ControlPlane:
     """A plane whose every machine is wrapped: no compiled plane row applies."""
     plane = ControlPlane(config, observed(MACHINES, lambda step: None))
@@ -99,11 +108,7 @@ def test_compiled_rows_and_general_path_agree(seed, config, recording, monkeypat
     now = 0.0
     for n in range(600):
         s = stimulus(rng)
-        if isinstance(s, float):
-            now += s
-            got = fast.fire_due(now), general.fire_due(now)
-        else:
-            got = fast.handle(s, now), general.handle(s, now)
+        got, now = step_both(fast, general, s, now)
         assert repr(got[0]) == repr(got[1]), (n, s)
         assert repr(logs[0]) == repr(logs[1]), (n, s)
         logs[0].clear()
@@ -183,11 +188,7 @@ def test_written_in_wire_targets_agree_with_the_queue(seed, monkeypatch):
     fast, general = ControlPlane(CFG), general_plane(CFG)
     now = 0.0
     for n, s in enumerate(lifecycle_stimuli(rng, 800)):
-        if isinstance(s, float):
-            now += s
-            got = fast.fire_due(now), general.fire_due(now)
-        else:
-            got = fast.handle(s, now), general.handle(s, now)
+        got, now = step_both(fast, general, s, now)
         assert repr(got[0]) == repr(got[1]), (n, s)
         assert state_of(fast) == state_of(general), (n, s)
 
@@ -211,11 +212,7 @@ def test_inlined_rows_and_called_rows_agree(seed, recording, monkeypatch):
         now = 0.0
         for n in range(400):
             s = stimulus(rng)
-            if isinstance(s, float):
-                now += s
-                got = inlined.fire_due(now), called.fire_due(now)
-            else:
-                got = inlined.handle(s, now), called.handle(s, now)
+            got, now = step_both(inlined, called, s, now)
             assert repr(got[0]) == repr(got[1]), (n, s)
             assert repr(logs[0]) == repr(logs[1]), (n, s)
             logs[0].clear()
