@@ -201,7 +201,8 @@ class ControlPlane:
         q._sources, q._users, q._creators, q._internal = self._sources, self._users, self._creators, self._internal
         q._stat_key, q._routes, q._fast, q._kinds = self._stat_key, self._routes, self._fast, self._kinds
         copiers = _COPIERS
-        q.instances = {kind: {key: copiers[i.__class__](i) for key, i in insts.items()}
+        # (an empty kind's dict made without running the inner comprehension: most kinds are empty)
+        q.instances = {kind: {key: copiers[i.__class__](i) for key, i in insts.items()} if insts else {}
                        for kind, insts in self.instances.items()}
         q.heartbeats = self.heartbeats.over(q.instances.get("heartbeat", {}))
         q._timers = list(self._timers)
