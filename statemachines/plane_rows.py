@@ -246,11 +246,8 @@ def _plane_row(kind: str, machine: Machine, state: str, event: type[Event], entr
                               f"    queue.append(plane._source_ended(SOURCE{i}_{u}, USER{i}_{u}, key, EVENT))"]
         for j, cls in enumerate(t.actions):
             field = (lambda name, j=j: f"a{j}_{name}") if (i, j) in unbuilt else None
-            wire = wires.get(cls)
-            written = None if wire is None else inline_wire(
-                wire, f"a{j}", scope, f"{i}_{j}", field, targets, holding,
-                last=all(c is CancelTimer for c in t.actions[j + 1:]))
-            lines += written if written is not None else _action_lines(cls, f"a{j}", wires, scope, f"{i}_{j}", field)
+            lines += _action_lines(cls, f"a{j}", wires, scope, f"{i}_{j}", field, targets, holding,
+                                   last=all(c is CancelTimer for c in t.actions[j + 1:]))
         return lines + ["return"]
 
     lines = transition_lines(machine, state, event, entry, scope, finish, bind, deadline_as="dl")
@@ -297,9 +294,13 @@ class WrittenRow(NamedTuple):
 
 
 def _action_lines(cls: type[Action], action: str, wires: dict[type[Action], Wire], scope: dict[str, Any],
-                  tag: str, field: Callable[[str], str] | None = None) -> list[str]:
+                  tag: str, field: Callable[[str], str] | None, targets: dict[tuple[str, type[Event]], dict[str, Any]],
+                  holding: dict[str, frozenset[str]], last: bool) -> list[str]:
     """What the plane does with one action its row built (the class its row
-    declares; ``ControlPlane._internal`` maps the same classes)."""
+    declares; ``ControlPlane._internal`` maps the same classes).  A wire's
+    event is queued, or its target's row written in where that may be
+    (``wire_inline``; ``last``: nothing after the action reaches the world
+    or the queue)."""
     if cls is ArmTimer:
         return [f"plane._arm({action}.at, {action}.kind, {action}.key)"]
     if cls is CancelTimer:
@@ -307,7 +308,8 @@ def _action_lines(cls: type[Action], action: str, wires: dict[type[Action], Wire
     wire = wires.get(cls)
     if wire is None:
         return [f"out.append({action})"]
-    return wire_lines(wire, action, scope, tag, field)
+    written = inline_wire(wire, action, scope, tag, field, targets, holding, last)
+    return written if written is not None else wire_lines(wire, action, scope, tag, field)
 
 
 def unbuilt_action(cls: type[Action], expression: str, scope: dict[str, Any], prefix: str,

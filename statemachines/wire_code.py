@@ -30,8 +30,8 @@ def wire_lines(w: Wire, action: str, scope: dict[str, Any], tag: str,
     lines, exprs = wire_fields(w, action, scope, tag, action_field)
     call = f"EV{tag}({event_arguments(w, exprs)})"
     if isinstance(w.target, Requesters):
-        field_of = action_field or (lambda name: f"{action}.{identifier(name)}")
-        lines += [f"for {req} in {field_of(w.target.field)}:", f"    queue.append({call})"]
+        lines += [f"for {req} in {action_reader(action, action_field)(w.target.field)}:",
+                  f"    queue.append({call})"]
     elif w.only_if_live or any(isinstance(source, TargetField) for _, source in w.fields):
         scope[f"KIND{tag}"] = w.target
         lines += [f"{target} = plane.instances[KIND{tag}].get({exprs[w.event.key_field]})",
@@ -48,7 +48,7 @@ def wire_fields(w: Wire, action: str, scope: dict[str, Any], tag: str,
     ``action_field``), ``plane``, the target instance ``tgt<tag>`` and, for
     a fan-out, the requester ``req<tag>`` (see ``wire_lines``)."""
     target, req, chain = f"tgt{tag}", f"req{tag}", f"chain{tag}"
-    field_of = action_field or (lambda name: f"{action}.{identifier(name)}")
+    field_of = action_reader(action, action_field)
 
     def expr(field: str, source: Any) -> str:
         if isinstance(source, ActionField):
@@ -72,6 +72,12 @@ def wire_fields(w: Wire, action: str, scope: dict[str, Any], tag: str,
     if any(isinstance(source, HeartbeatChain) for _, source in w.fields):
         lines.append(f"{chain} = plane.heartbeats.chain({field_of('engine_id')})")
     return lines, {field: expr(field, source) for field, source in w.fields}
+
+
+def action_reader(action: str, action_field: Callable[[str], str] | None) -> Callable[[str], str]:
+    """Field name -> the expression reading it from the action: ``action_field``,
+    or by default the attribute of the variable ``action``."""
+    return action_field or (lambda name: f"{action}.{identifier(name)}")
 
 
 def event_arguments(w: Wire, exprs: dict[str, str]) -> str:

@@ -44,7 +44,7 @@ from typing import Any, Callable, NamedTuple
 
 from .base import Event, built_from_fields
 from .composition import Requesters, Wire
-from .wire_code import event_arguments, wire_fields, wire_lines
+from .wire_code import action_reader, event_arguments, wire_fields, wire_lines
 
 # The parameters of a plane row: row(plane, insts, inst, key, ev, now, out, queue, note, created).
 ROW_PARAMS = ("plane", "insts", "inst", "key", "ev", "now", "out", "queue", "note", "created")
@@ -95,8 +95,7 @@ def inline_wire(w: Wire, action: str, scope: dict[str, Any], tag: str, action_fi
     if isinstance(w.target, Requesters):
         # One requester, at the row's end: its wake-up written in where its row is.
         req, reqs = f"req{tag}", f"reqs{tag}"
-        field_of = action_field or (lambda name: f"{action}.{name}")
-        lines = [f"{reqs} = {field_of(w.target.field)}",
+        lines = [f"{reqs} = {action_reader(action, action_field)(w.target.field)}",
                  f"{target} = None",
                  f"if len({reqs}) == 1 and not queue and not note:",
                  f"    {req} = {reqs}[0]",
