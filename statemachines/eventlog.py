@@ -371,8 +371,9 @@ class EventLogWriter:
                     entries.append(("ArmTimer", ArmTimer(kind, key, deadline)))
                 else:
                     raise _NotFinite
-            if out:
-                entries += _entries(cascade_effects(acts, out))
+            effects = cascade_effects(acts, out) if out else None
+            if effects:
+                entries += _entries(effects)
             lines = self._lines
             lines.append(_Line(LOG_VERSION, self.seq, now, f"{kind}:{key}", cls.__name__, data, before, after,
                                entries))

@@ -99,7 +99,8 @@ def stimulus_actions(stimulus: Stimulus, out: Sequence[Action] | None) -> Sequen
     """The actions of a stimulus's log line: the addressed machine's own, its
     timer's, then the external effects of the internal events they set off
     (``cascade_effects``), so replay also checks what other machines did.
-    ``out`` is the plane's output after a cascade, None without one.
+    ``out`` is the plane's output for the stimulus (None: nothing, or no
+    cascade); it starts with the externals of the stimulus's own actions.
     Without a cascade or a timer change the machine's own list is returned
     (a step is read-only).  The event log's encoder follows the same order."""
     _, _, kind, key, _, _, acts, old_deadline, deadline = stimulus

@@ -155,10 +155,13 @@ class ControlPlane:
         if note:
             top, self._top = self._top, None
             if top is not None:  # None: a refused stimulus, handed to the recorder as a Step already
-                if self._capture is not None:  # out: the caller's, copied
-                    self._capture(top, out[:] if queue else None)
+                # A cascade's effects follow the stimulus's own in out, whether
+                # queued or written in at its wire (wire_inline): out is passed
+                # whenever it holds anything (the caller's, copied).
+                if self._capture is not None:
+                    self._capture(top, out[:] if out else None)
                 elif self._recorder is not None:
-                    self._recorder(stimulus_step(top, out if queue else None))
+                    self._recorder(stimulus_step(top, out[:] if out else None))
         return out
 
     def next_deadline(self) -> float | None:

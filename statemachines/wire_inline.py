@@ -9,8 +9,10 @@ row in at the wire: the event's fields become locals, and no event is
 built, queued or dispatched.  That holds when, as the row runs:
 
 - nothing is queued (a row that queued already, or that runs from the
-  queue, where the queue holds its own event, queues), and the step is
-  not being recorded (its log line is written from the queued path);
+  queue, where the queue holds its own event, queues); a recorded step
+  too: its line holds the stimulus's own row's actions (noted before the
+  wire) and the cascade's effects, read from the plane's output, the same
+  either way;
 - the target instance exists and is in a state whose row is written in
   (any other state: queued, as before);
 
@@ -97,7 +99,7 @@ def inline_wire(w: Wire, action: str, scope: dict[str, Any], tag: str, action_fi
         req, reqs = f"req{tag}", f"reqs{tag}"
         lines = [f"{reqs} = {action_reader(action, action_field)(w.target.field)}",
                  f"{target} = None",
-                 f"if len({reqs}) == 1 and not queue and not note:",
+                 f"if len({reqs}) == 1 and not queue:",
                  f"    {req} = {reqs}[0]",
                  f"    {key_local} = {exprs[w.event.key_field]}",
                  f"    {target} = plane.instances.get({req}[0], EMPTY{tag}).get({key_local})"]
@@ -110,7 +112,7 @@ def inline_wire(w: Wire, action: str, scope: dict[str, Any], tag: str, action_fi
         state_local = f"st{tag}"
         lines = prelude + [f"{key_local} = {exprs[w.event.key_field]}",
                            f"{target} = plane.instances[KIND{tag}].get({key_local})",
-                           f"{state_local} = None if {target} is None or queue or note else {target}.state"]
+                           f"{state_local} = None if {target} is None or queue else {target}.state"]
         tests = [f"{state_local} == {state!r}" for _, state, _ in branches]
     for k, ((_, _, statements), test) in enumerate(zip(branches, tests)):
         lines.append(f"{'if' if k == 0 else 'elif'} {test}:")
@@ -244,7 +246,7 @@ class _Rewriter(ast.NodeTransformer):
 
     def visit_Name(self, node: ast.Name) -> ast.AST:
         name = node.id
-        if name in ("note", "created"):  # the wire's target exists, and the step is not recorded
+        if name in ("note", "created"):  # the wire's target exists; only the stimulus's own row notes
             return ast.copy_location(ast.Constant(False), node)
         if name in ("inst", "key", "insts"):
             return self._slot(name, "", node)

@@ -8,6 +8,7 @@ step the two must have returned the same actions, logged the same step,
 and hold the same instances, timer heap, stats and anomalies."""
 from __future__ import annotations
 
+import io
 import random
 
 import attrs
@@ -15,6 +16,7 @@ import pytest
 
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.eventlog import EventLogWriter
 from kvplane.statemachines.machine import compile_machine
 from kvplane.statemachines.machines import MACHINES, SPECS
 from kvplane.statemachines.observe import observed
@@ -90,8 +92,8 @@ def state_of(plane: ControlPlane) -> str:
                          ids=["short", "default", "spread"])
 @pytest.mark.parametrize("seed", range(8))
 def test_compiled_rows_and_general_path_agree(seed, config, recording, monkeypatch):
-    """Not recording, the compiled rows also write wire targets' rows in
-    (wire_inline) where the general path queues their events: the same
+    """The compiled rows also write wire targets' rows in (wire_inline)
+    where the general path queues their events, recorded or not: the same
     actions, and the same instances, heap (entry order and sequence
     numbers), stats and anomalies after every step."""
     monkeypatch.setattr(plane_module, "_MIN_COMPACT", 8)  # compactions happen, both paths trigger them
@@ -177,20 +179,34 @@ def lifecycle_stimuli(rng: random.Random, n: int):
             yield rng.choice([0.5, 1.0, 2.5, 4.5])
 
 
+@pytest.mark.parametrize("recording", ["not-recording", "steps", "event-log"])
 @pytest.mark.parametrize("seed", range(12))
-def test_written_in_wire_targets_agree_with_the_queue(seed, monkeypatch):
-    """Whole lifecycles, interleaved, not recording: the compiled rows write
-    the rows of wire targets in (wire_inline) where the general path queues
-    their events; after every step the same actions and the same instances,
-    heap (entry order, sequence numbers), stats and anomalies."""
+def test_written_in_wire_targets_agree_with_the_queue(seed, recording, monkeypatch):
+    """Whole lifecycles, interleaved: the compiled rows write the rows of
+    wire targets in (wire_inline) where the general path queues their
+    events; after every step the same actions and the same instances, heap
+    (entry order, sequence numbers), stats and anomalies.  Recorded, the
+    same steps (a Step recorder) or the same log lines (the event log's
+    writer, which the plane hands each stimulus unbuilt, ``capture``)."""
     monkeypatch.setattr(plane_module, "_MIN_COMPACT", 8)
     rng = random.Random(2000 + seed)
     fast, general = ControlPlane(CFG), general_plane(CFG)
+    steps: tuple[list, list] = ([], [])
+    writers = (EventLogWriter(io.StringIO()), EventLogWriter(io.StringIO()))
+    for plane, log, writer in zip((fast, general), steps, writers):
+        if recording != "not-recording":
+            plane.recorder = log.append if recording == "steps" else writer
     now = 0.0
     for n, s in enumerate(lifecycle_stimuli(rng, 800)):
         got, now = step_both(fast, general, s, now)
         assert repr(got[0]) == repr(got[1]), (n, s)
+        assert repr(steps[0]) == repr(steps[1]), (n, s)
         assert state_of(fast) == state_of(general), (n, s)
+    for writer in writers:
+        writer.flush()
+    lines = [w.stream.getvalue().splitlines() for w in writers]
+    assert lines[0] == lines[1]
+    assert (len(lines[0]) > 800) is (recording == "event-log")
 
 
 @pytest.mark.parametrize("recording", [True, False], ids=["recording", "not-recording"])
