@@ -201,6 +201,8 @@ def test_written_in_wire_targets_agree_with_the_queue(seed, recording, monkeypat
         got, now = step_both(fast, general, s, now)
         assert repr(got[0]) == repr(got[1]), (n, s)
         assert repr(steps[0]) == repr(steps[1]), (n, s)
+        steps[0].clear()
+        steps[1].clear()
         assert state_of(fast) == state_of(general), (n, s)
     for writer in writers:
         writer.flush()
