@@ -66,13 +66,14 @@ def _register(b: HeartbeatBatch, ev: HeartbeatRegister, cfg, now) -> None:
 
 
 def _unregister(b: HeartbeatBatch, ev: HeartbeatUnregister, cfg, now) -> None:
+    # No early return and no del: the compiled rows write such an effect in
+    # (inline.py), and at a wire before others (wire_inline's quiet rows).
     n = b.ids.get(ev.request_id)
-    if n is None:
-        return
-    if n <= 1:
-        del b.ids[ev.request_id]
-    else:
-        b.ids[ev.request_id] = n - 1
+    if n is not None:
+        if n > 1:
+            b.ids[ev.request_id] = n - 1
+        else:
+            b.ids.pop(ev.request_id)
 
 
 def _sent(b: HeartbeatBatch, ev, cfg, now) -> None:
