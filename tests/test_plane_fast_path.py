@@ -87,6 +87,19 @@ def state_of(plane: ControlPlane) -> str:
     return repr((instances, list(plane._timers), plane._draining, plane._seq, dict(plane.stats), list(plane.anomalies)))
 
 
+def step_and_compare(a: ControlPlane, b: ControlPlane, logs: tuple[list, list], s, now: float, n: int) -> float:
+    """Feed ``s`` to both planes (``step_both``) and check they agree: the same
+    output, the same steps in ``logs`` (the planes' recorders' lists, emptied
+    after), the same state; returns the time now."""
+    got, now = step_both(a, b, s, now)
+    assert repr(got[0]) == repr(got[1]), (n, s)
+    assert repr(logs[0]) == repr(logs[1]), (n, s)
+    logs[0].clear()
+    logs[1].clear()
+    assert state_of(a) == state_of(b), (n, s)
+    return now
+
+
 @pytest.mark.parametrize("recording", [True, False], ids=["recording", "not-recording"])
 @pytest.mark.parametrize("config", [CFG, PlaneConfig(), PlaneConfig(heartbeat_spread=True)],
                          ids=["short", "default", "spread"])
@@ -110,12 +123,7 @@ def test_compiled_rows_and_general_path_agree(seed, config, recording, monkeypat
     now = 0.0
     for n in range(600):
         s = stimulus(rng)
-        got, now = step_both(fast, general, s, now)
-        assert repr(got[0]) == repr(got[1]), (n, s)
-        assert repr(logs[0]) == repr(logs[1]), (n, s)
-        logs[0].clear()
-        logs[1].clear()
-        assert state_of(fast) == state_of(general), (n, s)
+        now = step_and_compare(fast, general, logs, s, now, n)
         if n % 50 == 49:  # the explorer's copies dispatch the same way
             fast, general = fast.clone(), general.clone()
             record()
@@ -198,12 +206,7 @@ def test_written_in_wire_targets_agree_with_the_queue(seed, recording, monkeypat
             plane.recorder = log.append if recording == "steps" else writer
     now = 0.0
     for n, s in enumerate(lifecycle_stimuli(rng, 800)):
-        got, now = step_both(fast, general, s, now)
-        assert repr(got[0]) == repr(got[1]), (n, s)
-        assert repr(steps[0]) == repr(steps[1]), (n, s)
-        steps[0].clear()
-        steps[1].clear()
-        assert state_of(fast) == state_of(general), (n, s)
+        now = step_and_compare(fast, general, steps, s, now, n)
     for writer in writers:
         writer.flush()
     lines = [w.stream.getvalue().splitlines() for w in writers]
@@ -230,9 +233,4 @@ def test_inlined_rows_and_called_rows_agree(seed, recording, monkeypatch):
         now = 0.0
         for n in range(400):
             s = stimulus(rng)
-            got, now = step_both(inlined, called, s, now)
-            assert repr(got[0]) == repr(got[1]), (n, s)
-            assert repr(logs[0]) == repr(logs[1]), (n, s)
-            logs[0].clear()
-            logs[1].clear()
-            assert state_of(inlined) == state_of(called), (n, s)
+            now = step_and_compare(inlined, called, logs, s, now, n)
