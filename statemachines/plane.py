@@ -157,11 +157,11 @@ class ControlPlane:
             if top is not None:  # None: a refused stimulus, handed to the recorder as a Step already
                 # A cascade's effects follow the stimulus's own in out, whether
                 # queued or written in at its wire (wire_inline): out is passed
-                # whenever it holds anything (the caller's, copied).
-                if self._capture is not None:
+                # whenever it holds anything.
+                if self._capture is not None:  # the caller's, copied: a capture may keep it
                     self._capture(top, out[:] if out else None)
-                elif self._recorder is not None:
-                    self._recorder(stimulus_step(top, out[:] if out else None))
+                elif self._recorder is not None:  # stimulus_step keeps slices of it, not out
+                    self._recorder(stimulus_step(top, out if out else None))
         return out
 
     def next_deadline(self) -> float | None:
