@@ -406,6 +406,10 @@ class PlaneDriver:
                 handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif,
                               remote_part=parts[0], local_part=parts[1])
         except (TransportError, ValueError) as exc:
+            # A refused post (a block id past the peer's pool, a layout that
+            # does not pair, a gone peer) fails this transfer only.
+            self._count_and_warn(f"{op.lower()}s_refused", "%s %s of %s from %s refused: %s", self.engine_id, op,
+                                 a.request_id, a.engine_id, exc)
             follow.append(failed(request_id=a.request_id, reason=f"{type(exc).__name__}: {exc}"))
             if isinstance(exc, PeerGone):
                 follow.append(E.PeerDisconnected(engine_id=a.engine_id, reason=str(exc)))
