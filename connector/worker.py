@@ -169,7 +169,7 @@ class ConnectorWorker:
         for src in sources:
             sub = rid if len(sources) == 1 else f"{rid}@tp{src.holder_rank}"
             engine = rank_engine_id(rk.remote_engine_id, src.holder_rank)
-            self.driver.learn_engine(engine, rk.rank_side_channel(src.holder_rank))
+            self.driver.learn_engine(engine, rk.rank_side_channel(src.holder_rank), rk.remote_public_key)
             if not (src.remote.whole and src.local.whole):
                 self.driver.parts[sub] = ((src.remote.index, src.remote.of), (src.local.index, src.local.of))
             self._parent[sub] = rid

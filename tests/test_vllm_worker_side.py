@@ -14,6 +14,7 @@ import torch
 
 from kvplane.app.kv_check import check_all
 from kvplane.connector.kv_dump import DUMP_KEY, DumpKV
+from kvplane.connector.secret import write_secret_file
 from kvplane.connector.vllm_scheduler import VllmSchedulerSide
 from kvplane.connector.vllm_settings import settings_from
 from kvplane.connector.vllm_worker import VllmWorkerSide
@@ -40,8 +41,18 @@ def kv_layers(seed: int) -> dict[str, torch.Tensor]:
             for i in range(2)}
 
 
+def secret_file(tmp) -> str:
+    """The deployment secret both engines of a test share."""
+    path = tmp / "kvplane.secret"
+    if not path.exists():
+        write_secret_file(path)
+    return str(path)
+
+
 class Engine:
     def __init__(self, name: str, tmp, seed: int, **extra):
+        if "kvplane_keypair" not in extra and "kvplane_insecure" not in extra:
+            extra["kvplane_secret_file"] = secret_file(tmp)
         self.settings = settings_from({"kvplane_event_log": str(tmp / f"{name}.events.jsonl"),
                                        "kvplane_status_file": str(tmp / f"{name}.status.json"),
                                        "kvplane_kv_dump_dir": str(tmp), **extra},
@@ -174,7 +185,7 @@ def test_curve_keys_from_certificate_files(tmp_path):
     d = Engine("decode-0", tmp_path, seed=2, **keys("decode-0", "prefill-0"))
     try:
         assert not p.settings.insecure and p.worker.rank_info().public_key is not None
-        x = Req("x", {"do_remote_decode": True})
+        x = Req("x", {"do_remote_decode": True}, num_prompt_tokens=10, num_computed_tokens=10)
         p.sched.on_new_request(x)
         _, params = p.sched.request_finished(x, (3,))
         p.step()
@@ -191,7 +202,7 @@ def test_curve_keys_from_certificate_files(tmp_path):
 
 
 def test_layers_must_agree(tmp_path):
-    settings = settings_from({}, side_channel_port=free_port())
+    settings = settings_from({"kvplane_insecure": True}, side_channel_port=free_port())
     w = VllmWorkerSide("e", settings)
     try:
         with pytest.raises(ValueError, match="shaped alike"):

@@ -18,3 +18,10 @@ class Req:
     num_prompt_tokens: int = 300
     num_computed_tokens: int = 300
     status: Status = attrs.Factory(lambda: Status("FINISHED_LENGTH_CAPPED"))
+    # The prompt's token ids (what P's params vouch for and D checks).
+    prompt_token_ids: list | None = attrs.Factory(lambda self: list(range(7, 7 + self.num_prompt_tokens)),
+                                                  takes_self=True)
+
+    @property
+    def all_token_ids(self) -> list | None:
+        return self.prompt_token_ids
