@@ -14,12 +14,12 @@ import torch
 
 from kvplane.app.kv_check import check_all
 from kvplane.connector.kv_dump import DUMP_KEY, DumpKV
-from kvplane.connector.secret import write_secret_file
 from kvplane.connector.vllm_scheduler import VllmSchedulerSide
 from kvplane.connector.vllm_settings import settings_from
 from kvplane.connector.vllm_worker import VllmWorkerSide
 from kvplane.statemachines.replay import replay
 from vllm_support import Req as VllmRequest
+from vllm_support import deployment_secret
 
 BLOCKS, BLOCK_TOKENS, WIDTH = 32, 16, 8
 
@@ -41,18 +41,10 @@ def kv_layers(seed: int) -> dict[str, torch.Tensor]:
             for i in range(2)}
 
 
-def secret_file(tmp) -> str:
-    """The deployment secret both engines of a test share."""
-    path = tmp / "kvplane.secret"
-    if not path.exists():
-        write_secret_file(path)
-    return str(path)
-
-
 class Engine:
     def __init__(self, name: str, tmp, seed: int, **extra):
         if "kvplane_keypair" not in extra and "kvplane_insecure" not in extra:
-            extra["kvplane_secret_file"] = secret_file(tmp)
+            extra["kvplane_secret_file"] = deployment_secret(tmp)
         self.settings = settings_from({"kvplane_event_log": str(tmp / f"{name}.events.jsonl"),
                                        "kvplane_status_file": str(tmp / f"{name}.status.json"),
                                        "kvplane_kv_dump_dir": str(tmp), **extra},

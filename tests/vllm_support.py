@@ -1,7 +1,20 @@
 """Stand-ins for what the vLLM connector reads of vLLM's objects (no vLLM needed)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
+
+from kvplane.connector.secret import write_secret_file
+
+
+def deployment_secret(folder) -> str:
+    """A deployment secret file in ``folder``, made once: every engine of a
+    test that reads it is one deployment (kvplane_secret_file)."""
+    path = Path(folder) / "kvplane.secret"
+    if not path.exists():
+        write_secret_file(path)
+    return str(path)
 
 
 @attrs.define
