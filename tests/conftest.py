@@ -47,6 +47,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_layering.py": "core",
     "test_log_stream.py": "core",
     "test_monitors.py": "core",
+    "test_param_auth.py": "core",
     "test_params.py": "core",
     "test_plane_fast_path.py": "core",
     "test_plane_properties.py": "core",
