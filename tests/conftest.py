@@ -43,6 +43,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_fuzz_handshake.py": None,
     "test_heartbeat_phase.py": "core",
     "test_heartbeat_spread_explorer.py": None,
+    "test_hostile_params.py": "nixl",
     "test_inline.py": "core",
     "test_layering.py": "core",
     "test_log_stream.py": "core",
