@@ -178,7 +178,7 @@ class VllmSchedulerSide:
 
     def request_finished(self, request: Any, block_ids: tuple[int, ...]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         normal = getattr(request.status, "name", str(request.status)) in FINISHED_NORMALLY
         if rid in self._remote:
             self._remote.discard(rid)

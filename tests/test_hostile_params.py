@@ -296,3 +296,29 @@ def test_an_ended_lease_binds_no_new_reader(tmp_path):
         dep.wind_down()
     finally:
         dep.close()
+
+
+def test_a_request_whose_set_up_raises_fails_alone(tmp_path, monkeypatch):
+    """The worker half's last line: an unforeseen exception setting up one
+    request's recv fails that recv (vLLM recomputes it); the engine and the
+    other requests go on."""
+    dep = Deployment(tmp_path, secure=True)
+    try:
+        real = dep.d.worker.worker._new_request
+        calls = []
+
+        def once(rid, rk, push):
+            calls.append(rid)
+            if len(calls) == 1:
+                raise RuntimeError("unforeseen")
+            return real(rid, rk, push)
+
+        monkeypatch.setattr(dep.d.worker.worker, "_new_request", once)
+        rid, params = dep.grant()
+        assert dep.decode(rid, params) == "failed"
+        assert dep.d.worker.worker.counters["new_request_errors"] == 1
+        rid, params = dep.grant()
+        assert dep.decode(rid, params) == "done"
+        dep.wind_down()
+    finally:
+        dep.close()

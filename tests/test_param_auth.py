@@ -290,3 +290,14 @@ def test_refusals_reach_the_stats_and_the_log_is_rate_limited(pd):
         assert not accepted(d, dict(params, remote_port=1000 + i), rid=f"r{i}")
     assert d.stats() == {"kvplane_refused_params": 25}
     assert len(d.warned) == 10  # the first ten; then every 1000th
+
+
+def test_the_scheduler_halfs_counts_join_the_workers_in_vllms_stats():
+    from kvplane.connector import vllm_stats
+
+    worker = vllm_stats.stats_data(0, {"bytes_transferred": 10}, {"kvplane_leases": 2})
+    sched = vllm_stats.scheduler_stats_data({"kvplane_refused_params": 3, "kvplane_refused_dump_tags": 1})
+    reduced = vllm_stats.reduce(vllm_stats.merge(worker, sched))
+    assert (reduced["kvplane_refused_params"], reduced["kvplane_refused_dump_tags"]) == (3, 1)
+    assert reduced["bytes_transferred"] == 10 and reduced["kvplane_leases"] == 2  # the rank's gauges kept
+    assert vllm_stats.is_empty(vllm_stats.scheduler_stats_data({}))
