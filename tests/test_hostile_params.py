@@ -322,3 +322,46 @@ def test_a_request_whose_set_up_raises_fails_alone(tmp_path, monkeypatch):
         dep.wind_down()
     finally:
         dep.close()
+
+
+def test_side_channel_and_rotation_with_real_engines(tmp_path):
+    """CURVE from the secret: a holder of the deployment key fetches P's
+    metadata, a stranger's key or plaintext gets nothing.  Rotation, step 2
+    (P signs with NEW and accepts OLD, D the other way round): D reads from
+    P, and a D that knows only OLD refuses P's params before connecting."""
+    from kvplane.connector.secret import keys_from_text
+    from kvplane.transport.handshake import HandshakeError, handshake
+
+    old, new = "o" * 64, "n" * 64
+    for name, text in (("p", f"{new}\n{old}\n"), ("d", f"{old}\n{new}\n"), ("d_old", old)):
+        (tmp_path / name).write_text(text)
+    p = Engine("prefill-0", 1, kvplane_secret_file=str(tmp_path / "p"))
+    d = Engine("decode-0", 2, kvplane_secret_file=str(tmp_path / "d"))
+    d_old = Engine("decode-1", 3, kvplane_secret_file=str(tmp_path / "d_old"))
+    try:
+        url, server_key = p.driver.side_channel_url, keys_from_text(new).signing.curve_public
+        for member in (new, old):
+            got = handshake(url, p.driver.engine_id, p.driver.compat_hash, 5.0, server_public_key=server_key,
+                            client_keypair=keys_from_text(member).signing.curve_keypair)
+            assert got.metadata
+        for stranger in ({"client_keypair": keys_from_text("s" * 64).signing.curve_keypair,
+                          "server_public_key": server_key}, {"insecure": True}):
+            with pytest.raises(HandshakeError):
+                handshake(url, p.driver.engine_id, p.driver.compat_hash, 1.0, **stranger)
+
+        dep = Deployment.__new__(Deployment)
+        dep.p, dep.d, dep.ids, dep.outcomes = p, d, itertools.count(), {"refused": 0, "done": 0, "failed": 0}
+        rid, params = dep.grant()
+        assert dep.decode(rid, params) == "done"
+        for name in p.kv:
+            assert torch.equal(d.kv[name][list(D_BLOCKS)], p.kv[name][list(P_BLOCKS)])
+        dep.d = d_old
+        rid, params = dep.grant()
+        assert dep.decode(rid, params) == "refused"
+        assert d_old.sched.counters["refused_params: unknown key"] == 1
+        assert d_old.driver.counters["handshakes_started"] == 0  # refused before connecting anywhere
+        dep.d = d
+        dep.wind_down()
+    finally:
+        for e in (p, d, d_old):
+            e.worker.shutdown()
