@@ -38,7 +38,7 @@ from typing import Any, Callable
 import attrs
 
 from . import actions as A
-from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
+from .base import Action, ArmTimer, CancelTimer, Event, TimerFired, runs_code_when_built
 from .composition import WIRES
 from .config import PlaneConfig
 from .heartbeats import Heartbeats
@@ -553,27 +553,34 @@ _IMMUTABLE_TYPES = frozenset({"str", "int", "float", "bool", "tuple", "frozenset
 
 
 def _instance_copier(cls: type) -> Callable[[Any], Any]:
-    """A function that copies an instance of ``cls`` slot by slot: what
-    ``attrs.evolve`` did, without its per-call introspection and __init__
-    (the explorer copies a few instances per explored move).  A field of
-    any other annotation (Any, set, list, dict, Requesters) gets a fresh
-    container (its ``copy()``) when it holds one."""
+    """A function that copies an instance of ``cls`` field by field: what
+    ``attrs.evolve`` did, without its per-call introspection (the explorer
+    copies a few instances per explored move).  A field of any annotation
+    but the immutable ones (Any, set, list, dict, Requesters) gets a fresh
+    container (its ``copy()``) when it holds one.  A class built from its
+    fields alone (every instance class here) is copied through its own
+    ``__init__`` by position, which assigns the slots in one call."""
     fields = attrs.fields(cls)
-    shared = tuple(a.name for a in fields if a.type in _IMMUTABLE_TYPES)
+    names = tuple(a.name for a in fields)
     fresh = tuple(a.name for a in fields if a.type not in _IMMUTABLE_TYPES)
-    read_shared = operator.attrgetter(*shared) if len(shared) > 1 else None
-    new, containers = object.__new__, _CONTAINERS
+    read_all = operator.attrgetter(*names) if len(names) > 1 else (lambda inst: (getattr(inst, names[0]),))
+    containers = _CONTAINERS
+    by_init = not runs_code_when_built(cls) and all(
+        a.init and a.converter is None and a.validator is None and not a.kw_only and a.alias == a.name
+        for a in fields)
+    new = object.__new__
 
     def copy(inst: Any) -> Any:
-        c = new(cls)
-        if read_shared is not None:
-            for name, v in zip(shared, read_shared(inst)):
+        if by_init:
+            c = cls(*read_all(inst))
+        else:
+            c = new(cls)
+            for name, v in zip(names, read_all(inst)):
                 setattr(c, name, v)
-        elif shared:
-            setattr(c, shared[0], getattr(inst, shared[0]))
         for name in fresh:
             v = getattr(inst, name)
-            setattr(c, name, v.copy() if v.__class__ in containers else v)
+            if v.__class__ in containers:
+                setattr(c, name, v.copy())
         return c
 
     return copy
