@@ -7,10 +7,14 @@ dispatch, the machines' rows, the cascade of internal events, the recorder
 (the event log's capture and encoding, which run inside ``handle``).  A
 ``handle`` called by ``fire_due`` is counted once, in ``fire_due``.  Each
 call reads the clock twice (about 0.2 µs each here), part of which falls
-inside what it measures.
+inside what it measures.  The garbage collections that run inside those
+calls (an allocation there crossed the collector's threshold; a full
+collection walks every object of the process, torch's included) are
+counted apart too (``gc_seconds``, part of ``seconds``).
 """
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -19,7 +23,9 @@ class PlaneCpu:
     def __init__(self) -> None:
         self.seconds = 0.0  # thread CPU time inside handle / fire_due
         self.calls = 0  # top-level calls measured
+        self.gc_seconds = 0.0  # of ``seconds``: garbage collections that ran inside those calls
         self._inside = False
+        self._gc_started: float | None = None
 
     def attach(self, plane: Any) -> "PlaneCpu":
         handle, fire_due = plane.handle, plane.fire_due
@@ -41,4 +47,12 @@ class PlaneCpu:
             return call
 
         plane.handle, plane.fire_due = timed(handle), timed(fire_due)
+        gc.callbacks.append(self._on_gc)
         return self
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.thread_time() if self._inside else None
+        elif self._gc_started is not None:
+            self.gc_seconds += time.thread_time() - self._gc_started
+            self._gc_started = None

@@ -313,7 +313,7 @@ class RankWorker:
             heartbeats_sent=d.plane.stats.get("heartbeats_sent", 0), leases_ended=ended, plane_held=held,
             held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"], transfers=transfers,
             bare_reads=self._bare_done, bare_read_error=self._bare_error, cpu_s=time.process_time(), waits=dict(self.waits),
-            plane_cpu_s=self.plane_cpu.seconds))
+            plane_cpu_s=self.plane_cpu.seconds, plane_gc_s=self.plane_cpu.gc_seconds))
         if self.log is not None:
             self.log.flush()
         self.worker.shutdown()

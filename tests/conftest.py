@@ -48,6 +48,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_monitors.py": "core",
     "test_params.py": "core",
     "test_plane_reference.py": "core",
+    "test_plane_cpu.py": "core",
     "test_plane_properties.py": "core",
     "test_plane_timers.py": "core",
     "test_read_gate_property.py": "core",
