@@ -220,6 +220,8 @@ class Summary:
     transfers: list = attrs.Factory(list)
     bare_reads: list = attrs.Factory(list)
     bare_read_error: str | None = None
+    plane_cpu_s: float = 0.0  # summed over the ranks: CPU inside the plane's handle / fire_due
+    plane_gc_s: float = 0.0  # of plane_cpu_s: garbage collections inside those calls
 
 
 TO_PARENT = (Ready, Crashed, Status, Prefilled, Decoded, Turn2Done, Abandoned, Released, Summary)

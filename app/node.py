@@ -628,6 +628,7 @@ class Node:
             "transfers": [t for rs in ranks for t in rs.transfers],
             "bare_reads": [t for rs in ranks for t in rs.bare_reads],
             "bare_read_error": next((rs.bare_read_error for rs in ranks if rs.bare_read_error), None),
+            "plane_cpu_s": sum(rs.plane_cpu_s for rs in ranks), "plane_gc_s": sum(rs.plane_gc_s for rs in ranks),
         }
         self.send(Summary(**summary))
 

@@ -48,6 +48,7 @@ from kvplane.statemachines.events import HandshakeOk, LeaseHeartbeat
 from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed
 
 from .messages import handlers
+from .plane_cpu import PlaneCpu
 from .rank_messages import (TO_RANK, Fill, Poison, RankCrashed, RankOptions, RankReady, RankStep, RankSummary, Step,
                             Stop, Verify)
 
@@ -107,6 +108,7 @@ class RankWorker:
         self._ended: Counter = Counter()  # leases (and holds) ended, by why
         self._chain = self.driver.plane.recorder
         self.driver.plane.recorder = self._tally
+        self.plane_cpu = PlaneCpu().attach(self.driver.plane)  # the plane's CPU, recorder on, for the summary
         self.worker = ConnectorWorker(self.driver, rank=opts.rank, tp_size=opts.tp_size)
         if opts.block_elems % opts.tp_size:
             raise ValueError(f"block_elems {opts.block_elems} is not divisible by TP {opts.tp_size}")
@@ -310,7 +312,8 @@ class RankWorker:
             heartbeats_received=d.counters.get("heartbeats_received", 0),
             heartbeats_sent=d.plane.stats.get("heartbeats_sent", 0), leases_ended=ended, plane_held=held,
             held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"], transfers=transfers,
-            bare_reads=self._bare_done, bare_read_error=self._bare_error, cpu_s=time.process_time(), waits=dict(self.waits)))
+            bare_reads=self._bare_done, bare_read_error=self._bare_error, cpu_s=time.process_time(), waits=dict(self.waits),
+            plane_cpu_s=self.plane_cpu.seconds, plane_gc_s=self.plane_cpu.gc_seconds))
         if self.log is not None:
             self.log.flush()
         self.worker.shutdown()

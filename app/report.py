@@ -116,6 +116,12 @@ def build_summary(orch: RunRecord) -> dict:
                  for role, name in (("P", "prefill"), ("D", "decode"))},
         "requests_detail": [attrs.asdict(r, filter=lambda a, v: a.name != "hold_params") for r in orch.reqs],
     }
+    # The plane's CPU (recorder on) per request sent, each side summed over its ranks (app.plane_cpu).
+    sent = sum(t1.values()) - t1["skipped"]
+    summary["plane_cpu_us_per_request"] = {role: round(side.plane_cpu_s / sent * 1e6, 1) if side and sent else None
+                                           for role, side in (("P", P), ("D", D))}
+    summary["plane_gc_us_per_request"] = {role: round(side.plane_gc_s / sent * 1e6, 1) if side and sent else None
+                                          for role, side in (("P", P), ("D", D))}
     summary["wall_with_startup_s"] = round(wall + (orch.startup_s or 0.0), 3)
     summary["ok"] = all(v is not False for v in checks.values())
     summary["check_reasons"] = check_reasons(summary)
@@ -355,6 +361,10 @@ def summary_table(summary: dict):
                       f"bound {f['bound_s']} s)")
         t.add_row("leases reclaimed after the fault (expired)",
                   f"{f['leases_reclaimed_after_fault']} ({f['leases_expired_after_fault']})")
+    cpu, in_gc = summary.get("plane_cpu_us_per_request") or {}, summary.get("plane_gc_us_per_request") or {}
+    t.add_row("plane CPU per request P / D (recording on; of which GC)",
+              " / ".join("-" if cpu.get(r) is None else f"{cpu[r]:.0f} µs ({in_gc.get(r) or 0:.0f})"
+                         for r in ("P", "D")))
     loop = summary.get("loop") or {}
     t.add_row("longest loop stall P / D (gaps > 0.1 s)",
               " / ".join("-" if loop.get(r) is None else f"{loop[r]['max_gap_s']:.3f} s ({loop[r]['gaps_over_0.1s']})"

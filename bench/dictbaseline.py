@@ -24,12 +24,17 @@ inside its recv's, may be noticed late).
 
 World-visible effects are appended to ``out`` as small tuples, standing in
 for the action objects the plane returns.
+
+``handle(event, now)`` is the benchmarks' entry: the same event objects the
+plane gets, through one call as ``ControlPlane.handle`` is called, each
+sent to its method by class (the plane routes by class too).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 
+from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
 
 
@@ -103,6 +108,27 @@ class DictDecodeSide:
         waiting, e.waiting = e.waiting, []
         for rid in waiting:
             self._post_read(rid, self._reqs[rid], now)
+
+    def handle(self, ev, now):
+        """One event, called as ``ControlPlane.handle`` is (see the module's doc)."""
+        cls = ev.__class__
+        if cls is E.NewRequest:
+            self.new_request(ev.request_id, ev.engine_id, ev.remote_request_id, ev.remote_block_ids, ev.remote_ranks,
+                             ev.expected_consumers, now)
+        elif cls is E.BlocksAllocated:
+            self.blocks_allocated(ev.request_id, ev.block_ids, ev.num_remote_tokens, now)
+        elif cls is E.StartLoad:
+            self.start_load(ev.request_id, now)
+        elif cls is E.ReadDone:
+            self.read_done(ev.request_id, now)
+        elif cls is E.RequestRunning:
+            self.request_running(ev.request_id, now)
+        elif cls is E.RequestFinished:
+            self.request_finished(ev.request_id, now)
+        elif cls is E.HandshakeOk:
+            self.handshake_ok(ev.engine_id, now)
+        else:
+            raise TypeError(f"the dict baseline has no handler for {cls.__name__}")
 
     # ---- scheduler calls
     def new_request(self, rid, engine_id, remote_rid, remote_blocks, ranks, consumers, now):
@@ -247,6 +273,18 @@ class DictPrefillSide:
         self._consumers: dict[str, set] = {}
         self._done_sending: set[str] = set()
         self.out: list[tuple] = []
+
+    def handle(self, ev, now):
+        """One event, called as ``ControlPlane.handle`` is (see the module's doc)."""
+        cls = ev.__class__
+        if cls is E.LeaseHeartbeat:
+            self.heartbeat(ev.request_id, now)
+        elif cls is E.LeaseGranted:
+            self.lease_granted(ev.request_id, ev.block_ids, ev.expected_consumers, now)
+        elif cls is E.ConsumerDone:
+            self.consumer_done(ev.request_id, ev.consumer, ev.expected_consumers, now)
+        else:
+            raise TypeError(f"the dict baseline has no handler for {cls.__name__}")
 
     def lease_granted(self, rid, block_ids, consumers, now):
         self._reqs_to_send[rid] = at = now + self.lease

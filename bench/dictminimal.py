@@ -8,9 +8,14 @@ heartbeat bookkeeping (``Machine.handle`` has none either: it returns the
 timer and internal actions for the plane to carry out).  Written for this
 benchmark; it covers the benchmarked paths only, the way a hand-written
 connector would before its error paths are added.
+
+``handle(record, event, now)`` is the benchmarks' entry: the same event
+objects ``Machine.handle(inst, event, config, now)`` gets, through one call,
+each sent to its method by class (the machine looks its row up by class).
 """
 from __future__ import annotations
 
+from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
 
 
@@ -32,6 +37,27 @@ class MinDecode:
         self.recv_timeout = cfg.recv_timeout
         self.transfer_timeout = cfg.transfer_timeout
         self.out: list[tuple] = []
+
+    def handle(self, r: MinDecodeRequest, ev, now):
+        """One event, called as ``Machine.handle`` is (see the module's doc)."""
+        cls = ev.__class__
+        if cls is E.NewRequest:
+            self.new_request(r, ev.engine_id, ev.remote_request_id, ev.remote_block_ids, ev.remote_ranks,
+                             ev.expected_consumers, now)
+        elif cls is E.BlocksAllocated:
+            self.blocks_allocated(r, ev.block_ids, ev.num_remote_tokens, now)
+        elif cls is E.StartLoad:
+            self.start_load(r, now)
+        elif cls is E.EngineReady:
+            self.engine_ready(r, now)
+        elif cls is E.ReadDone:
+            self.read_done(r, now)
+        elif cls is E.RequestRunning:
+            self.request_running(r, now)
+        elif cls is E.RequestFinished:
+            self.request_finished(r, now)
+        else:
+            raise TypeError(f"the dict minimum has no handler for {cls.__name__}")
 
     def new_request(self, r: MinDecodeRequest, engine, remote_rid, remote_blocks, ranks, consumers, now):
         if r.state != "NEW":
@@ -99,6 +125,18 @@ class MinPrefill:
         self.lease = cfg.kv_lease_duration
         self.extension = cfg.lease_extension
         self.out: list[tuple] = []
+
+    def handle(self, r: MinLease, ev, now):
+        """One event, called as ``Machine.handle`` is (see the module's doc)."""
+        cls = ev.__class__
+        if cls is E.LeaseHeartbeat:
+            self.heartbeat(r, now)
+        elif cls is E.LeaseGranted:
+            self.lease_granted(r, ev.block_ids, ev.expected_consumers, now)
+        elif cls is E.ConsumerDone:
+            self.consumer_done(r, ev.consumer, ev.expected_consumers, now)
+        else:
+            raise TypeError(f"the dict minimum has no handler for {cls.__name__}")
 
     def lease_granted(self, r: MinLease, block_ids, consumers, now):
         if r.state != "PREFILLING":

@@ -13,7 +13,7 @@ Structs instead (``base.StructEvent``: built in C, for a third of the cost).
 Fields an embedder fills from its own lists keep a converter to a tuple.
 Events are built by keyword only, except those the plane builds itself: a
 class called with keywords costs about twice a positional call, and the
-plane's wire code (wire_code) passes their fields in order.
+plane's wires (wire_executor) pass their fields in order.
 """
 from __future__ import annotations
 

@@ -5,21 +5,19 @@ Sans-I/O, like dask's WorkerState: ``handle(event, now)`` and
 leaves.  The plane routes events by machine kind and id, creates a machine
 on its creating event, discards it when it reaches a terminal state, and
 executes internal actions itself (timers, heartbeat registration, and the
-cross-machine wires declared in ``composition``), feeding the resulting
-events to the other machines in FIFO order within the same call (the
-compiled rows run a wire's target row in place where the order cannot be
-told apart: ``wire_inline``).  Which
-event creates which machine is each spec's ``created_by``.  One timer heap
-serves every machine.
+cross-machine wires declared in ``composition``, see ``wire_executor``),
+feeding the resulting events to the other machines in FIFO order within
+the same call.  Which event creates which machine is each spec's
+``created_by``.  One timer heap serves every machine.
 
 Late, duplicate and unknown-id events are counted ignores; an event the
 table declares a protocol error is counted and fails the machine closed
 through its ordinary release path.  Neither ever raises out of ``handle``.
 
-Most events take the plane's compiled rows (``plane_rows``: per table
-entry, the transition and all the plane does after it, generated from the
-same tables and wires); ``_dispatch`` is the general path that any machine
-and any event can take, and the tests hold the two to the same results.
+Every event takes one path (``_dispatch``): route it to its instance, look
+its row up in the machine's dict and interpret it (``machine.run``: the
+table's own guard, effect and builders, called where they are defined),
+then ``_finish``: timers, recording, ended instances, sources, actions.
 
 A machine that uses another machine's resource (``Spec.source``: a push
 WRITEs from its lease's blocks) lives only while that resource is held: the
@@ -40,7 +38,7 @@ from typing import Any, Callable
 import attrs
 
 from . import actions as A
-from .base import Action, ArmTimer, CancelTimer, Event, TimerFired
+from .base import Action, ArmTimer, CancelTimer, Event, TimerFired, runs_code_when_built
 from .composition import WIRES
 from .config import PlaneConfig
 from .heartbeats import Heartbeats
@@ -51,12 +49,11 @@ from .stats import (
     NONFINITE_DEADLINE, PROTOCOL_VIOLATION, SOURCE_NOT_HELD, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed, Final,
     Ignored, SourceEnded, StatKeys,
 )
-from .machine import IGNORED, Machine, ProtocolViolation
-from .plane_rows import compile_routes
+from .machine import IGNORED, Machine, ProtocolViolation, run
 from .spec import Source, transitions_of
 from .validate import validate_sources
 from .validate_composition import creators, validate_composition
-from .wire_code import identifier, wire_executor
+from .wire_executor import wire_executor
 
 
 
@@ -95,10 +92,7 @@ class ControlPlane:
         self._stat_key = _STAT_KEYS
         # Event class -> (kind, or "" when routed by the event's ``kind``; the key getter).
         self._routes: dict[type, tuple[str, Callable]] = {}
-        # Event class -> its dispatcher through the plane's compiled rows
-        # (plane_rows); a class not here takes _dispatch, the general path.
-        self._fast = _fast_routes(tuple(self.machines.items()))
-        # What the general path reads of each kind (no instance: clones share it).
+        # What _dispatch reads of each kind (no instance: clones share it).
         keys = self._stat_key
         self._kinds: dict[str, _Kind] = {
             kind: _Kind(kind, m, self._sources.get(kind), self._users.get(kind), keys)
@@ -133,31 +127,22 @@ class ControlPlane:
         # most stimuli queue nothing, so none is made per call: one that
         # fills is this call's, and a fresh one takes its place.
         queue = self._queue
-        note = self._recorder is not None  # the rows note the stimulus for its log line
-        fast = self._fast
-        dispatch = fast.get(event.__class__)
+        note = self._recorder is not None  # _finish notes the stimulus for its log line
+        dispatch = self._dispatch
         try:
-            if dispatch is None:
-                self._dispatch(event, now, out, queue, note)
-            else:
-                dispatch(self, event, now, out, queue, note)
+            dispatch(event, now, out, queue, note)
         except BaseException:
             queue.clear()  # a row that raised (a bug) leaves nothing queued for the next call
             raise
         if queue:
             self._queue = []
             for internal in queue:  # the list grows while it is walked: FIFO
-                dispatch = fast.get(internal.__class__)
-                if dispatch is None:
-                    self._dispatch(internal, now, out, queue, False)
-                else:
-                    dispatch(self, internal, now, out, queue, False)
+                dispatch(internal, now, out, queue, False)
         if note:
             top, self._top = self._top, None
             if top is not None:  # None: a refused stimulus, handed to the recorder as a Step already
-                # A cascade's effects follow the stimulus's own in out, whether
-                # queued or written in at its wire (wire_inline): out is passed
-                # whenever it holds anything.
+                # A cascade's effects follow the stimulus's own in out: out is
+                # passed whenever it holds anything.
                 if self._capture is not None:  # the caller's, copied: a capture may keep it
                     self._capture(top, out[:] if out else None)
                 elif self._recorder is not None:  # stimulus_step keeps slices of it, not out
@@ -202,7 +187,7 @@ class ControlPlane:
         q = ControlPlane.__new__(ControlPlane)
         q.config, q.machines = self.config, self.machines
         q._sources, q._users, q._creators, q._internal = self._sources, self._users, self._creators, self._internal
-        q._stat_key, q._routes, q._fast, q._kinds = self._stat_key, self._routes, self._fast, self._kinds
+        q._stat_key, q._routes, q._kinds = self._stat_key, self._routes, self._kinds
         copiers = _COPIERS
         # (an empty kind's dict made without running the inner comprehension: most kinds are empty)
         q.instances = {kind: {key: copiers[i.__class__](i) for key, i in insts.items()} if insts else {}
@@ -239,8 +224,7 @@ class ControlPlane:
 
     # --------------------------------------------------------------- dispatch
     def _dispatch(self, event: Event, now: float, out: list, queue: list, note: bool) -> None:
-        """The general path: any machine, any event (the compiled rows of
-        plane_rows cover the common cases and come here for the rest).
+        """Route one event to its instance and apply the instance's row.
         ``note``: the event is the top-level stimulus and a recorder is
         attached, so its step is noted for the log line."""
         # Route: the event class names its machine kind (internal wake-ups
@@ -282,8 +266,8 @@ class ControlPlane:
             row = None if rows is None else rows.get(before, _NO_ROWS).get(applied.__class__)
             if row is None:  # a wrapped machine (observed, reference), or an event outside the alphabet
                 acts = k.machine.apply(inst, applied, self.config, now)
-            else:
-                acts = row(inst, applied, self.config, now)
+            else:  # Machine.apply without its frame
+                acts = run(k.machine, row, inst, applied, self.config, now)
         except ProtocolViolation as exc:
             self._anomaly(PROTOCOL_VIOLATION, kind, key, event, exc.reason)
             acts = self._fail_closed(k.machine, inst, now)
@@ -301,9 +285,7 @@ class ControlPlane:
                 old_deadline: float | None, created: bool, now: float, out: list, queue: list, note: bool) -> None:
         """What the plane does after a machine handled ``event``: count an
         ignore, arm the new deadline, note the step for the recorder, drop
-        an ended instance, end its source's users, run the actions.  (The
-        compiled rows of plane_rows write the same out per transition: keep
-        the two in step.)"""
+        an ended instance, end its source's users, run the actions."""
         kind, cls = k.name, event.__class__
         if acts is IGNORED:
             self.stats[k.ignored_key(before, cls)] += 1
@@ -333,19 +315,6 @@ class ControlPlane:
             else:
                 run(self, a, now, queue)
 
-    def _violated(self, kind: str, inst: Any, key: Any, event: Event, exc: ProtocolViolation, created: bool,
-                  now: float, out: list, queue: list, note: bool) -> None:
-        """A compiled row raised ProtocolViolation (before changing anything):
-        what the general path does with one."""
-        k = self._kinds[kind]
-        before, old_deadline = inst.state, inst.deadline
-        self._anomaly(PROTOCOL_VIOLATION, kind, key, event, exc.reason)
-        acts = self._fail_closed(k.machine, inst, now)
-        refund = event.refund()
-        if refund is not None:
-            acts = [*acts, refund]
-        self._finish(k, inst, key, event, acts, before, old_deadline, created, now, out, queue, note)
-
     def _nonfinite_deadline(self, kind: str, key: Any, event: Event, inst: Any, now: float) -> float:
         """A deadline that is not a number (a NaN or infinite duration in an
         event) would never fire, or break the heap: the machine times out
@@ -359,8 +328,7 @@ class ControlPlane:
         """Keep the stimulus being handled for its log line (``handle`` hands
         it to the recorder once its effects are known), as parts
         (``observe.Stimulus``): the timer action and the line's action list
-        are built only where a recorder needs them.  The generated rows
-        (plane_rows) assign the same tuple inline."""
+        are built only where a recorder needs them."""
         self._top = (event, now, kind, key, before, after, acts, old_deadline, deadline)
 
     def _refuse_uncreated(self, event: Event, kind: str, key: Any, what: str, detail: str, now: float,
@@ -378,7 +346,7 @@ class ControlPlane:
 
     def _fail_closed(self, machine: Machine, inst, now: float) -> list[Action] | tuple[()]:
         fc = machine.spec.fail_closed_event
-        if fc is None or machine.is_terminal(inst) or inst.state == machine.spec.initial:
+        if fc is None or inst.state in machine.terminal_states or inst.state == machine.spec.initial:
             return []
         self.stats[self._stat_key(FailClosed, machine.name)] += 1
         return machine.apply(inst, _fail_closed_event(fc, machine.name, inst.key), self.config, now)
@@ -419,7 +387,7 @@ class ControlPlane:
     def _push_timer(self, inst: Any, deadline: float, kind: str, key: Any) -> None:
         """The instance's new deadline: a heap entry unless its live entry
         comes due no later (that one re-arms at the deadline when it does;
-        ``_due``).  The compiled rows of plane_rows write the same inline."""
+        ``_due``)."""
         at = inst.timer_at
         if at is None or deadline < at:
             inst.timer_at = deadline
@@ -496,7 +464,7 @@ _DRAIN_PER_PUSH = 8
 _isfinite = math.isfinite
 _heappush = heapq.heappush
 _NO_ROWS: dict = {}
-# The keys of every plane's stats, interned once for all (the compiled rows hold them).
+# The keys of every plane's stats, interned once for all.
 _STAT_KEYS = StatKeys()
 
 
@@ -512,9 +480,9 @@ class _Kind:
         self.machine = machine
         self.terminal = machine.terminal_states
         self.initial = machine.spec.initial
-        # The compiled rows, called without Machine.apply's frame; None for any
-        # other machine (an observed or reference one): its apply is called.
-        self.rows = machine._rows if type(machine) is Machine else None
+        # The compiled machine's rows, interpreted without Machine.apply's frame;
+        # None for any other machine (an observed or reference one): its apply is called.
+        self.rows = machine.rows if type(machine) is Machine else None
         self.source = source  # (Source, the pairs entering its needs), or None
         self.users = users  # ((user kind, Source), ...), or None
         self._keys = keys
@@ -566,15 +534,6 @@ def _composition(machines: tuple) -> tuple[dict, dict]:
     return creators(specs), internal
 
 
-@functools.lru_cache(maxsize=64)
-def _fast_routes(machines: tuple) -> dict[type, Callable]:
-    """The dispatchers of the plane's compiled rows, built once per set of machines."""
-    _, users = _source_wiring(machines)
-    creating, _ = _composition(machines)
-    return compile_routes(machines, users, creating, {w.action: w for w in WIRES}, _STAT_KEYS,
-                          ControlPlane._dispatch)
-
-
 class _Copiers(dict):
     """Instance class -> its generated copier (``_instance_copier``), made on
     first use: ``_COPIERS[inst.__class__](inst)`` copies an instance, with
@@ -594,25 +553,37 @@ _IMMUTABLE_TYPES = frozenset({"str", "int", "float", "bool", "tuple", "frozenset
 
 
 def _instance_copier(cls: type) -> Callable[[Any], Any]:
-    """One function that copies an instance of ``cls`` slot by slot: what
-    ``attrs.evolve`` did, without its per-call introspection and __init__
-    (the explorer copies a few instances per explored move).  A field of
-    any other annotation (Any, set, list, dict, Requesters) gets a fresh
-    container (its ``copy()``) when it holds one."""
-    body = ["def copy(inst):", "    c = new(cls)"]
+    """A function that copies an instance of ``cls`` field by field: what
+    ``attrs.evolve`` did, without its per-call introspection (the explorer
+    copies a few instances per explored move).  A field of any annotation
+    but the immutable ones (Any, set, list, dict, Requesters) gets a fresh
+    container (its ``copy()``) when it holds one.  A class built from its
+    fields alone (every instance class here) is copied through its own
+    ``__init__`` by position, which assigns the slots in one call."""
     fields = attrs.fields(cls)
-    shared = [identifier(a.name) for a in fields if a.type in _IMMUTABLE_TYPES]
-    if shared:
-        body.append("    " + ", ".join(f"c.{n}" for n in shared) + ", = " + ", ".join(f"inst.{n}" for n in shared) + ",")
-    for a in fields:
-        if a.type not in _IMMUTABLE_TYPES:
-            name = identifier(a.name)
-            body += [f"    v = inst.{name}", f"    c.{name} = v.copy() if v.__class__ in CONTAINERS else v"]
-    body.append("    return c")
-    scope: dict[str, Any] = {"new": object.__new__, "cls": cls, "CONTAINERS": _CONTAINERS}
-    exec("\n".join(body), scope)  # noqa: S102 (field names checked as identifiers)
-    copier: Callable[[Any], Any] = scope["copy"]
-    return copier
+    names = tuple(a.name for a in fields)
+    fresh = tuple(a.name for a in fields if a.type not in _IMMUTABLE_TYPES)
+    read_all = operator.attrgetter(*names) if len(names) > 1 else (lambda inst: (getattr(inst, names[0]),))
+    containers = _CONTAINERS
+    by_init = not runs_code_when_built(cls) and all(
+        a.init and a.converter is None and a.validator is None and not a.kw_only and a.alias == a.name
+        for a in fields)
+    new = object.__new__
+
+    def copy(inst: Any) -> Any:
+        if by_init:
+            c = cls(*read_all(inst))
+        else:
+            c = new(cls)
+            for name, v in zip(names, read_all(inst)):
+                setattr(c, name, v)
+        for name in fresh:
+            v = getattr(inst, name)
+            if v.__class__ in containers:
+                setattr(c, name, v.copy())
+        return c
+
+    return copy
 
 
 def _fail_closed_event(cls: type[Event], kind: str, key: Any) -> Event:

@@ -27,7 +27,7 @@ def test_bench_quick_dispatch_prints_ratio_table(tmp_path):
     assert "kvplane / (b) dict + heap" in speedup["columns"] and "(a) transitions per request" in speedup["columns"]
     targets = data["tables"][-1]
     assert targets["columns"] == ["target", "measured", "goal", "met"]
-    assert any(r[0].startswith("1. decode: ControlPlane.handle") for r in targets["rows"])
+    assert any(r[0].startswith("D (decode request): the plane's CPU per request") for r in targets["rows"])
     assert all(r[3] in ("YES", "NO") for r in targets["rows"])
 
 
@@ -37,7 +37,7 @@ def test_compare_checkouts_prints_both_sides_and_the_ratio():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("lease", "decode"))]
-    assert len(rows) == 4 and all(line.rstrip().endswith("x") for line in rows), proc.stdout
+    assert len(rows) == 6 and all(line.rstrip().endswith("x") for line in rows), proc.stdout
 
 
 def test_compare_checkouts_refuses_a_folder_that_is_not_a_checkout(tmp_path):

@@ -6,16 +6,16 @@ from bench.report import Table, add_target, collect_targets, targets_table, to_m
 
 def test_target_rows_of_every_section_are_gathered_in_order():
     a = targets_table("a.targets", "section a")
-    add_target(a, "1. fast", "1.2x", "<= 1.5x", True, ratio=1.2)
+    add_target(a, "1. fast", "80 µs", "<= 100 µs", True, us=80)
     b = targets_table("b.targets", "section b")
-    add_target(b, "2. small", "400 B", "<= 300 B", False)
+    add_target(b, "2. slow", "0.5x", ">= 0.67x", False)
     other = Table("a.events", "not a target table", ["x", "y"], rows=[[1, 2]])
     summary = collect_targets([a, other, b])
     assert summary is not None and summary.title == "Targets"
-    assert summary.rows == [["1. fast", "1.2x", "<= 1.5x", "YES"], ["2. small", "400 B", "<= 300 B", "NO"]]
+    assert summary.rows == [["1. fast", "80 µs", "<= 100 µs", "YES"], ["2. slow", "0.5x", ">= 0.67x", "NO"]]
     assert [d["source"] for d in summary.data] == ["a.targets", "b.targets"]
     assert summary.notes == ["1 of 2 targets met."]
-    assert "| 1. fast | 1.2x | <= 1.5x | YES |" in to_markdown([summary], {})
+    assert "| 1. fast | 80 µs | <= 100 µs | YES |" in to_markdown([summary], {})
 
 
 def test_no_target_table_no_summary():

@@ -438,14 +438,36 @@ def test_the_internal_queue_is_empty_between_calls_and_after_a_raise():
     reading(p)  # StartLoad's cascade: EngineAcquire, EngineReady
     assert p._queue == []
 
-    def raising(plane_, ev, now, out, queue, note):
+    def raising(ev, now, out, queue, note):
         queue.append(E.ReadDone(request_id="ghost"))  # an unknown id: counted if it ever ran
         raise RuntimeError("a row failed")
 
-    p._fast = {**p._fast, E.RequestRunning: raising}
+    p._dispatch = raising  # type: ignore[method-assign]  # the one dispatch, failing once
     with pytest.raises(RuntimeError):
         p.handle(E.RequestRunning(request_id="r1"), 1.0)
+    del p._dispatch
     assert p._queue == []
     assert names(p.handle(E.ReadDone(request_id="r1"), 2.0)) == ["ReleaseXfer", "ReportRecv"]
     assert p._queue == []
     assert p.stats[Anomaly("unknown_id", "decode_request", "ReadDone")] == 0  # the ghost never ran
+
+
+# ------------------------------------------------------------ one interpreter
+def test_a_raising_guard_is_traced_to_its_machine_file():
+    """The plane interprets the tables: a guard is called where its machine
+    file defines it, so a traceback through one names that file and line,
+    and no generated code (``<string>``, a compiled row) stands in between."""
+    import traceback
+
+    p = plane()
+    p.handle(E.LeaseGranted(request_id="l1", block_ids=(1,)), 0.0)
+    p.get("lease", "l1").bound = None  # corrupt: the sender guard's ``in`` raises TypeError
+    with pytest.raises(TypeError) as info:
+        p.handle(E.LeaseHeartbeat(request_id="l1", sender="d0"), 1.0)
+    frames = traceback.extract_tb(info.tb)
+    files = [f.filename.replace("\\", "/") for f in frames]
+    assert files[-1].endswith("statemachines/machines/lease.py"), files
+    assert [f.name for f in frames][-2:] == ["foreign_sender", "admits"]
+    assert all(name.endswith(".py") and not name.startswith("<") for name in files), files
+    assert any(name.endswith("statemachines/plane.py") for name in files)
+    assert p._queue == []

@@ -227,13 +227,12 @@ def test_event_and_action_names_come_from_the_definitions_only():
 
 
 def test_fields_reads_attrs_events_and_struct_actions_alike():
-    """base.fields: what the log's schema, the validators and the row compiler read of a class."""
+    """base.fields: what the log's schema and the validators read of a class."""
     import attrs
     import msgspec
 
     from kvplane.statemachines import actions as A
     from kvplane.statemachines.base import StructEvent, fields
-    from kvplane.statemachines.plane_rows import unbuilt_action
 
     post = fields(A.PostRead)
     assert [f.name for f in post] == ["request_id", "engine_id", "remote_request_id", "local_block_ids",
@@ -253,6 +252,3 @@ def test_fields_reads_attrs_events_and_struct_actions_alike():
 
     (_, ids) = fields(WithFactory)
     assert isinstance(ids.default, attrs.Factory) and ids.default.factory is list
-    # A row never binds a factory as a default value: it builds such an action.
-    scope = {"WithFactory": WithFactory}
-    assert unbuilt_action(WithFactory, "WithFactory('x')", scope, "a0_", "0_0") is None

@@ -66,8 +66,6 @@ def _register(b: HeartbeatBatch, ev: HeartbeatRegister, cfg, now) -> None:
 
 
 def _unregister(b: HeartbeatBatch, ev: HeartbeatUnregister, cfg, now) -> None:
-    # No early return and no del: the compiled rows write such an effect in
-    # (inline.py), and at a wire before others (wire_inline's quiet rows).
     n = b.ids.get(ev.request_id)
     if n is not None:
         if n > 1:

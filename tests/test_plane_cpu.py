@@ -1,0 +1,19 @@
+"""app.plane_cpu: the plane's CPU time as `kvplane run` reports it per request."""
+from kvplane.app.plane_cpu import PlaneCpu
+from kvplane.statemachines import events as E
+from kvplane.statemachines.plane import ControlPlane
+
+
+def test_handle_and_fire_due_are_timed_once_each():
+    p = ControlPlane()
+    cpu = PlaneCpu().attach(p)
+    p.handle(E.LeaseGranted(request_id="l1", block_ids=(1,)), 0.0)
+    for t in range(1, 200):
+        p.handle(E.LeaseHeartbeat(request_id="l1"), t * 0.01)
+    assert cpu.calls == 200 and cpu.seconds > 0
+    # fire_due calls handle for each due timer: counted once, as the fire_due call.
+    acts = p.fire_due(1e6)
+    assert [a.__class__.__name__ for a in acts] == ["FreeBlocks"]
+    assert cpu.calls == 201
+    assert 0 <= cpu.gc_seconds <= cpu.seconds
+    assert p.get("lease", "l1") is None  # the wrapped plane still did its work
