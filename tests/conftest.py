@@ -23,6 +23,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_cli.py": None,
     "test_composition.py": "core",
     "test_config_kv_transfer.py": "core",
+    "test_connector_facade.py": "core",
     "test_connector_loopback.py": None,
     "test_connector_split.py": "core",
     "test_core_nonfinite.py": "core",
