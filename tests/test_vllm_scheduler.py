@@ -32,7 +32,7 @@ if importlib.util.find_spec("vllm") is not None:
     from vllm.v1.request import RequestStatus
     from vllm_scheduler_support import Engine, engine_pair, new_request
 
-    from kvplane.connector.records import WorkerReport
+    from kvplane.connector.records import RecvFailure, WorkerReport
     from kvplane.connector.vllm import KVPlaneWorkerMeta
 
 PROMPT = 40  # tokens: 3 blocks of 16 (the last one partial)
@@ -226,7 +226,7 @@ def test_d_aborted_while_awaited_is_reported_once_then_freed(engines, clock):
     assert d.status("d-r1") == RequestStatus.FINISHED_ABORTED and not d.empty()
     assert settle(clock, (p, d), 1.0, lambda: d.empty())
     assert d.records("aborts") == ["d-r1"] and d.seen_recving == ["d-r1"]
-    assert d.side.sched.fail_reasons.get("d-r1") == "aborted"
+    assert d.side.sched.fail_reasons.get("d-r1") is RecvFailure.ABORTED
     assert settle(clock, (p, d), 10, lambda: p.empty())  # P's lease runs out (no heartbeats)
     assert p.held() == [] and d.held() == []
 
@@ -253,7 +253,7 @@ def test_a_failed_read_fails_or_recomputes_as_configured(engines, clock, policy)
     assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
     (done,) = d.finished("d-r1")
     assert d.seen_recving == ["d-r1"] and d.seen_failed == ["d-r1"]
-    assert d.side.sched.fail_reasons["d-r1"] == "transfer failed"
+    assert d.side.sched.fail_reasons["d-r1"] is RecvFailure.TRANSFER_FAILED
     if policy == "fail":
         assert done.finish_reason == FinishReason.ERROR and len(req.output_token_ids) == 0
     else:  # computed locally from the first token, then run to its end
@@ -268,7 +268,7 @@ def test_a_read_declined_for_an_expired_lease_is_recomputed_never_read(engines, 
     assert settle(clock, (p,), 8, lambda: p.empty())  # P's lease ran out before the forward
     req = decode(d, "r1", params)
     assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
-    assert d.seen_failed == ["d-r1"] and "expiry gate" in d.side.sched.fail_reasons["d-r1"]
+    assert d.seen_failed == ["d-r1"] and d.side.sched.fail_reasons["d-r1"] is RecvFailure.DECLINED
     assert len(req.output_token_ids) == 3 and d.empty() and d.held() == []
 
 
@@ -373,7 +373,7 @@ def test_one_d_rank_failing_fails_the_request_once(engines, clock):
     assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
     (done,) = d.finished("d-r1")
     assert done.finish_reason == FinishReason.ERROR and len(req.output_token_ids) == 0
-    assert d.side.sched.fail_reasons["d-r1"] == "transfer failed (rank 1)"
+    assert d.side.sched.fail_reasons["d-r1"] == f"{RecvFailure.TRANSFER_FAILED} (rank 1)"
     # Rank 1's bad blocks may fail the request before rank 0 is done; vLLM
     # frees the blocks once both ranks reported, and is told once.
     assert settle(clock, (p, d), 10, lambda: d.empty() and p.empty())
