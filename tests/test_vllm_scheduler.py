@@ -379,3 +379,24 @@ def test_one_d_rank_failing_fails_the_request_once(engines, clock):
     assert settle(clock, (p, d), 10, lambda: d.empty() and p.empty())
     assert d.seen_recving == ["d-r1"]
     assert d.held() == [] and p.held() == []
+
+
+def test_with_a_local_prefix_hit_d_reads_only_the_blocks_it_lacks(engines, clock):
+    _, p, d = engines()
+    d.add(new_request("local", num_tokens=PROMPT, max_tokens=1))  # same prompt, computed on D first
+    d.step()
+    assert d.finished("local") and d.empty()  # freed, its full blocks still cached
+    params = prefill(p, "r1")
+    remote = params["remote_block_ids"][0]
+    req = decode(d, "r1", params)
+    d.step()
+    (load,) = d.records("loads")
+    full_blocks_cached = PROMPT // 16
+    assert load.num_remote_tokens == PROMPT - 16 * full_blocks_cached and len(load.block_ids) == 1
+    assert d.side.counters["prefix_hits"] == 1
+    assert settle(clock, (p, d), 2, lambda: d.status("d-r1") == RequestStatus.RUNNING)
+    # The one block D lacked holds P's last block (the lists are paired from the prompt's end).
+    assert bool((d.kv[0][load.block_ids[0]] == p.kv[0][remote[-1]]).all())
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")) and p.empty())
+    assert len(req.output_token_ids) == 3
+    assert settle(clock, (p, d), 1, lambda: d.empty())
