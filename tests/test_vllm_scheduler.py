@@ -400,3 +400,31 @@ def test_with_a_local_prefix_hit_d_reads_only_the_blocks_it_lacks(engines, clock
     assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")) and p.empty())
     assert len(req.output_token_ids) == 3
     assert settle(clock, (p, d), 1, lambda: d.empty())
+
+
+def test_bad_params_are_counted_and_the_prompt_computed_locally(engines, clock):
+    # A hostile or broken proxy: params that name an impossible block list.
+    _, p, d = engines()
+    params = prefill(p, "r1")
+    params["remote_block_ids"] = [["not", "a", "block"]]
+    req = decode(d, "r1", params)
+    assert settle(clock, (p, d), 1, lambda: bool(d.finished("d-r1")))
+    assert len(req.output_token_ids) == 3 and d.side.counters["bad_transfer_params"] == 1
+    assert d.records("new_requests") == [] and d.records("loads") == [] and d.seen_recving == []
+    assert d.empty() and d.held() == []
+
+
+def test_a_hold_for_the_next_turn_keeps_d_blocks_until_its_ttl(engines, clock):
+    _, p, d = engines(extra={"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 8.0})
+    decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    (done,) = d.finished("d-r1")
+    turn2 = done.kv_transfer_params
+    assert turn2 is not None and turn2["remote_engine_id"] == "D" and turn2["remote_blocks_expiry_time"] is not None
+    d.step()
+    (finish,) = d.records("finished")
+    assert finish.hold is not None and finish.hold.name == turn2["remote_request_id"]
+    # vLLM keeps the blocks while every rank holds them; nobody reads: the TTL frees them.
+    assert d.status("d-r1") == RequestStatus.FINISHED_LENGTH_CAPPED and not d.empty()
+    assert settle(clock, (p, d), 12, lambda: d.empty())
+    assert d.seen_sending == ["d-r1"] and d.held() == [] and p.empty()
