@@ -366,13 +366,17 @@ def test_d_aborted_after_its_recv_was_reported_but_before_it_ran(engines, clock)
     assert d.held() == [] and p.held() == []
 
 
-def test_one_d_rank_failing_fails_the_request_once(engines, clock):
-    fabric, p, d = engines(p_tp=2, d_tp=2)
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_one_d_rank_failing_fails_the_request_once(engines, clock, policy):
+    fabric, p, d = engines(p_tp=2, d_tp=2, policy=policy)
     fabric.fail_transfers(initiator="D/tp1")
     req = decode(d, "r1", prefill(p, "r1"))
     assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
     (done,) = d.finished("d-r1")
-    assert done.finish_reason == FinishReason.ERROR and len(req.output_token_ids) == 0
+    if policy == "fail":
+        assert done.finish_reason == FinishReason.ERROR and len(req.output_token_ids) == 0
+    else:
+        assert done.finish_reason == FinishReason.LENGTH and len(req.output_token_ids) == 3
     assert d.side.sched.fail_reasons["d-r1"] == f"{RecvFailure.TRANSFER_FAILED} (rank 1)"
     # Rank 1's bad blocks may fail the request before rank 0 is done; vLLM
     # frees the blocks once both ranks reported, and is told once.
@@ -428,3 +432,43 @@ def test_a_hold_for_the_next_turn_keeps_d_blocks_until_its_ttl(engines, clock):
     assert d.status("d-r1") == RequestStatus.FINISHED_LENGTH_CAPPED and not d.empty()
     assert settle(clock, (p, d), 12, lambda: d.empty())
     assert d.seen_sending == ["d-r1"] and d.held() == [] and p.empty()
+
+
+def test_d_aborted_while_it_waits_for_free_blocks_tells_p_to_free(engines, clock):
+    # D's cache fits one request: the second is matched every step but never
+    # allocated, then aborted.
+    _, p, d = engines(d_blocks=6)
+    decode(d, "r1", prefill(p, "r1"), max_tokens=40)
+    params2 = prefill(p, "r2", tag=8)
+    calls = []
+    original = d.side.get_num_new_matched_tokens
+
+    def spy(request, num_computed_tokens):
+        calls.append(request.request_id)
+        return original(request, num_computed_tokens)
+
+    d.side.get_num_new_matched_tokens = spy  # type: ignore[method-assign]
+    decode(d, "r2", params2)
+    assert settle(clock, (p, d), 1, lambda: calls.count("d-r2") >= 2)
+    assert d.status("d-r2") == RequestStatus.WAITING and d.sched.kv_cache_manager.get_block_ids("d-r2") == ([],)
+    d.abort("d-r2")
+    d.step()
+    (load,) = [x for x in d.records("loads") if x.request_id == "d-r2"]
+    assert not load.awaiting and load.num_remote_tokens == 0
+    assert settle(clock, (p, d), 1, lambda: p.status("r2") is None)  # freed on D's notify, not by the lease
+    assert "d-r2" not in d.seen_recving
+    assert settle(clock, (p, d), 3, lambda: d.empty() and p.empty())
+    assert d.held() == [] and p.held() == []
+
+
+def test_a_wider_d_than_p_is_refused_and_computed_locally(engines, clock):
+    # P plans one reader per rank (it cannot know D's TP at request_finished);
+    # two D ranks would read each P rank, so D refuses the params rather than
+    # race P's free, computes the prompt itself, and P's lease runs out.
+    _, p, d = engines(p_tp=1, d_tp=2)
+    req = decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 1, lambda: bool(d.finished("d-r1")))
+    assert len(req.output_token_ids) == 3 and d.side.counters["bad_transfer_params"] == 1
+    assert d.records("new_requests") == [] and d.empty()
+    assert settle(clock, (p, d), 10, lambda: p.empty())
+    assert p.workers[0].driver.counters["blocks_freed_expired"] == 3

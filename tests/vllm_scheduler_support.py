@@ -112,12 +112,13 @@ class Engine:
 
     def __init__(self, fabric: LoopbackFabric, name: str, clock: Callable[[], float], *, tp: int = 1,
                  policy: str = "fail", keypair: tuple[bytes, bytes], peers: dict[str, bytes],
-                 max_num_seqs: int = 16, extra: dict | None = None):
+                 max_num_seqs: int = 16, extra: dict | None = None, num_blocks: int = NUM_BLOCKS):
         self.name, self.tp, self.clock = name, tp, clock
         self.config = vllm_config(name, tp=tp, policy=policy, extra=extra, max_num_seqs=max_num_seqs)
+        self.config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
         self.sched = Scheduler(vllm_config=self.config,
-                               kv_cache_config=KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                               kv_cache_config=KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                                              kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]),
                                structured_output_manager=StructuredOutputManager(self.config),
                                block_size=BLOCK_SIZE, log_stats=True)
@@ -238,10 +239,10 @@ def through_the_wire(record: Any) -> Any:
     return pickle.loads(pickle.dumps(record))
 
 
-def engine_pair(clock, *, p_tp: int = 1, d_tp: int = 1, policy: str = "fail", **kw) -> tuple[LoopbackFabric, Engine,
-                                                                                               Engine]:
+def engine_pair(clock, *, p_tp: int = 1, d_tp: int = 1, policy: str = "fail", d_blocks: int = NUM_BLOCKS,
+                **kw) -> tuple[LoopbackFabric, Engine, Engine]:
     fabric = LoopbackFabric()
     pk, dk = zmq.curve_keypair(), zmq.curve_keypair()
     p = Engine(fabric, "P", clock, tp=p_tp, policy=policy, keypair=pk, peers={"D": dk[0]}, **kw)
-    d = Engine(fabric, "D", clock, tp=d_tp, policy=policy, keypair=dk, peers={"P": pk[0]}, **kw)
+    d = Engine(fabric, "D", clock, tp=d_tp, policy=policy, keypair=dk, peers={"P": pk[0]}, num_blocks=d_blocks, **kw)
     return fabric, p, d
