@@ -58,6 +58,8 @@ def engines(clock):
         engine.close()
     for engine in made:
         assert engine.told_once(), (engine.name, engine.seen_recving, engine.seen_failed, engine.seen_sending)
+        # The engine_request machine, fed the same calls, answered and sent the same.
+        assert engine.shadow.mismatches == [], (engine.name, engine.shadow.mismatches)
 
 
 def settle(clock, engines, seconds, until, dt=0.05) -> bool:

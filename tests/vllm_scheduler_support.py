@@ -44,6 +44,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvplane.connector.vllm import KVPlaneConnector, KVPlaneHandshake, KVPlaneMetadata, KVPlaneWorkerMeta
 
+from engine_shadow import EngineShadow
+
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 KV_ELEMS = 8  # floats per block on each rank (the loopback transport moves them)
@@ -127,6 +129,7 @@ class Engine:
         self.connector = connector
         self.side = connector.scheduler_side
         self.side.sched.clock = clock  # the lease expiry it states, in the ranks' clock
+        self.shadow = EngineShadow(connector, clock)  # the engine_request machine beside the connector
         self.workers: list[ConnectorWorker] = []
         self.kv: list[torch.Tensor] = []
         for r in range(tp):
