@@ -256,9 +256,15 @@ def test_a_failed_read_fails_or_recomputes_as_configured(engines, clock, policy)
     (done,) = d.finished("d-r1")
     assert d.seen_recving == ["d-r1"] and d.seen_failed == ["d-r1"]
     assert d.side.sched.fail_reasons["d-r1"] is RecvFailure.TRANSFER_FAILED
+    d.step()
     if policy == "fail":
         assert done.finish_reason == FinishReason.ERROR and len(req.output_token_ids) == 0
+        # vLLM fails the request (request_finished) before it hands the connector
+        # the same step's output: the connector still sees the recv awaited and
+        # aborts it on the rank, which has already reported and reports nothing more.
+        assert d.records("aborts") == ["d-r1"]
     else:  # computed locally from the first token, then run to its end
+        assert d.records("aborts") == []
         assert done.finish_reason == FinishReason.LENGTH and len(req.output_token_ids) == 3
     assert settle(clock, (p, d), 10, lambda: d.empty() and p.empty())
     assert d.held() == [] and p.held() == []
@@ -474,3 +480,22 @@ def test_a_wider_d_than_p_is_refused_and_computed_locally(engines, clock):
     assert d.records("new_requests") == [] and d.empty()
     assert settle(clock, (p, d), 10, lambda: p.empty())
     assert p.workers[0].driver.counters["blocks_freed_expired"] == 3
+
+
+def test_p_preempted_while_prefilling_grants_once_when_it_finishes(engines, clock):
+    # Prefill in chunks of 16 tokens; vLLM preempts P's request after the first.
+    _, p, d = engines(max_num_batched_tokens=16)
+    req = p.add(new_request("r1", num_tokens=PROMPT, max_tokens=1, params={"do_remote_decode": True}))
+    p.step()
+    assert p.status("r1") == RequestStatus.RUNNING and req.num_computed_tokens == 16
+    p.sched.reset_prefix_cache(reset_running_requests=True)
+    assert p.status("r1") == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
+    assert settle(clock, (p,), 1, lambda: bool(p.finished("r1")))
+    (done,) = p.finished("r1")
+    assert req.num_preemptions == 1 and done.kv_transfer_params is not None
+    p.step()
+    assert [g.request_id for g in p.records("grants")] == ["r1"]
+    decode(d, "r1", done.kv_transfer_params)
+    assert settle(clock, (p, d), 3, lambda: bool(d.finished("d-r1")) and p.empty())
+    assert settle(clock, (p, d), 1, lambda: d.empty())
+    assert p.held() == [] and d.held() == []

@@ -64,10 +64,11 @@ def model_config() -> ModelConfig:
 
 
 def vllm_config(engine_id: str, *, tp: int = 1, policy: str = "fail", extra: dict | None = None,
-                max_num_seqs: int = 16) -> VllmConfig:
+                max_num_seqs: int = 16, max_num_batched_tokens: int = 1024) -> VllmConfig:
     config = VllmConfig(
         model_config=model_config(),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_model_len=4096,
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=4096,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
@@ -114,9 +115,11 @@ class Engine:
 
     def __init__(self, fabric: LoopbackFabric, name: str, clock: Callable[[], float], *, tp: int = 1,
                  policy: str = "fail", keypair: tuple[bytes, bytes], peers: dict[str, bytes],
-                 max_num_seqs: int = 16, extra: dict | None = None, num_blocks: int = NUM_BLOCKS):
+                 max_num_seqs: int = 16, extra: dict | None = None, num_blocks: int = NUM_BLOCKS,
+                 max_num_batched_tokens: int = 1024):
         self.name, self.tp, self.clock = name, tp, clock
-        self.config = vllm_config(name, tp=tp, policy=policy, extra=extra, max_num_seqs=max_num_seqs)
+        self.config = vllm_config(name, tp=tp, policy=policy, extra=extra, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens)
         self.config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
         self.sched = Scheduler(vllm_config=self.config,
