@@ -9,11 +9,13 @@ tensor parallelism) are checked where vLLM keeps them (its queues, request
 statuses, block pool, outputs) and, where the plane's answer is what proves
 a behaviour, on the records the scheduler half sends the ranks.  D's
 params always come from P's own ``request_finished``.  Every test ends
-with vLLM told of each recv and each send at most once: a second report
-trips an assertion of vLLM's engine core.
+with vLLM told of each recv and each send at most once (a second report
+trips an assertion of vLLM's engine core), and with the ``engine_request``
+machine, run as a shadow on the same calls (``engine_shadow``), having
+answered and sent exactly what the connector did.
 
-Needs vLLM (skipped with the reason without it); about 10 s after vLLM's
-import.
+Needs vLLM (skipped with the reason without it); 15-35 s here, vLLM's
+import included.
 """
 from __future__ import annotations
 
