@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 from kvplane.statemachines.machines import SPECS
+from kvplane.statemachines.machines.engine_request import SPEC as ENGINE_REQUEST
 from kvplane.statemachines.render_composition import composition_text
 from kvplane.statemachines.render_machine import DiagramText, machine_texts
 
@@ -32,10 +33,13 @@ def have_dot() -> bool:
 
 def sources(specs=None) -> dict[str, DiagramText]:
     """File stem -> Mermaid and DOT text, for every machine (in parts where
-    a machine is large) and the composition."""
+    a machine is large) and the composition; by default also the
+    engine-side request machine, drawn beside the plane's (it is not one of
+    the plane's machines, so not in the composition)."""
+    boundary = [ENGINE_REQUEST] if specs is None else []
     specs = SPECS if specs is None else specs
     texts: dict[str, DiagramText] = {}
-    for spec in specs.values():
+    for spec in [*specs.values(), *boundary]:
         texts.update(machine_texts(spec))
     texts["composition"] = composition_text(specs)
     return texts

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from kvplane.statemachines import events as E
+from kvplane.statemachines.machines.decode_request import DecodeState
 
 from .driver import PlaneDriver
 from .params import RemoteKV
@@ -98,6 +99,9 @@ class KVPlaneScheduler:
         under a fixed-TTL lease and the params carry its expiry (our clock).
         """
         block_ids = tuple(block_ids)
+        if self._never_allocated(request_id):
+            self._release_unallocated(request_id)
+            return False, None
         rk = self._remote.pop(request_id, None)
         if rk is not None:
             if self._decoding(request_id):
@@ -125,10 +129,27 @@ class KVPlaneScheduler:
 
     def abort(self, request_id: str) -> None:
         self._push.discard(request_id)
-        if self._remote.pop(request_id, None) is not None:
+        if self._never_allocated(request_id):
+            self._release_unallocated(request_id)
+        elif self._remote.pop(request_id, None) is not None:
             self.driver.feed(E.Abort(request_id=request_id))
         elif self.driver.plane.get("lease", request_id) is not None:
             self.driver.feed(E.LeaseAbort(request_id=request_id))
+
+    def _never_allocated(self, request_id: str) -> bool:
+        """A request with remote KV that never had blocks allocated (its
+        machine still heartbeats, before any load)."""
+        machine = self.driver.plane.get("decode_request", request_id)
+        return request_id in self._remote and machine is not None and machine.state == DecodeState.HEARTBEATING
+
+    def _release_unallocated(self, request_id: str) -> None:
+        """Finished or aborted before its blocks were allocated: nothing is
+        awaited and nothing was read, so the request becomes an empty,
+        notify-only recv (as vLLM's scheduler half does): the next
+        ``start_load_kv`` tells the remote it may free its blocks now,
+        instead of holding them until its lease runs out."""
+        self.update_state_after_alloc(request_id, (), 0, awaiting=False)
+        self._remote.pop(request_id, None)
 
     def _decoding(self, request_id: str) -> bool:
         """Whether the request's decode machine is still live (a notify-only

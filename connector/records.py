@@ -12,6 +12,7 @@ misreading each other.
 """
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 import attrs
@@ -43,6 +44,27 @@ def _id_set(value: Any) -> frozenset[str]:
 
 def _int_set(value: Any) -> frozenset[int]:
     return frozenset(value)
+
+
+class RecvFailure(StrEnum):
+    """Why a rank reported a recv failed.  The values are the words reports
+    and summaries print (a member compares equal to its value)."""
+
+    DECLINED = "declined by the expiry gate"
+    TRANSFER_FAILED = "transfer failed"
+    ABORTED = "aborted"
+    TRANSFER_DEADLINE = "transfer deadline (timeout or the remote blocks' validity)"
+    HANDSHAKE_TIMEOUT = "handshake did not complete in time"
+    PUSH_TIMEOUT = "push did not arrive in time"
+    RECV_TIMEOUT = "recv timed out"
+    HANDSHAKE_FAILED = "handshake failed"
+    ENGINE_LOST = "engine lost"
+    INTERNAL_ERROR = "internal error on its params"  # its set-up raised (the worker's last line)
+    UNEXPLAINED = "failed"  # no rule above names the stimulus (the worker counts these)
+
+
+def _reasons(value: Any) -> tuple[tuple[str, RecvFailure], ...]:
+    return tuple((str(rid), RecvFailure(reason)) for rid, reason in value)
 
 
 @attrs.frozen(kw_only=True)
@@ -132,8 +154,8 @@ class WorkerReport:
     finished_recving: frozenset[str] = attrs.field(default=frozenset(), converter=_id_set)
     failed_recving: frozenset[str] = attrs.field(default=frozenset(), converter=_id_set)
     load_error_blocks: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
-    # Why each failed recv failed (a short reason; for reports and summaries).
-    fail_reasons: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_tuple)
+    # Why each failed recv failed (for reports and summaries).
+    fail_reasons: tuple[tuple[str, RecvFailure], ...] = attrs.field(default=(), converter=_reasons)
     version: int = RECORD_VERSION
 
     @property

@@ -26,36 +26,39 @@ from kvplane.statemachines.tp_mapping import TpMapping
 
 from .driver import PlaneDriver
 from .ranks import rank_engine_id
-from .records import Finish, LeaseGrant, RankInfo, StepMeta, WorkerReport, check
+from .records import Finish, LeaseGrant, RankInfo, RecvFailure, StepMeta, WorkerReport, check
 
 log = logging.getLogger("kvplane.worker")
 # Holder ranks looked for when a new request's set-up raised half-way.
 MAX_HOLDER_RANKS_SCANNED = 64
 
 
-def recv_failure_reason(event_name: str, label: str, before: str | None) -> str:
+# Which reason a timer means, by the decode request's state when it fired.
+_TIMEOUTS = {"READING": RecvFailure.TRANSFER_DEADLINE, "HANDSHAKING": RecvFailure.HANDSHAKE_TIMEOUT,
+             "AWAITING_PUSH": RecvFailure.PUSH_TIMEOUT}
+
+
+def recv_failure_reason(event_name: str, label: str, before: str | None) -> RecvFailure:
     """Why a recv was reported failed, from the stimulus whose effects
     reported it (the machine that took it, and its state before)."""
     kind = label.split(":", 1)[0]
     if kind == "decode_request":
         if event_name == "StartLoad":  # the engine was connected: the gate ran at once
-            return "declined by the expiry gate"
+            return RecvFailure.DECLINED
         if event_name == "ReadFailed":
-            return "transfer failed"
+            return RecvFailure.TRANSFER_FAILED
         if event_name == "Abort":
-            return "aborted"
+            return RecvFailure.ABORTED
         if event_name == "TimerFired":
-            return {"READING": "transfer deadline (timeout or the remote blocks' validity)",
-                    "HANDSHAKING": "handshake did not complete in time",
-                    "AWAITING_PUSH": "push did not arrive in time"}.get(before or "", "recv timed out")
+            return _TIMEOUTS.get(before or "", RecvFailure.RECV_TIMEOUT)
     if kind == "remote_engine":
         if event_name == "HandshakeOk":  # connected now: the waiting requests' gate ran
-            return "declined by the expiry gate"
+            return RecvFailure.DECLINED
         if event_name in ("HandshakeFailed", "TimerFired"):
-            return "handshake failed"
+            return RecvFailure.HANDSHAKE_FAILED
     if event_name == "PeerDisconnected":
-        return "engine lost"
-    return f"{event_name} ({kind})"
+        return RecvFailure.ENGINE_LOST
+    return RecvFailure.UNEXPLAINED
 
 
 class ConnectorWorker:
@@ -75,7 +78,7 @@ class ConnectorWorker:
         self._reported: set[str] = set()  # of those, the ones this rank reported (awaiting their Finish)
         self._aborted: set[str] = set()  # aborted, awaited, not reported yet: forgotten once reported
         self._notify_only: set[str] = set()  # requests nobody awaits: gone once their machines are
-        self._fail_reason: dict[str, str] = {}
+        self._fail_reason: dict[str, RecvFailure] = {}
         self._broken: set[str] = set()  # new requests that raised: their load fails, nothing is read
         self._broken_failed: set[str] = set()  # of those, awaited: failed in the next report
         self._out_sending: set[str] = set()
@@ -168,9 +171,9 @@ class ConnectorWorker:
         self._end_notify_only()
         for rid in self._broken_failed:
             failed.add(rid)
-            self._fail_reason[rid] = "internal error on its params"
+            self._fail_reason[rid] = RecvFailure.INTERNAL_ERROR
         self._broken_failed = set()
-        reasons = tuple((rid, self._fail_reason.pop(rid, "failed")) for rid in failed)
+        reasons = tuple((rid, self._fail_reason.pop(rid, RecvFailure.UNEXPLAINED)) for rid in failed)
         return WorkerReport(rank=self.rank, finished_sending=sending, finished_recving=recving,
                             failed_recving=failed, load_error_blocks=blocks, fail_reasons=reasons)
 
@@ -255,5 +258,7 @@ class ConnectorWorker:
         for a in step.actions:
             if isinstance(a, ReportRecv) and not a.ok:
                 rid = self._parent.get(a.request_id, a.request_id)
-                self._fail_reason.setdefault(
-                    rid, recv_failure_reason(type(step.event).__name__, step.machine, step.state_before))
+                reason = recv_failure_reason(type(step.event).__name__, step.machine, step.state_before)
+                if reason is RecvFailure.UNEXPLAINED:
+                    self.counters[f"unexplained_recv_failure:{type(step.event).__name__}"] += 1
+                self._fail_reason.setdefault(rid, reason)

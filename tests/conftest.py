@@ -23,6 +23,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_cli.py": None,
     "test_composition.py": "core",
     "test_config_kv_transfer.py": "core",
+    "test_connector_facade.py": "core",
     "test_connector_loopback.py": None,
     "test_connector_split.py": "core",
     "test_core_nonfinite.py": "core",
@@ -34,6 +35,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_diagrams.py": "core",
     "test_driver_loop.py": "core",
     "test_e2e_mainjob.py": "e2e",
+    "test_engine_request.py": "core",
     "test_e2e_replay.py": "e2e",
     "test_eventlog.py": "core",
     "test_eventlog_batches.py": "core",
@@ -54,6 +56,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_plane_properties.py": "core",
     "test_plane_timers.py": "core",
     "test_read_gate_property.py": "core",
+    "test_recv_failure.py": "core",
     "test_reference_interpreter.py": "core",
     "test_replay.py": "core",
     "test_replay_old_logs.py": "core",
@@ -74,6 +77,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_vllm_adapter.py": "core",
     "test_vllm_worker_side.py": "nixl",
     "test_vllm_engine.py": "vllm",
+    "test_vllm_scheduler.py": "vllm",
 }
 KINDS = ("core", "nixl", "e2e", "vllm")
 

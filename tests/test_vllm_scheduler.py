@@ -1,0 +1,503 @@
+"""kvplane's connector inside vLLM's real scheduler.
+
+Each engine is vLLM's ``Scheduler`` with the ``KVPlaneConnector`` loaded as
+a serving engine loads it, and kvplane worker ranks over the loopback
+transport in place of the worker processes (``vllm_scheduler_support``):
+the request lifecycles vLLM drives (remote prefill on D, remote decode on
+P, aborts at each stage, load failures under both policies, preemption,
+tensor parallelism) are checked where vLLM keeps them (its queues, request
+statuses, block pool, outputs) and, where the plane's answer is what proves
+a behaviour, on the records the scheduler half sends the ranks.  D's
+params always come from P's own ``request_finished``.  Every test ends
+with vLLM told of each recv and each send at most once (a second report
+trips an assertion of vLLM's engine core), and with the ``engine_request``
+machine, run as a shadow on the same calls (``engine_shadow``), having
+answered and sent exactly what the connector did.
+
+Needs vLLM (skipped with the reason without it); 15-35 s here, vLLM's
+import included.
+"""
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+from loopback_support import Clock
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed: run scripts/install-vllm to include these tests")
+
+if importlib.util.find_spec("vllm") is not None:
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+    from vllm_scheduler_support import Engine, engine_pair, new_request
+
+    from kvplane.connector.records import RecvFailure, WorkerReport
+    from kvplane.connector.vllm import KVPlaneWorkerMeta
+
+PROMPT = 40  # tokens: 3 blocks of 16 (the last one partial)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def engines(clock):
+    """``engines(**kw)`` -> (fabric, P, D); at the end, vLLM was never told twice."""
+    made: list[Engine] = []
+
+    def make(**kw):
+        fabric, p, d = engine_pair(clock, **kw)
+        made.extend((p, d))
+        return fabric, p, d
+
+    yield make
+    for engine in made:
+        engine.close()
+    for engine in made:
+        assert engine.told_once(), (engine.name, engine.seen_recving, engine.seen_failed, engine.seen_sending)
+        # The engine_request machine, fed the same calls, answered and sent the same.
+        assert engine.shadow.mismatches == [], (engine.name, engine.shadow.mismatches)
+
+
+def settle(clock, engines, seconds, until, dt=0.05) -> bool:
+    """Step every engine while the clock advances, until ``until()``."""
+    end = clock.t + seconds
+    while clock.t < end:
+        for e in engines:
+            e.step()
+        if until():
+            return True
+        time.sleep(0.002)  # the side channel's handshakes run on their own threads
+        clock.t += dt
+    return False
+
+
+def prefill(p: Engine, rid: str, tag: int = 7) -> dict:
+    """P computes ``rid``'s prompt for a remote decode; its KV (tagged) sits in
+    its blocks under a lease.  Returns the params P answered with."""
+    p.add(new_request(rid, num_tokens=PROMPT, max_tokens=1, params={"do_remote_decode": True}))
+    p.step()
+    (done,) = p.finished(rid)
+    assert done.finish_reason == FinishReason.LENGTH and done.kv_transfer_params is not None
+    for b in p.blocks_of(rid):
+        for r, kv in enumerate(p.kv):
+            kv[b] = 1000.0 * tag + 10.0 * b + r
+    return done.kv_transfer_params
+
+
+def decode(d: Engine, rid: str, params: dict, max_tokens: int = 3):
+    return d.add(new_request(f"d-{rid}", num_tokens=PROMPT, max_tokens=max_tokens, params=params))
+
+
+def loaded(p: Engine, params: dict, d: Engine, drid: str) -> bool:
+    """D's blocks hold exactly what P's (named in the params) held, on every rank."""
+    pairs = list(zip(params["remote_block_ids"][0], d.blocks_of(drid)))
+    return bool(pairs) and all(bool((p.kv[r][pb] == d.kv[r][db]).all()) for r in range(d.tp) for pb, db in pairs)
+
+
+# ------------------------------------------------------------------ remote prefill (D)
+
+def test_d_waits_for_the_remote_kv_until_the_ranks_report_it_then_runs(engines, clock):
+    _, p, d = engines()
+    params = prefill(p, "r1")
+    req = decode(d, "r1", params)
+    d.silent = {0}  # the rank does not progress: nothing is read yet
+    for _ in range(3):
+        d.step()
+    assert d.status("d-r1") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert req in d.sched.kv_holding_waiting and not d.sched.running
+    (new,) = d.records("new_requests")
+    assert new.request_id == "d-r1" and new.remote.remote_request_id == params["remote_request_id"]
+    (load,) = d.records("loads")
+    assert load.awaiting and load.num_remote_tokens == PROMPT and load.block_ids == d.blocks_of("d-r1")
+    p_blocks = p.blocks_of("r1")
+    d.silent = set()
+    assert settle(clock, (p, d), 2, lambda: d.status("d-r1") == RequestStatus.RUNNING)
+    assert loaded(p, params, d, "d-r1")
+    assert d.seen_recving == ["d-r1"] and d.seen_failed == []
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")) and p.empty())
+    (done,) = d.finished("d-r1")
+    assert done.finish_reason == FinishReason.LENGTH and len(req.output_token_ids) == 3
+    d.step()  # the finish reaches the ranks with the next step's records
+    # The plane heard of the run once and of the finish once; P freed on the read's completion.
+    assert d.records("running") == ["d-r1"]
+    assert [f.request_id for f in d.records("finished")] == ["d-r1"]
+    assert p.seen_sending == ["r1"] and p.workers[0].driver.counters["blocks_freed_consumed"] == len(p_blocks)
+    assert d.empty() and p.held() == [] and d.held() == []
+
+
+def test_a_repeated_update_state_after_alloc_loads_nothing_twice(engines, clock):
+    # vLLM calls update_state_after_alloc again (0 external tokens) when the
+    # request is scheduled after its recv.
+    _, p, d = engines()
+    calls = []
+    side = d.side
+    original = side.update_state_after_alloc
+
+    def spy(request, block_ids, n):
+        calls.append(n)
+        return original(request, block_ids, n)
+
+    side.update_state_after_alloc = spy  # type: ignore[method-assign]
+    decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    assert calls[0] == PROMPT and len(calls) >= 2 and calls[1:] == [0] * (len(calls) - 1)
+    assert len(d.records("loads")) == 1 and d.records("running") == ["d-r1"]
+    assert d.empty()
+
+
+# ------------------------------------------------------------------ remote decode (P)
+
+def test_p_holds_the_blocks_under_a_lease_until_finished_sending(engines, clock):
+    _, p, d = engines()
+    params = prefill(p, "r1")
+    assert params["do_remote_prefill"] and params["remote_block_ids"] == [list(p.blocks_of("r1"))]
+    p.step()
+    (grant,) = p.records("grants")
+    assert grant.request_id == "r1" and grant.name == params["remote_request_id"]
+    # Finished, but its blocks are held (vLLM keeps the request) while the lease lives.
+    assert p.status("r1") == RequestStatus.FINISHED_LENGTH_CAPPED and not p.empty()
+    assert not settle(clock, (p,), 5.0, lambda: p.empty())
+    # Nobody came: the lease expires on the rank, and only then are the blocks free.
+    assert settle(clock, (p,), 3.0, lambda: p.empty())
+    assert p.seen_sending == ["r1"] and p.workers[0].driver.counters["blocks_freed_expired"] == 3
+    assert p.held() == []
+
+
+def test_p_aborted_before_it_finished_frees_at_once_and_grants_nothing(engines, clock):
+    _, p, _ = engines()
+    p.add(new_request("r1", num_tokens=PROMPT, max_tokens=1, params={"do_remote_decode": True}))
+    p.abort("r1")
+    p.step()
+    assert p.empty() and p.records("grants") == [] and p.seen_sending == []
+
+
+def test_finished_sending_is_aggregated_over_both_ranks(engines, clock):
+    fabric, p, d = engines(p_tp=2, d_tp=2)
+    fabric.drop_notifs(receiver="P/tp1")  # rank 1 never hears that D read it
+    decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    assert p.workers[0].driver.counters["blocks_freed_consumed"] == 3
+    # Rank 0 reported; vLLM (its own aggregator) still holds the blocks, and so do the plane's books.
+    assert p.status("r1") == RequestStatus.FINISHED_LENGTH_CAPPED and p.seen_sending == []
+    assert p.side.sched.waiting_on("r1") == (1,)
+    assert settle(clock, (p, d), 10, lambda: p.empty())
+    assert p.seen_sending == ["r1"] and p.workers[1].driver.counters["blocks_freed_expired"] == 3
+    assert p.held() == [] and d.held() == [] and d.empty()
+
+
+def test_recv_is_finished_only_when_both_d_ranks_read(engines, clock):
+    _, p, d = engines(p_tp=2, d_tp=2)
+    params = prefill(p, "r1")
+    decode(d, "r1", params)
+    d.silent = {1}
+    assert not settle(clock, (p, d), 1, lambda: d.status("d-r1") != RequestStatus.WAITING_FOR_REMOTE_KVS)
+    d.silent = set()
+    assert settle(clock, (p, d), 2, lambda: d.status("d-r1") == RequestStatus.RUNNING)
+    assert loaded(p, params, d, "d-r1")
+    assert settle(clock, (p, d), 2, lambda: d.empty() and p.empty())
+
+
+# ------------------------------------------------------------------ aborts on D
+
+def test_d_aborted_before_allocation_tells_p_to_free_and_awaits_nothing(engines, clock):
+    _, p, d = engines()
+    decode(d, "r1", prefill(p, "r1"))
+    d.abort("d-r1")  # before any schedule(): no blocks were ever allocated
+    d.step()
+    # The plane is told: an empty, unawaited load (the rank tells P to free now).
+    (load,) = d.records("loads")
+    assert load.request_id == "d-r1" and not load.awaiting and load.num_remote_tokens == 0
+    assert d.records("aborts") == [] and d.empty()
+    # P frees on D's notify, long before its lease (6 s) would have run out.
+    assert settle(clock, (p, d), 1.0, lambda: p.empty())
+    assert p.workers[0].driver.counters["blocks_freed_consumed"] == 3
+    assert d.seen_recving == [] and p.held() == [] and d.held() == []
+
+
+def test_d_aborted_while_awaited_is_reported_once_then_freed(engines, clock):
+    fabric, p, d = engines()
+    fabric.hang_transfers(initiator="D/tp0")  # the READ never completes
+    decode(d, "r1", prefill(p, "r1"))
+    assert not settle(clock, (p, d), 0.5, lambda: d.status("d-r1") != RequestStatus.WAITING_FOR_REMOTE_KVS)
+    d.abort("d-r1")
+    # vLLM keeps the blocks (the transfer may still write them) until the rank reports.
+    assert d.status("d-r1") == RequestStatus.FINISHED_ABORTED and not d.empty()
+    assert settle(clock, (p, d), 1.0, lambda: d.empty())
+    assert d.records("aborts") == ["d-r1"] and d.seen_recving == ["d-r1"]
+    assert d.side.sched.fail_reasons.get("d-r1") is RecvFailure.ABORTED
+    assert settle(clock, (p, d), 10, lambda: p.empty())  # P's lease runs out (no heartbeats)
+    assert p.held() == [] and d.held() == []
+
+
+def test_d_aborted_while_running_finishes_the_plane_request_and_frees(engines, clock):
+    _, p, d = engines()
+    decode(d, "r1", prefill(p, "r1"), max_tokens=50)
+    assert settle(clock, (p, d), 2, lambda: d.status("d-r1") == RequestStatus.RUNNING)
+    d.abort("d-r1")
+    assert d.empty()
+    d.step()
+    assert [f.request_id for f in d.records("finished")] == ["d-r1"] and d.records("aborts") == []
+    assert settle(clock, (p, d), 1, lambda: p.empty())
+    assert d.held() == [] and p.held() == []
+
+
+# ------------------------------------------------------------------ load failures
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_read_fails_or_recomputes_as_configured(engines, clock, policy):
+    fabric, p, d = engines(policy=policy)
+    fabric.fail_transfers(initiator="D/tp0")
+    req = decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    (done,) = d.finished("d-r1")
+    assert d.seen_recving == ["d-r1"] and d.seen_failed == ["d-r1"]
+    assert d.side.sched.fail_reasons["d-r1"] is RecvFailure.TRANSFER_FAILED
+    d.step()
+    if policy == "fail":
+        assert done.finish_reason == FinishReason.ERROR and len(req.output_token_ids) == 0
+        # vLLM fails the request (request_finished) before it hands the connector
+        # the same step's output: the connector still sees the recv awaited and
+        # aborts it on the rank, which has already reported and reports nothing more.
+        assert d.records("aborts") == ["d-r1"]
+    else:  # computed locally from the first token, then run to its end
+        assert d.records("aborts") == []
+        assert done.finish_reason == FinishReason.LENGTH and len(req.output_token_ids) == 3
+    assert settle(clock, (p, d), 10, lambda: d.empty() and p.empty())
+    assert d.held() == [] and p.held() == []
+
+
+def test_a_read_declined_for_an_expired_lease_is_recomputed_never_read(engines, clock):
+    _, p, d = engines(policy="recompute")
+    params = prefill(p, "r1")
+    assert settle(clock, (p,), 8, lambda: p.empty())  # P's lease ran out before the forward
+    req = decode(d, "r1", params)
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    assert d.seen_failed == ["d-r1"] and d.side.sched.fail_reasons["d-r1"] is RecvFailure.DECLINED
+    assert len(req.output_token_ids) == 3 and d.empty() and d.held() == []
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_invalid_block_ids_rewind_or_fail_the_request(engines, clock, policy):
+    # A rank says the recv finished but one block's KV is bad (vLLM's
+    # invalid_block_ids): vLLM recomputes from that block or fails the request.
+    _, p, d = engines(policy=policy)
+    req = decode(d, "r1", prefill(p, "r1"))
+    d.step()
+    bad = d.blocks_of("d-r1")[1]
+
+    def spoil(rank, out):
+        if out is not None and "d-r1" in (out.finished_recving or ()):
+            out.invalid_block_ids = {bad}
+        return out
+
+    d.edit = spoil
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    (done,) = d.finished("d-r1")
+    if policy == "fail":
+        assert done.finish_reason == FinishReason.ERROR
+    else:
+        assert done.finish_reason == FinishReason.LENGTH and len(req.output_token_ids) == 3
+        # Recomputed from the bad block on: one step computed tokens 16..39 locally.
+    assert settle(clock, (p, d), 2, lambda: d.empty() and p.empty())
+    assert d.held() == []
+
+
+# ------------------------------------------------------------------ preemption, repeats
+
+def test_preempted_after_its_recv_it_is_recomputed_locally_never_loaded_again(engines, clock):
+    _, p, d = engines()
+    req = decode(d, "r1", prefill(p, "r1"), max_tokens=6)
+    assert settle(clock, (p, d), 2, lambda: d.status("d-r1") == RequestStatus.RUNNING)
+    d.step()
+    d.sched.reset_prefix_cache(reset_running_requests=True)  # vLLM preempts every running request
+    assert d.status("d-r1") == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    assert req.num_preemptions == 1 and len(req.output_token_ids) == 6
+    d.step()
+    assert len(d.records("new_requests")) == 1 and len(d.records("loads")) == 1
+    assert d.records("running") == ["d-r1"] and [f.request_id for f in d.records("finished")] == ["d-r1"]
+    assert settle(clock, (p, d), 2, lambda: d.empty() and p.empty())
+    assert d.held() == [] and p.held() == []
+
+
+def test_a_repeated_worker_report_changes_nothing(engines, clock):
+    # The aggregated worker meta carries a rank's report twice (a bug
+    # elsewhere, or a retried step): the scheduler half keeps its books.
+    _, p, d = engines()
+    decode(d, "r1", prefill(p, "r1"))
+
+    def twice(rank, out):
+        meta = None if out is None else out.kv_connector_worker_meta
+        if isinstance(meta, KVPlaneWorkerMeta):
+            out.kv_connector_worker_meta = meta.aggregate(KVPlaneWorkerMeta(reports=list(meta.reports)))
+        return out
+
+    d.edit = twice
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    d.step()
+    assert d.records("running") == ["d-r1"] and len(d.records("finished")) == 1
+    assert settle(clock, (p, d), 2, lambda: d.empty() and p.empty())
+
+
+def test_a_report_for_a_request_vllm_never_sent_is_ignored(engines, clock):
+    _, p, d = engines()
+
+    def stray(rank, out):
+        report = WorkerReport(rank=rank, finished_recving={"nobody"}, failed_recving={"nobody"},
+                              fail_reasons=(("nobody", "aborted"),))
+        if out is None or out.kv_connector_worker_meta is None:
+            return out
+        out.kv_connector_worker_meta = out.kv_connector_worker_meta.aggregate(KVPlaneWorkerMeta(reports=[report]))
+        return out
+
+    d.edit = stray
+    decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    assert d.records("aborts") == []
+
+
+def test_d_aborted_after_its_recv_was_reported_but_before_it_ran(engines, clock):
+    _, p, d = engines()
+    decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: d.seen_recving == ["d-r1"])
+    assert d.status("d-r1") == RequestStatus.WAITING_FOR_REMOTE_KVS  # promoted at the next schedule()
+    d.abort("d-r1")
+    assert d.empty()  # vLLM frees at once: the recv is over
+    d.step()
+    assert [f.request_id for f in d.records("finished")] == ["d-r1"]
+    assert d.records("aborts") == [] and d.records("running") == []
+    assert settle(clock, (p, d), 2, lambda: p.empty())
+    assert d.held() == [] and p.held() == []
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_one_d_rank_failing_fails_the_request_once(engines, clock, policy):
+    fabric, p, d = engines(p_tp=2, d_tp=2, policy=policy)
+    fabric.fail_transfers(initiator="D/tp1")
+    req = decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    (done,) = d.finished("d-r1")
+    if policy == "fail":
+        assert done.finish_reason == FinishReason.ERROR and len(req.output_token_ids) == 0
+    else:
+        assert done.finish_reason == FinishReason.LENGTH and len(req.output_token_ids) == 3
+    assert d.side.sched.fail_reasons["d-r1"] == f"{RecvFailure.TRANSFER_FAILED} (rank 1)"
+    # Rank 1's bad blocks may fail the request before rank 0 is done; vLLM
+    # frees the blocks once both ranks reported, and is told once.
+    assert settle(clock, (p, d), 10, lambda: d.empty() and p.empty())
+    assert d.seen_recving == ["d-r1"]
+    assert d.held() == [] and p.held() == []
+
+
+def test_with_a_local_prefix_hit_d_reads_only_the_blocks_it_lacks(engines, clock):
+    _, p, d = engines()
+    d.add(new_request("local", num_tokens=PROMPT, max_tokens=1))  # same prompt, computed on D first
+    d.step()
+    assert d.finished("local") and d.empty()  # freed, its full blocks still cached
+    params = prefill(p, "r1")
+    remote = params["remote_block_ids"][0]
+    req = decode(d, "r1", params)
+    d.step()
+    (load,) = d.records("loads")
+    full_blocks_cached = PROMPT // 16
+    assert load.num_remote_tokens == PROMPT - 16 * full_blocks_cached and len(load.block_ids) == 1
+    assert d.side.counters["prefix_hits"] == 1
+    assert settle(clock, (p, d), 2, lambda: d.status("d-r1") == RequestStatus.RUNNING)
+    # The one block D lacked holds P's last block (the lists are paired from the prompt's end).
+    assert bool((d.kv[0][load.block_ids[0]] == p.kv[0][remote[-1]]).all())
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")) and p.empty())
+    assert len(req.output_token_ids) == 3
+    assert settle(clock, (p, d), 1, lambda: d.empty())
+
+
+def test_bad_params_are_counted_and_the_prompt_computed_locally(engines, clock):
+    # A hostile or broken proxy: params that name an impossible block list.
+    _, p, d = engines()
+    params = prefill(p, "r1")
+    params["remote_block_ids"] = [["not", "a", "block"]]
+    req = decode(d, "r1", params)
+    assert settle(clock, (p, d), 1, lambda: bool(d.finished("d-r1")))
+    assert len(req.output_token_ids) == 3 and d.side.counters["bad_transfer_params"] == 1
+    assert d.records("new_requests") == [] and d.records("loads") == [] and d.seen_recving == []
+    assert d.empty() and d.held() == []
+
+
+def test_a_hold_for_the_next_turn_keeps_d_blocks_until_its_ttl(engines, clock):
+    _, p, d = engines(extra={"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 8.0})
+    decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    (done,) = d.finished("d-r1")
+    turn2 = done.kv_transfer_params
+    assert turn2 is not None and turn2["remote_engine_id"] == "D" and turn2["remote_blocks_expiry_time"] is not None
+    d.step()
+    (finish,) = d.records("finished")
+    assert finish.hold is not None and finish.hold.name == turn2["remote_request_id"]
+    # vLLM keeps the blocks while every rank holds them; nobody reads: the TTL frees them.
+    assert d.status("d-r1") == RequestStatus.FINISHED_LENGTH_CAPPED and not d.empty()
+    assert settle(clock, (p, d), 12, lambda: d.empty())
+    assert d.seen_sending == ["d-r1"] and d.held() == [] and p.empty()
+
+
+def test_d_aborted_while_it_waits_for_free_blocks_tells_p_to_free(engines, clock):
+    # D's cache fits one request: the second is matched every step but never
+    # allocated, then aborted.
+    _, p, d = engines(d_blocks=6)
+    decode(d, "r1", prefill(p, "r1"), max_tokens=40)
+    params2 = prefill(p, "r2", tag=8)
+    calls = []
+    original = d.side.get_num_new_matched_tokens
+
+    def spy(request, num_computed_tokens):
+        calls.append(request.request_id)
+        return original(request, num_computed_tokens)
+
+    d.side.get_num_new_matched_tokens = spy  # type: ignore[method-assign]
+    decode(d, "r2", params2)
+    assert settle(clock, (p, d), 1, lambda: calls.count("d-r2") >= 2)
+    assert d.status("d-r2") == RequestStatus.WAITING and d.sched.kv_cache_manager.get_block_ids("d-r2") == ([],)
+    d.abort("d-r2")
+    d.step()
+    (load,) = [x for x in d.records("loads") if x.request_id == "d-r2"]
+    assert not load.awaiting and load.num_remote_tokens == 0
+    assert settle(clock, (p, d), 1, lambda: p.status("r2") is None)  # freed on D's notify, not by the lease
+    assert "d-r2" not in d.seen_recving
+    assert settle(clock, (p, d), 3, lambda: d.empty() and p.empty())
+    assert d.held() == [] and p.held() == []
+
+
+def test_a_wider_d_than_p_is_refused_and_computed_locally(engines, clock):
+    # P plans one reader per rank (it cannot know D's TP at request_finished);
+    # two D ranks would read each P rank, so D refuses the params rather than
+    # race P's free, computes the prompt itself, and P's lease runs out.
+    _, p, d = engines(p_tp=1, d_tp=2)
+    req = decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 1, lambda: bool(d.finished("d-r1")))
+    assert len(req.output_token_ids) == 3 and d.side.counters["bad_transfer_params"] == 1
+    assert d.records("new_requests") == [] and d.empty()
+    assert settle(clock, (p, d), 10, lambda: p.empty())
+    assert p.workers[0].driver.counters["blocks_freed_expired"] == 3
+
+
+def test_p_preempted_while_prefilling_grants_once_when_it_finishes(engines, clock):
+    # Prefill in chunks of 16 tokens; vLLM preempts P's request after the first.
+    _, p, d = engines(max_num_batched_tokens=16)
+    req = p.add(new_request("r1", num_tokens=PROMPT, max_tokens=1, params={"do_remote_decode": True}))
+    p.step()
+    assert p.status("r1") == RequestStatus.RUNNING and req.num_computed_tokens == 16
+    p.sched.reset_prefix_cache(reset_running_requests=True)
+    assert p.status("r1") == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
+    assert settle(clock, (p,), 1, lambda: bool(p.finished("r1")))
+    (done,) = p.finished("r1")
+    assert req.num_preemptions == 1 and done.kv_transfer_params is not None
+    p.step()
+    assert [g.request_id for g in p.records("grants")] == ["r1"]
+    decode(d, "r1", done.kv_transfer_params)
+    assert settle(clock, (p, d), 3, lambda: bool(d.finished("d-r1")) and p.empty())
+    assert settle(clock, (p, d), 1, lambda: d.empty())
+    assert p.held() == [] and d.held() == []
