@@ -84,7 +84,7 @@ class UnsupportedVersion(EventLogError):
 
 # ------------------------------------------------------------------ encoding
 # What a line says about an object: its fields (``_field_names``), and whether
-# each may hold a non-finite float (``_check_expr``); see "line encoding".
+# each may hold a non-finite float (``_finite_check``); see "line encoding".
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
@@ -95,18 +95,24 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return names
 
 
-def _check_expr(name: str, options: tuple[str, ...], owner: str = "o.") -> str | None:
-    """The finiteness check of field ``name`` as an expression over ``o`` (or
-    the variable ``owner + name``), or None for a field that cannot hold a
-    float (indices, strings, bools)."""
-    v = owner + name
+def _finite_check(name: str, options: tuple[str, ...]) -> Callable[[Any], bool] | None:
+    """The finiteness check of a field's value, or None for a field that
+    cannot hold a float (indices, strings, bools)."""
     if "tuple" in options:
-        return None if _TUPLE_ELEMENTS.get(name) in (_INDEX, _STR) else f"_finite({v})"
+        return None if _TUPLE_ELEMENTS.get(name) in (_INDEX, _STR) else _finite
     if set(options) <= {"str", "int", "bool", "None"}:
         return None
-    if set(options) <= {"float", "int", "None"}:  # inline: x - x is 0.0 for a finite float only
-        return f"({v}.__class__ is not float or {v} - {v} == 0.0)"
-    return f"({v}.__class__ is str or _finite({v}))"  # Any: mostly string ids
+    if set(options) <= {"float", "int", "None"}:
+        return _finite_number
+    return _finite_or_str  # Any: mostly string ids
+
+
+def _finite_number(v: Any) -> bool:
+    return v.__class__ is not float or v - v == 0.0  # x - x is 0.0 for a finite float only
+
+
+def _finite_or_str(v: Any) -> bool:
+    return v.__class__ is str or _finite(v)
 
 
 def _finite(v: Any) -> bool:
@@ -141,16 +147,20 @@ _PLAINS: dict[type, Callable[[Any], dict]] = {}
 
 
 def _plain_getter(cls: type) -> Callable[[Any], dict]:
-    """The fields dict of an instance of ``cls`` as its JSON round trip reads
-    (a dict display over the field names, about three times faster than a
-    loop): scalars are taken as they are, anything else made plain."""
+    """The fields dict of an instance of ``cls`` as its JSON round trip reads:
+    scalars are taken as they are, anything else made plain."""
     get = _PLAINS.get(cls)
     if get is None:
         names = _field_names(cls)
-        assert all(n.isidentifier() for n in names)
-        get = _PLAINS[cls] = eval(
-            "lambda o: {" + ", ".join(f"{n!r}: o.{n} if o.{n}.__class__ in S else _plain(o.{n})" for n in names) + "}",
-            {"S": _SCALARS, "_plain": _plain})
+
+        def get(o: Any) -> dict:
+            out = {}
+            for n in names:
+                v = getattr(o, n)
+                out[n] = v if v.__class__ in _SCALARS else _plain(v)
+            return out
+
+        _PLAINS[cls] = get
     return get
 
 
@@ -205,7 +215,7 @@ _ENCODER = msgspec.json.Encoder(order="deterministic")
 
 
 class _NotFinite(Exception):
-    """Raised by a generated ``_value`` function: this line needs ``json``."""
+    """Raised by a ``_value`` function: this line needs ``json``."""
 
 
 # event or action class -> None (the object is written as it is: a Struct
@@ -217,19 +227,20 @@ _UNSEEN = object()
 
 def _value(cls: type) -> Callable[[Any], Any] | None:
     """Make and keep ``_VALUES[cls]`` (its readers look it up first)."""
-    checks = [c for c in (_check_expr(n, options) for n, options, _ in _schema(cls)) if c is not None]
+    checks = tuple((n, c) for n, c in ((n, _finite_check(n, options)) for n, options, _ in _schema(cls))
+                   if c is not None)
     struct = issubclass(cls, msgspec.Struct)
     value: Callable[[Any], Any] | None = None
     if checks or not struct:
         names = _field_names(cls)
-        assert all(n.isidentifier() for n in names)
-        lines = ["def value(o):"]
-        if checks:
-            lines += [f"    if not ({' and '.join(checks)}):", "        raise _NotFinite"]
-        lines.append("    return o" if struct else f"    return Mirror({', '.join('o.' + n for n in names)})")
-        scope: dict[str, Any] = {"_NotFinite": _NotFinite, "_finite": _finite, "Mirror": _mirror(cls)}
-        exec("\n".join(lines), scope)  # noqa: S102 (field names checked as identifiers)
-        value = scope["value"]
+        mirror = None if struct else _mirror(cls)
+
+        def value(o: Any) -> Any:
+            for n, check in checks:
+                if not check(getattr(o, n)):
+                    raise _NotFinite
+            return o if mirror is None else mirror(*[getattr(o, n) for n in names])
+
     _VALUES[cls] = value
     return value
 
@@ -651,44 +662,52 @@ def _all_strings(v: Any) -> bool:
     return v.__class__ is list and all(x.__class__ is str for x in v)
 
 
-# Fast sufficient checks of a JSON value ``v`` for the common declared types,
-# as expressions: each accepts only values ``_value_problem`` accepts (exact
-# JSON types, no subclasses).  A value one refuses sends the whole object
-# through ``_build_reporting``, which decides and names the problem.
-_FAST_CHECKS: dict[tuple[str, ...], str] = {
-    ("str",): "v.__class__ is str",
-    ("str", "None"): "(v is None or v.__class__ is str)",
-    ("int",): "v.__class__ is int",
-    ("bool",): "v.__class__ is bool",
-    ("float",): "(v.__class__ is float or v.__class__ is int)",
-    ("float", "None"): "(v is None or v.__class__ is float or v.__class__ is int)",
-    ("Any",): "v.__class__ is str",  # timer keys: mostly string ids
+# Fast sufficient checks of a JSON value ``v`` for the common declared types:
+# each accepts only values ``_value_problem`` accepts (exact JSON types, no
+# subclasses).  A value one refuses sends the whole object through
+# ``_build_reporting``, which decides and names the problem.
+_FAST_CHECKS: dict[tuple[str, ...], Callable[[Any], bool]] = {
+    ("str",): lambda v: v.__class__ is str,
+    ("str", "None"): lambda v: v is None or v.__class__ is str,
+    ("int",): lambda v: v.__class__ is int,
+    ("bool",): lambda v: v.__class__ is bool,
+    ("float",): lambda v: v.__class__ is float or v.__class__ is int,
+    ("float", "None"): lambda v: v is None or v.__class__ is float or v.__class__ is int,
+    ("Any",): lambda v: v.__class__ is str,  # timer keys: mostly string ids
 }
 _FAST_BUILDS: dict[type, Callable[[dict], dict | None]] = {}
+
+
+def _never(v: Any) -> bool:
+    return False  # no fast rule: the full check
 
 
 def _fast_kwargs(cls: type) -> Callable[[dict], dict | None]:
     """A function from an object's JSON fields to the keyword arguments of
     ``cls``, or None where a value needs the full check (or a key is not a
-    field): generated from the schema, one straight line per field."""
+    field): one fast check per field, from the schema."""
     fast = _FAST_BUILDS.get(cls)
     if fast is None:
-        body = ["def kwargs(data):", "    kw = {}"]
+        plan = []
         for name, options, converts in _schema(cls):
             check = _FAST_CHECKS.get(options)
             if check is None and options == ("tuple",):
                 kind = _TUPLE_ELEMENTS.get(name)
-                check = "_all_indices(v)" if kind is _INDEX else "_all_strings(v)" if kind is _STR else None
-            if check is None:
-                check = "False"  # no fast rule: the full check
-            # A converter restores its own tuples; elsewhere lists were tuples.
-            value = "v" if converts else "(v if v.__class__ is not list else _tuplify(v))"
-            body += [f"    if {name!r} in data:", f"        v = data[{name!r}]",
-                     f"        if not {check}:", "            return None", f"        kw[{name!r}] = {value}"]
-        body.append("    return kw if len(kw) == len(data) else None")
-        scope = {"_all_indices": _all_indices, "_all_strings": _all_strings, "_tuplify": _tuplify}
-        exec("\n".join(body), scope)
-        fast = _FAST_BUILDS[cls] = scope["kwargs"]
+                check = _all_indices if kind is _INDEX else _all_strings if kind is _STR else None
+            plan.append((name, check or _never, converts))
+
+        def fast(data: dict) -> dict | None:
+            kw = {}
+            for name, check, converts in plan:
+                if name in data:
+                    v = data[name]
+                    if not check(v):
+                        return None
+                    # A converter restores its own tuples; elsewhere lists were tuples.
+                    kw[name] = v if converts or v.__class__ is not list else _tuplify(v)
+            return kw if len(kw) == len(data) else None
+
+        _FAST_BUILDS[cls] = fast
     return fast
 
 
