@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_explore_arguments(e)
     e.set_defaults(fn=_explore)
 
-    from kvplane.app.options import add_run_arguments
+    from kvplane.app.options import add_placement_arguments, add_run_arguments
 
     run = sub.add_parser("run", help="the main job: a prefill and a decode process exchanging KV over real NIXL",
                          formatter_class=HelpFormatter,
@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "stream, move the KV over real NIXL, inject the requested faults, check "
                                      "that nothing leaks, and write the event logs and summary.json under --out.")
     add_run_arguments(run)
+    add_placement_arguments(run)
     run.set_defaults(fn=_run)
 
     from kvplane.app.vllm_proxy import add_proxy_arguments

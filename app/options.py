@@ -6,12 +6,16 @@ from it, not restated here."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
 
 import attrs
 
 from kvplane.statemachines.base import is_finite_number
 from kvplane.statemachines.config import ConfigError, PlaneConfig
 from kvplane.statemachines.tp_mapping import MAX_TP
+
+from .placement import LOOPBACK, Placement, advertise_host, bind_host, ucx_devices
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
 # PlaneConfig's smallest kv_lease_duration (its heartbeat interval, lease // 6,
@@ -55,6 +59,15 @@ class RunOptions:
     min_blocks: int = 2
     max_blocks: int = 24
     expiry_margin: float = 1.0  # turn-2 gate safety margin (demo-sized)
+    # Placement (placement.py): None is loopback; --hosts netns sets them per engine itself.
+    hosts: str = "local"  # local | netns
+    ucx_net_devices: str | None = None
+    side_channel_host: str | None = None
+    advertise_host: str | None = None
+    # Faults on the veth of --hosts netns.
+    partition_at: float | None = None
+    partition_for: float | None = None
+    rate_limit: int | None = None  # bits per second
 
     @classmethod
     def from_args(cls, args) -> "RunOptions":
@@ -120,6 +133,7 @@ class RunOptions:
                 raise RunError("--rank names the decode rank that --kill-decode-at or --hang-decode-at hits")
         if self.overload < 0:
             raise RunError("--overload must be >= 0")
+        self._validate_placement()
         if self.max_blocks > self.num_blocks // 2:
             raise RunError("requests must fit the KV cache twice over")
 
@@ -127,6 +141,38 @@ class RunOptions:
             self.plane_config()
         except ConfigError as exc:  # a derived timeout out of range: name the option it came from
             raise RunError(f"these options give an invalid plane configuration: {exc}") from exc
+
+    def _validate_placement(self) -> None:
+        if self.hosts not in ("local", "netns"):
+            raise RunError(f"--hosts must be local or netns, got {self.hosts!r}")
+        if self.hosts == "netns":
+            given = [n for n in ("ucx_net_devices", "side_channel_host", "advertise_host") if getattr(self, n)]
+            if given:
+                raise RunError(f"--hosts netns places each engine itself: drop --{given[0].replace('_', '-')}")
+        elif self.partition_at is not None or self.partition_for is not None or self.rate_limit is not None:
+            raise RunError("--partition-at, --partition-for and --rate-limit need --hosts netns")
+        if (self.partition_at is None) != (self.partition_for is None):
+            raise RunError("--partition-at and --partition-for go together")
+        for name in ("partition_at", "partition_for"):
+            v = getattr(self, name)
+            if v is not None and (not is_finite_number(v) or v < 0 or (name == "partition_for" and v == 0)):
+                raise RunError(f"--{name.replace('_', '-')} must be a finite number > 0, got {v!r}")
+        if self.rate_limit is not None and (isinstance(self.rate_limit, bool) or not isinstance(self.rate_limit, int)
+                                            or self.rate_limit < 8000):
+            raise RunError(f"--rate-limit must be at least 8kbit, got {self.rate_limit!r}")
+        if self.side_channel_host is not None and self.advertise_host is None:
+            try:
+                if ipaddress.ip_address(self.side_channel_host.strip("[]")).is_unspecified:
+                    raise RunError(f"--side-channel-host {self.side_channel_host} is a wildcard: "
+                                   "give --advertise-host (the address the peer connects to)")
+            except ValueError:
+                pass
+
+    def placement(self) -> Placement:
+        """Where both engines talk (--hosts local): the given devices and hosts, else loopback."""
+        bind = self.side_channel_host or LOOPBACK
+        return Placement(ucx_net_devices=self.ucx_net_devices or "lo", side_channel_host=bind,
+                         advertise_host=self.advertise_host or bind)
 
     def plane_config(self) -> PlaneConfig:
         """The engines' configuration: the lease, the hold and demo-sized timeouts."""
@@ -200,3 +246,39 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"how long the two engine processes may take to start (a loaded machine needs more "
                         f"than an idle one; default {d.startup_timeout:g}, with --engine vllm 420)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no start-up messages")
+
+
+_RATE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit)$")
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def rate(text: str) -> int:
+    """``--rate-limit``: a rate as tc writes it (800kbit, 100mbit, 1gbit), in bits per second."""
+    m = _RATE.match(text.strip().lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a rate like 100mbit (bit, kbit, mbit, gbit)")
+    bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+    if not 8000 <= bits <= 100 * 10**9:
+        raise argparse.ArgumentTypeError(f"{text} is outside 8kbit..100gbit")
+    return bits
+
+
+def add_placement_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the engines talk (placement.py), and --hosts netns with its faults (netns.py)."""
+    g = p.add_argument_group("placement (default: loopback)")
+    g.add_argument("--hosts", choices=("local", "netns"), default="local",
+                   help="local: both engines in this host's network; netns: each in its own network namespace, "
+                        "joined by a veth pair the run creates and removes (UCX over TCP on it; needs root)")
+    g.add_argument("--ucx-net-devices", type=ucx_devices, default=None, metavar="DEVS",
+                   help="UCX_NET_DEVICES of both engines: interfaces / RDMA devices of this host, or all "
+                        "(default: lo)")
+    g.add_argument("--side-channel-host", type=bind_host, default=None, metavar="ADDR",
+                   help=f"the address the side channels bind (default {LOOPBACK})")
+    g.add_argument("--advertise-host", type=advertise_host, default=None, metavar="HOST",
+                   help="the address a peer is told to connect to (default: --side-channel-host)")
+    g.add_argument("--partition-at", type=float, default=None, metavar="S",
+                   help="with --hosts netns: take the link down on both ends S seconds into the run")
+    g.add_argument("--partition-for", type=float, default=None, metavar="S",
+                   help="... for S seconds, then up again (requests keep arriving across the partition)")
+    g.add_argument("--rate-limit", type=rate, default=None, metavar="RATE",
+                   help="with --hosts netns: shape both ends of the link to RATE (tbf), e.g. 200mbit")

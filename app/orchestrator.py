@@ -18,15 +18,19 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable
 
+import attrs
+
 from .messages import (TO_PARENT, Abandon, Abandoned, Crashed, CurveKeys, Decode, Decoded, Finish, NodeOptions, Prefill,
                        Prefilled, Ready, Release, Released, Status, StatusRequest, Summary, Turn2, Turn2Done,
                        handlers)
+from .netns import HostPair, NetnsUnavailable
 from .options import ENGINE_IDS, SLACK_S, RunError, RunOptions
-from .report import build_summary, summary_table
+from .report import Partition, build_summary, summary_table
 from .workload import Req, make_stream
 
 # The NIXL distributions whose bindings transport/nixl_agent.py imports.
@@ -73,9 +77,12 @@ class _Child:
 
 
 class Orchestrator:
-    def __init__(self, opts: RunOptions, progress=None):
+    def __init__(self, opts: RunOptions, progress=None, hosts: HostPair | None = None):
         self.o = opts
         self.progress = progress
+        self.hosts = hosts  # --hosts netns: the namespaces P and D run in, and the link's faults
+        # --partition-at: each partition's window (monotonic start, end), in order.
+        self.partitions: list[Partition] = []
         self.reqs = make_stream(opts)
         self.by_lid = {r.lid: r for r in self.reqs}
         self.children: dict[str, _Child] = {}
@@ -115,14 +122,16 @@ class Orchestrator:
         )
         from .node import node_main  # noqa: F401  (fail here, not in a child, if it cannot import)
 
-        saved = {k: os.environ.get(k) for k in ("UCX_NET_DEVICES", "NIXL_LOG_LEVEL")}
-        os.environ["UCX_NET_DEVICES"] = "lo"
+        saved = {k: os.environ.get(k) for k in ("NIXL_LOG_LEVEL",)}
         os.environ["NIXL_LOG_LEVEL"] = "ERROR"
         keys = run_keys()
         try:
             for role in ("P", "D"):
+                # Each node applies its placement first thing (UCX devices, its namespace).
+                where = self.hosts.placement(role) if self.hosts is not None else o.placement()
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=node_main, args=(role, child, NodeOptions(**node_opts, curve=keys[role])),
+                proc = ctx.Process(target=node_main,
+                                   args=(role, child, NodeOptions(**node_opts, curve=keys[role], placement=where)),
                                    # Not a daemon: a node spawns its worker ranks.
                                    name=f"kvplane-{role}")
                 proc.start()
@@ -314,12 +323,13 @@ class Orchestrator:
                 break
             if fault_kind and self.fault_at is None and now - self.t0 >= fault_time:
                 self._inject(fault_kind)
+            self._partition_step(now)
             rank_fault = o.rank is not None  # the engine lives on: the run goes on as without a fault
             if self.fault_at is None or rank_fault:
                 self._send_due(now)
             if self.fault_at is not None and not rank_fault and self._fault_settled():
                 break
-            if (self.fault_at is None or rank_fault) and not self._open:
+            if (self.fault_at is None or rank_fault) and not self._open and not self._partition_pending(now):
                 if not fault_kind or now - self.t0 >= fault_time:
                     break
             if self.errors:
@@ -333,6 +343,27 @@ class Orchestrator:
             self._drain_blocks(hard_deadline)
         self._collect_summaries()
         return build_summary(self)
+
+    def _partition_step(self, now: float) -> None:
+        """--partition-at / --partition-for: cut the link when due, heal it when over."""
+        o = self.o
+        if self.hosts is None or o.partition_at is None or o.partition_for is None:
+            return
+        if not self.partitions and now - self.t0 >= o.partition_at:
+            self.hosts.partition()
+            self.partitions.append(Partition(start=now, end=None))
+            self.phase = f"link down for {o.partition_for:g} s"
+        elif self.partitions and self.partitions[-1].end is None and now - self.t0 >= o.partition_at + o.partition_for:
+            self.hosts.heal()
+            self.partitions[-1].end = now
+            self.phase = "link up again: P reclaims what the partition stranded"
+
+    def _partition_pending(self, now: float) -> bool:
+        """A partition still to come or under way: the run goes on past its heal."""
+        o = self.o
+        if self.hosts is None or o.partition_at is None:
+            return False
+        return not self.partitions or self.partitions[-1].end is None
 
     def _send_due(self, now: float) -> None:
         """Send the prefills whose arrival time has come, and the turn 2s that
@@ -516,11 +547,26 @@ def progress_unit(opts: RunOptions, reqs: list[Req]) -> str:
 
 
 def run_job(opts: RunOptions, *, console=None) -> dict:
-    """Run the job; returns the summary (also written under ``opts.out``)."""
+    """Run the job; returns the summary (also written under ``opts.out``).
+    With --hosts netns, inside a pair of namespaces made for it and removed
+    on every way out (netns.HostPair)."""
     opts.validate()
+    if opts.hosts != "netns":
+        return _run_job(opts, console=console)
+    if opts.partition_at is not None and opts.partition_for is not None:
+        # Requests keep arriving before, during and after the partition.
+        span = opts.partition_at + opts.partition_for + opts.lease
+        opts = attrs.evolve(opts, spacing=max(opts.spacing, span / opts.requests))
+    with HostPair() as hosts:
+        if opts.rate_limit is not None:
+            hosts.rate_limit(opts.rate_limit)
+        return _run_job(opts, console=console, hosts=hosts)
+
+
+def _run_job(opts: RunOptions, *, console=None, hosts: HostPair | None = None) -> dict:
     os.makedirs(opts.out, exist_ok=True)
     progress_cm = None
-    orch = Orchestrator(opts)
+    orch = Orchestrator(opts, hosts=hosts)
     if not opts.quiet:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -572,6 +618,9 @@ def cmd_run(args) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; engine processes stopped[/yellow]")
         return 130
+    except NetnsUnavailable as exc:
+        print(f"kvplane run: {exc}", file=sys.stderr)
+        return 2
     except StartupFailed as exc:
         # run_job stopped every process it started before this reaches us.
         console.print(f"[red]kvplane run: {escape(str(exc))}; engine processes stopped[/red]", soft_wrap=True)

@@ -16,6 +16,14 @@ from .transfer_stats import TransferStats
 from .workload import Req
 
 
+@attrs.define
+class Partition:
+    """One cut of the --hosts netns link (monotonic times; ``end`` None while cut)."""
+
+    start: float
+    end: float | None
+
+
 class RunRecord(Protocol):
     """What the report reads of a finished run (the orchestrator is one);
     a protocol, so that the report does not import the orchestrator."""
@@ -28,6 +36,8 @@ class RunRecord(Protocol):
     errors: list[str]
     startup_s: float | None
     abandoned: dict | None
+    partitions: list[Partition]
+    hosts: Any  # netns.HostPair of a --hosts netns run, else None
 
     def elapsed(self) -> float: ...
 
@@ -51,7 +61,7 @@ def build_summary(orch: RunRecord) -> dict:
     verified = sum(s.verified_bytes for s in (P, D) if s)
     wall = orch.elapsed()
     # Only a run without faults, drops or a timeout must read everything.
-    clean = o.drop_notifications == 0 and orch.fault_at is None and orch.abandoned is None
+    clean = o.drop_notifications == 0 and orch.fault_at is None and orch.abandoned is None and not orch.partitions
     checks: dict[str, Any] = {}
     checks["no_errors"] = not orch.errors
     checks["p_blocks_held_zero"] = bool(P) and P.held_blocks == 0
@@ -71,7 +81,7 @@ def build_summary(orch: RunRecord) -> dict:
                 r["lease_blocks_held"] == 0 and r["plane_held"] == 0 for r in side.ranks)
     if P:
         recs = P.lease_records
-        cut = orch.fault_at if orch.fault_at is not None else math.inf
+        cut = min([orch.fault_at if orch.fault_at is not None else math.inf] + [w.start for w in orch.partitions])
         if o.drop_notifications == 0:
             # Heartbeats flowed until the fault (if any): no lease may expire before it.
             expired_early = [r.id for r in recs if r.reason == "expired" and r.freed < cut]
@@ -79,6 +89,9 @@ def build_summary(orch: RunRecord) -> dict:
     if orch.fault_at is not None and P:
         orch.fault.update(_reclaim(orch, P))
         checks["p_reclaimed_within_bound"] = orch.fault.get("within_bound", False)
+    partitions = [_partition_reclaim(orch, P, w) for w in orch.partitions] if P else []
+    if orch.partitions:
+        checks["p_reclaimed_within_lease_after_partition"] = bool(P) and all(p["within_bound"] for p in partitions)
     summary = {
         "options": attrs.asdict(o), "plane_config": attrs.asdict(o.plane_config()), "wall_s": round(wall, 3),
         "requests": {"turn1": t1, "turn2": t2, "total": o.requests,
@@ -99,6 +112,7 @@ def build_summary(orch: RunRecord) -> dict:
         "clock_skew": o.clock_skew,
         "p_estimated_offset_of_d": P.clock_offsets.get(ENGINE_IDS["D"]) if P else None,
         "fault": orch.fault or None, "errors": orch.errors, "checks": checks,
+        "hosts": _hosts_brief(orch), "partitions": partitions,
         "startup_s": None if orch.startup_s is None else round(orch.startup_s, 3),
         # What a timeout (or a crashed side) made the job give up; None when it ran to the end.
         "abandoned": orch.abandoned,
@@ -240,6 +254,43 @@ def _reclaim(orch: RunRecord, P: Summary) -> dict:
     return out
 
 
+def _partition_reclaim(orch: RunRecord, P: Summary, w: Partition) -> dict:
+    """P's reclaim after one partition: every lease granted before the link
+    went down and freed as expired (its completion or heartbeats lost on the
+    link) must be freed within the lease term of the cut (a lease granted
+    just before it runs its whole initial term), plus slack; the same for a
+    lease granted while the link was down, from its grant."""
+    o = orch.o
+    end = w.end if w.end is not None else math.inf
+    # A lease a heartbeat reached after the heal was not stranded by the cut.
+    stranded = [r for r in P.lease_records if r.reason == "expired" and r.freed is not None and r.granted < end
+                and r.freed >= w.start and (r.hb is None or r.hb < end)]
+    out: dict[str, Any] = {"at_s": round(w.start - orch.t0, 3),
+                           "healed_at_s": None if w.end is None else round(w.end - orch.t0, 3),
+                           "lease_s": o.lease, "leases_expired": len(stranded)}
+    if not stranded:
+        out.update(reclaim_s=None, slack_s=SLACK_S, within_bound=True)
+        return out
+    reclaim = [r.freed - max(w.start, r.granted) for r in stranded]
+    last = max(r.freed for r in stranded)
+    slack = SLACK_S + round(_loop_stall_between(P.loop, w.start, last), 3)
+    out.update(reclaim_s=round(max(reclaim), 3), reclaim_min_s=round(min(reclaim), 3),
+               p_all_reclaimed_s=round(last - orch.t0, 3), slack_s=round(slack, 3),
+               within_bound=max(reclaim) <= o.lease + slack)
+    return out
+
+
+def _hosts_brief(orch: RunRecord) -> dict:
+    """Where the engines ran: this host's network, or the namespaces of --hosts netns."""
+    pair = orch.hosts
+    if pair is None:
+        where = orch.o.placement()
+        return {"kind": "local", "ucx_net_devices": where.ucx_net_devices,
+                "side_channel_host": where.side_channel_host, "advertise_host": where.advertise_host}
+    return {"kind": "netns", **{role: attrs.asdict(h) for role, h in pair.hosts.items()},
+            "rate_limit_bits": pair.rate_bits}
+
+
 def _loop_stall_between(loop: dict | None, start: float, end: float) -> float:
     """The longest gap of a side's loop that overlaps [start, end] (its
     monotonic clock, the one every process here shares)."""
@@ -355,6 +406,16 @@ def summary_table(summary: dict):
                       f"bound {f['bound_s']} s)")
         t.add_row("leases reclaimed after the fault (expired)",
                   f"{f['leases_reclaimed_after_fault']} ({f['leases_expired_after_fault']})")
+    hosts = summary.get("hosts") or {}
+    if hosts.get("kind") == "netns":
+        t.add_row("hosts: network namespaces, P / D", " / ".join(
+            f"{hosts[r]['address']} ({hosts[r]['veth']})" for r in ("P", "D"))
+            + (f", tbf {hosts['rate_limit_bits'] / 1e6:g} Mbit/s" if hosts.get("rate_limit_bits") else ""))
+    for part in summary.get("partitions") or []:
+        t.add_row(f"link down at {part['at_s']} s, up at {part['healed_at_s']} s: P reclaimed (leases expired)",
+                  ("nothing stranded" if part["reclaim_s"] is None else
+                   f"{part['reclaim_s']} s after the cut, bound lease {part['lease_s']:g} s + {part['slack_s']} s "
+                   f"slack") + f" ({part['leases_expired']})")
     loop = summary.get("loop") or {}
     t.add_row("longest loop stall P / D (gaps > 0.1 s)",
               " / ".join("-" if loop.get(r) is None else f"{loop[r]['max_gap_s']:.3f} s ({loop[r]['gaps_over_0.1s']})"
