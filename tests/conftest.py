@@ -45,6 +45,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_heartbeat_spread_explorer.py": None,
     "test_inline.py": "core",
     "test_layering.py": "core",
+    "test_netns.py": "e2e",
     "test_log_stream.py": "core",
     "test_monitors.py": "core",
     "test_params.py": "core",
