@@ -16,12 +16,14 @@ This module imports no vLLM: it reads plain values.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import attrs
 
 from kvplane.statemachines.config import ConfigError, PlaneConfig
+from kvplane.transport.wire import host_problem
 
 # NixlConnector's defaults where PlaneConfig's differ (PlaneConfig is tuned
 # for the main job, where engines come and go in seconds).
@@ -31,6 +33,8 @@ VLLM_DEFAULTS = {"engine_ttl": 3600.0, "kv_load_failure_policy": "fail", "handsh
 # NixlConnector keys that are not PlaneConfig fields.
 NIXL_KEYS = ("bidirectional_kv_xfer", "enforce_handshake_compat", "kv_recompute_threshold", "backends")
 COMPAT_HASH = "kvplane-vllm-v1"
+# UCX_NET_DEVICES: "all", or a comma-separated list of interfaces and RDMA devices with a port.
+_UCX_DEVICES = re.compile(r"^(all|[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?(,[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?)*)$")
 
 
 @attrs.frozen(kw_only=True)
@@ -41,7 +45,13 @@ class VllmSettings:
     # kvplane_side_channel_port: rank r of data-parallel index i listens on
     # port + i * tp_size + r (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT by default).
     side_channel_port: int = 5600
-    side_channel_host: str = "127.0.0.1"
+    side_channel_host: str = "127.0.0.1"  # the address peers are told (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST)
+    # kvplane_side_channel_bind_host: the address the side channel binds, where
+    # peers reach this host through another (0.0.0.0, a NAT); None: side_channel_host.
+    side_channel_bind_host: str | None = None
+    # kvplane_ucx_net_devices: UCX_NET_DEVICES for the worker's NIXL agent (eth0,
+    # mlx5_0:1, all); None: the environment's (UCX's default: every device).
+    ucx_net_devices: str | None = None
     # kvplane_keypair: a zmq.auth secret certificate (the engine's CURVE key);
     # kvplane_trusted_peers: engine id -> public certificate path or z85 key.
     # Neither: the side channel is plaintext and notifications are taken from
@@ -56,6 +66,10 @@ class VllmSettings:
     unknown_keys: tuple[str, ...] = ()
 
     @property
+    def bind_host(self) -> str:
+        return self.side_channel_bind_host or self.side_channel_host
+
+    @property
     def insecure(self) -> bool:
         return self.keypair_path is None
 
@@ -66,6 +80,8 @@ class VllmSettings:
 _OWN = {
     "kvplane_side_channel_port": "side_channel_port",
     "kvplane_side_channel_host": "side_channel_host",
+    "kvplane_side_channel_bind_host": "side_channel_bind_host",
+    "kvplane_ucx_net_devices": "ucx_net_devices",
     "kvplane_keypair": "keypair_path",
     "kvplane_trusted_peers": "trusted_peers",
     "kvplane_event_log": "event_log",
@@ -105,6 +121,12 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
     _check_port("kvplane_side_channel_port", own["side_channel_port"])
     if not isinstance(own["side_channel_host"], str) or not own["side_channel_host"]:
         raise ConfigError("kvplane_side_channel_host", "must be a host name or address")
+    bind = own.get("side_channel_bind_host")
+    if bind is not None and (not isinstance(bind, str) or host_problem(bind) is not None):
+        raise ConfigError("kvplane_side_channel_bind_host", f"must be an address of this host, got {bind!r}")
+    devices = own.get("ucx_net_devices")
+    if devices is not None and (not isinstance(devices, str) or not _UCX_DEVICES.match(devices)):
+        raise ConfigError("kvplane_ucx_net_devices", f"must be UCX_NET_DEVICES (eth0,mlx5_0:1 or all), got {devices!r}")
     for key in ("keypair_path", "event_log", "status_file", "kv_dump_dir"):
         value = own.get(key)
         if value is not None and not isinstance(value, (str, Path)):
