@@ -177,10 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvplane.app.vllm_proxy import add_proxy_arguments
 
-    px = sub.add_parser("proxy", help="a disaggregated-serving proxy for two vLLM engines (P, then D)",
+    px = sub.add_parser("proxy", help="a disaggregated-serving proxy for vLLM engines (P, then D)",
                         formatter_class=HelpFormatter,
-                        description="Serve /v1/completions: each request goes to P with max_tokens 1 and "
-                                    "do_remote_decode, then to D with P's kv_transfer_params (vLLM's protocol).")
+                        description="Serve /v1/completions and /v1/chat/completions (streamed or not): each request "
+                                    "goes to a P with max_tokens 1 and do_remote_decode, then to a D with P's "
+                                    "kv_transfer_params (vLLM's protocol); several Ps and Ds are taken round robin.")
     add_proxy_arguments(px)
     px.set_defaults(fn=_proxy)
 

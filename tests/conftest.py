@@ -52,6 +52,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_plane_fast_path.py": "core",
     "test_plane_properties.py": "core",
     "test_plane_timers.py": "core",
+    "test_proxy.py": "core",
     "test_read_gate_property.py": "core",
     "test_reference_interpreter.py": "core",
     "test_replay.py": "core",
