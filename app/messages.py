@@ -44,6 +44,7 @@ class NodeOptions:
     tp: dict  # role -> tensor-parallel size (worker rank processes)
     curve: CurveKeys
     placement: Placement = Placement()  # its network: UCX devices, side channel, namespace
+    log_stem: str = ""  # its event log's name (default: prefill / decode)
 
 
 # ------------------------------------------------------------ parent -> node

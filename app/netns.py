@@ -1,19 +1,20 @@
 """``kvplane run --hosts netns``: each engine in a network namespace of its
-own, the two joined by a veth pair, as two hosts on one link.
+own, as hosts on one switch: a bridge in a namespace of its own, and one
+veth pair from each host to it.
 
-``HostPair`` creates the namespaces, the veth pair and its addresses (a
-/30 of 10.213.0.0/16 picked from the run's pid; it exists only inside the
-two namespaces, nothing in the root namespace is routed), and removes them
+``HostNet`` creates the namespaces, the veth pairs and the hosts'
+addresses (a /24 of 10.213.0.0/16 picked from the run's pid; it exists
+only inside the namespaces, nothing in the root namespace is routed), and removes them
 on every way out: the ``with`` block's end (an exception, a failed check,
 Ctrl-C), SIGTERM and SIGHUP (turned into ``SystemExit`` so the block
-unwinds), and ``atexit``.  Deleting a namespace deletes its end of the
-veth, and with it the pair.  Names carry the run's pid, so concurrent
+unwinds), and ``atexit``.  Deleting a namespace deletes its ends of the
+veths, and with them the pairs.  Names carry the run's pid, so concurrent
 runs do not collide; at start a run removes what a run whose process is
 gone left behind (a SIGKILLed parent cannot clean up after itself).
 
-Faults on the link: ``partition`` (link down on both ends) and ``heal``,
-and ``rate_limit`` (a tbf qdisc on both ends; netem, for delay and loss,
-is not in every kernel).
+Faults: ``partition`` (P's link down on both ends: P cut from every
+decoder) and ``heal``, and ``rate_limit`` (a tbf qdisc on every host's
+veth; netem, for delay and loss, is not in every kernel).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import attrs
 from .placement import NETNS_DIR, Placement
 
 PREFIX = "kvplane-"
-NET = ipaddress.ip_network("10.213.0.0/16")
+NET = ipaddress.IPv4Network("10.213.0.0/16")
 # ``kvplane-<pid>-<role>``: a namespace of this module's making.
 _OURS = re.compile(r"^kvplane-(\d+)-[a-z0-9]+$")
 # An ``ip`` or ``tc`` call that takes longer than this is stuck.
@@ -93,29 +94,29 @@ def remove_leftovers(pid: int | None = None) -> list[str]:
     return gone
 
 
-def subnet_for(pid: int) -> tuple[str, str, int]:
-    """A /30 of ``NET`` for this run: its two host addresses and the prefix length."""
-    blocks = NET.num_addresses // 4
-    base = NET.network_address + (pid % blocks) * 4
-    return str(base + 1), str(base + 2), 30
+def subnet_for(pid: int) -> ipaddress.IPv4Network:
+    """A /24 of ``NET`` for this run (the hosts are .1, .2, ...)."""
+    return list(NET.subnets(new_prefix=24))[pid % 256]
 
 
-class HostPair:
-    """Two namespaces joined by a veth pair; a context manager (see the module docstring)."""
+class HostNet:
+    """The hosts' namespaces on a switch; a context manager (see the module docstring)."""
 
-    def __init__(self, pid: int | None = None):
+    def __init__(self, pid: int | None = None, roles: tuple[str, ...] = ("P", "D")):
         self.pid = os.getpid() if pid is None else pid
-        a, b, self.prefix_len = subnet_for(self.pid)
+        net = subnet_for(self.pid)
+        self.prefix_len = net.prefixlen
+        self.switch = f"{PREFIX}{self.pid}-net"
         self.hosts = {role: Host(role=role, netns=f"{PREFIX}{self.pid}-{role.lower()}",
-                                 veth=f"kvp{self.pid % 10**7}{role.lower()}", address=addr)
-                      for role, addr in (("P", a), ("D", b))}
+                                 veth=f"kvp{self.pid % 10**7}{role.lower()}", address=str(net.network_address + i))
+                      for i, role in enumerate(roles, start=1)}
         self.up = False
         self.partitioned = False
         self.rate_bits: int | None = None
         self._old_handlers: dict[int, Any] = {}
 
     # ------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "HostPair":
+    def __enter__(self) -> "HostNet":
         check_available()
         remove_leftovers(self.pid)
         atexit.register(self.close)
@@ -132,21 +133,25 @@ class HostPair:
         self.close()
 
     def _create(self) -> None:
-        p, d = self.hosts["P"], self.hosts["D"]
-        for h in (p, d):
-            _ip("ip", "netns", "add", h.netns)
         self.up = True
-        _ip("ip", "-n", p.netns, "link", "add", p.veth, "type", "veth", "peer", "name", d.veth, "netns", d.netns)
-        for h in (p, d):
+        for name in (self.switch, *(h.netns for h in self.hosts.values())):
+            _ip("ip", "netns", "add", name)
+        sw = self.switch
+        _ip("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+        _ip("ip", "-n", sw, "link", "set", "br0", "up")
+        for h in self.hosts.values():
+            port = _port(h)
+            _ip("ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", h.veth, "netns", h.netns)
+            _ip("ip", "-n", sw, "link", "set", port, "master", "br0", "up")
             _ip("ip", "-n", h.netns, "link", "set", "lo", "up")
             _ip("ip", "-n", h.netns, "addr", "add", f"{h.address}/{self.prefix_len}", "dev", h.veth)
             _ip("ip", "-n", h.netns, "link", "set", h.veth, "up")
 
     def close(self) -> None:
-        """Remove both namespaces (and so the veth pair); idempotent."""
+        """Remove every namespace (and so the veth pairs); idempotent."""
         if self.up:
-            for h in self.hosts.values():
-                _ip("ip", "netns", "del", h.netns, check=False)
+            for name in (*(h.netns for h in self.hosts.values()), self.switch):
+                _ip("ip", "netns", "del", name, check=False)
             self.up = False
         for sig, old in self._old_handlers.items():
             try:
@@ -166,24 +171,31 @@ class HostPair:
 
     # ------------------------------------------------------------ faults
     def partition(self) -> None:
-        """Cut the link: both ends down (the addresses stay; routes go)."""
-        for h in self.hosts.values():
-            _ip("ip", "-n", h.netns, "link", "set", h.veth, "down")
+        """Cut P's link: both ends down (the addresses stay; routes go)."""
+        p = self.hosts["P"]
+        _ip("ip", "-n", p.netns, "link", "set", p.veth, "down")
+        _ip("ip", "-n", self.switch, "link", "set", _port(p), "down")
         self.partitioned = True
 
     def heal(self) -> None:
-        for h in self.hosts.values():
-            _ip("ip", "-n", h.netns, "link", "set", h.veth, "up")
+        p = self.hosts["P"]
+        _ip("ip", "-n", self.switch, "link", "set", _port(p), "up")
+        _ip("ip", "-n", p.netns, "link", "set", p.veth, "up")
         self.partitioned = False
 
     def rate_limit(self, bits_per_s: int) -> None:
-        """Shape both ends to ``bits_per_s`` (tbf; its bucket holds 10 ms of
+        """Shape every host's veth to ``bits_per_s`` (tbf; its bucket holds 10 ms of
         traffic, at least 64 KiB, and a packet waits at most 200 ms)."""
         burst = max(64 * 1024, bits_per_s // 8 // 100)
         for h in self.hosts.values():
             _ip("ip", "netns", "exec", h.netns, "tc", "qdisc", "replace", "dev", h.veth, "root", "tbf",
                 "rate", f"{bits_per_s}bit", "burst", str(burst), "latency", "200ms")
         self.rate_bits = bits_per_s
+
+
+def _port(h: Host) -> str:
+    """The switch's end of a host's veth."""
+    return f"sw-{h.role.lower()}"
 
 
 def check_available() -> None:

@@ -122,7 +122,7 @@ class Node:
         self.block_bytes = be * 4
         self.free: deque[int] = deque(range(nb))
         self.owned: dict[str, list[int]] = {}  # request id -> blocks allocated to it
-        name = "prefill" if role == "P" else "decode"
+        name = opts.log_stem or ("prefill" if role == "P" else "decode")
         # Rank 0's log keeps the single-rank name (replay, sequence diagrams); the others add their rank.
         self.log_paths = [os.path.join(opts.out, f"{name}.events.jsonl" if r == 0 else f"{name}.tp{r}.events.jsonl")
                           for r in range(self.tp)]

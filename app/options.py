@@ -18,6 +18,17 @@ from kvplane.statemachines.tp_mapping import MAX_TP
 from .placement import LOOPBACK, Placement, advertise_host, bind_host, ucx_devices
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
+MAX_DECODE_ENGINES = 8
+
+
+def decode_roles(n: int) -> tuple[str, ...]:
+    """The orchestrator's names of n decode engines: D (decode-0, as with one), D1 (decode-1), ..."""
+    return ("D", *(f"D{i}" for i in range(1, n)))
+
+
+def engine_id_of(role: str) -> str:
+    """P -> prefill-0, D -> decode-0, D<i> -> decode-<i>."""
+    return ENGINE_IDS.get(role) or f"decode-{role[1:]}"
 # PlaneConfig's smallest kv_lease_duration (its heartbeat interval, lease // 6,
 # must be at least 1 s), checked here to name the command-line flag.
 MIN_LEASE = 6.0
@@ -68,6 +79,7 @@ class RunOptions:
     partition_at: float | None = None
     partition_for: float | None = None
     rate_limit: int | None = None  # bits per second
+    decode_engines: int = 1  # D, D1, D2, ...: the proxy routes round robin
 
     @classmethod
     def from_args(cls, args) -> "RunOptions":
@@ -134,6 +146,11 @@ class RunOptions:
         if self.overload < 0:
             raise RunError("--overload must be >= 0")
         self._validate_placement()
+        if isinstance(self.decode_engines, bool) or not isinstance(self.decode_engines, int) or \
+                not 1 <= self.decode_engines <= MAX_DECODE_ENGINES:
+            raise RunError(f"--decode-engines must be in 1..{MAX_DECODE_ENGINES}, got {self.decode_engines!r}")
+        if self.decode_engines > 1 and (self.hang_decode_at is not None or self.rank is not None):
+            raise RunError("with --decode-engines > 1 the fault is --kill-decode-at (one engine, for good)")
         if self.max_blocks > self.num_blocks // 2:
             raise RunError("requests must fit the KV cache twice over")
 
@@ -224,6 +241,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="SIGSTOP the decode process S seconds into the run (default: no hang)")
     p.add_argument("--rank", type=int, default=d.rank, metavar="R",
                    help="kill or hang only decode worker rank R (default: the whole decode engine)")
+    p.add_argument("--decode-engines", type=int, default=d.decode_engines, metavar="N",
+                   help="decode engines behind the proxy (round robin); --kill-decode-at then kills the last one "
+                        "for good and the others carry on")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, metavar="N",
                    help="P's tensor-parallel size: N worker processes, each its own NIXL agent and KV shard")
     p.add_argument("--decode-tp", type=int, default=d.decode_tp, metavar="M",
@@ -268,7 +288,7 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("placement (default: loopback)")
     g.add_argument("--hosts", choices=("local", "netns"), default="local",
                    help="local: both engines in this host's network; netns: each in its own network namespace, "
-                        "joined by a veth pair the run creates and removes (UCX over TCP on it; needs root)")
+                        "on a switch (a bridge) the run creates and removes (UCX over TCP on the veths; needs root)")
     g.add_argument("--ucx-net-devices", type=ucx_devices, default=None, metavar="DEVS",
                    help="UCX_NET_DEVICES of both engines: interfaces / RDMA devices of this host, or all "
                         "(default: lo)")

@@ -28,8 +28,8 @@ import attrs
 from .messages import (TO_PARENT, Abandon, Abandoned, Crashed, CurveKeys, Decode, Decoded, Finish, NodeOptions, Prefill,
                        Prefilled, Ready, Release, Released, Status, StatusRequest, Summary, Turn2, Turn2Done,
                        handlers)
-from .netns import HostPair, NetnsUnavailable
-from .options import ENGINE_IDS, SLACK_S, RunError, RunOptions
+from .netns import HostNet, NetnsUnavailable
+from .options import SLACK_S, RunError, RunOptions, decode_roles, engine_id_of
 from .report import Partition, build_summary, summary_table
 from .workload import Req, make_stream
 
@@ -54,14 +54,19 @@ def nixl_installed() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in NIXL_MODULES)
 
 
-def run_keys() -> dict[str, CurveKeys]:
+def run_keys(roles: tuple[str, ...] = ("P", "D")) -> dict[str, CurveKeys]:
     """A CURVE keypair per node for this run; each node gets its own secret
-    and the other's public key (its server key and its allow-list entry)."""
+    and the public keys of those it talks to (their server keys and its
+    allow-list): P every decoder's, a decoder P's."""
     import zmq
 
-    pairs = {role: zmq.curve_keypair() for role in ENGINE_IDS}
-    return {role: CurveKeys(keypair=pairs[role], peers={ENGINE_IDS[o]: pairs[o][0] for o in ENGINE_IDS if o != role})
-            for role in ENGINE_IDS}
+    pairs = {role: zmq.curve_keypair() for role in roles}
+
+    def peers(role: str) -> tuple[str, ...]:
+        return tuple(r for r in roles if r != role) if role == "P" else ("P",)
+
+    return {role: CurveKeys(keypair=pairs[role], peers={engine_id_of(o): pairs[o][0] for o in peers(role)})
+            for role in roles}
 
 
 class _Child:
@@ -72,17 +77,20 @@ class _Child:
         self.status: Status | None = None
         self.dead = False  # exited (or killed on purpose)
         self.stopped = False
+        self.killed = False  # by --kill-decode-at (its exit is no error)
         self.abandoned: Abandoned | None = None  # its answer to Abandon (what it gave up)
         self.released: Released | None = None  # its answer to Release
 
 
 class Orchestrator:
-    def __init__(self, opts: RunOptions, progress=None, hosts: HostPair | None = None):
+    def __init__(self, opts: RunOptions, progress=None, hosts: HostNet | None = None):
         self.o = opts
         self.progress = progress
         self.hosts = hosts  # --hosts netns: the namespaces P and D run in, and the link's faults
         # --partition-at: each partition's window (monotonic start, end), in order.
         self.partitions: list[Partition] = []
+        self.decoders = decode_roles(opts.decode_engines)
+        self._next_decoder = 0  # round robin
         self.reqs = make_stream(opts)
         self.by_lid = {r.lid: r for r in self.reqs}
         self.children: dict[str, _Child] = {}
@@ -109,12 +117,27 @@ class Orchestrator:
         child = self.children.get(role)
         return None if child is None else child.summary
 
+    def decode_summaries(self) -> dict[str, Summary | None]:
+        """Every decode engine's report, by role (None: it sent none)."""
+        return {role: self.summary_of(role) for role in self.decoders}
+
+    def killed_roles(self) -> list[str]:
+        return [role for role, c in self.children.items() if c.killed]
+
+    def _route(self) -> str | None:
+        """The decode engine the next request goes to (round robin over the live ones)."""
+        live = [r for r in self.decoders if not self.children[r].dead and not self.children[r].killed]
+        if not live:
+            return None
+        self._next_decoder += 1
+        return live[(self._next_decoder - 1) % len(live)]
+
     # ------------------------------------------------------------ processes
     def start(self) -> None:
         ctx = mp.get_context("spawn")
         o = self.o
         node_opts = dict(
-            engine_ids=ENGINE_IDS, plane=o.plane_config(), out=os.path.abspath(o.out), clock_skew=o.clock_skew,
+            plane=o.plane_config(), out=os.path.abspath(o.out), clock_skew=o.clock_skew,
             drop_notifications=o.drop_notifications, seed=o.seed, num_blocks=o.num_blocks,
             block_elems=o.block_elems, overload=o.overload, tp={"P": o.prefill_tp, "D": o.decode_tp},
             # A loop gap this long may have outlived P's lease (listed as a stall; see node.py).
@@ -124,14 +147,18 @@ class Orchestrator:
 
         saved = {k: os.environ.get(k) for k in ("NIXL_LOG_LEVEL",)}
         os.environ["NIXL_LOG_LEVEL"] = "ERROR"
-        keys = run_keys()
+        roles = ("P", *self.decoders)
+        keys = run_keys(roles)
         try:
-            for role in ("P", "D"):
+            for role in roles:
                 # Each node applies its placement first thing (UCX devices, its namespace).
                 where = self.hosts.placement(role) if self.hosts is not None else o.placement()
+                kind = "P" if role == "P" else "D"  # what the node runs as: every decoder is a D
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=node_main,
-                                   args=(role, child, NodeOptions(**node_opts, curve=keys[role], placement=where)),
+                node = NodeOptions(**node_opts, engine_ids={"P": engine_id_of("P"), "D": engine_id_of(role)},
+                                   curve=keys[role], placement=where,
+                                   log_stem="" if role in ("P", "D") else f"decode{role[1:]}")
+                proc = ctx.Process(target=node_main, args=(kind, child, node),
                                    # Not a daemon: a node spawns its worker ranks.
                                    name=f"kvplane-{role}")
                 proc.start()
@@ -204,7 +231,7 @@ class Orchestrator:
                     self._drain(c)
                     c.proc.join(timeout=1.0)  # reap it, so exitcode is known
                     c.dead = True
-                    if not (c.role == "D" and self.fault.get("kind") == "kill") and c.summary is None:
+                    if not c.killed and c.summary is None:
                         self.errors.append(f"{c.role} exited unexpectedly (exit code {c.proc.exitcode})")
 
     def _drain(self, c: _Child) -> None:
@@ -246,7 +273,8 @@ class Orchestrator:
 
     def on_prefilled(self, c: _Child, msg: Prefilled) -> None:
         r = self.by_lid[msg.lid]
-        if self.fault_at is not None or self.abandoning:
+        decoder = None if self.abandoning or (self.fault_at is not None and not self._lives_on()) else self._route()
+        if decoder is None:
             # The proxy routes nothing to a decoder it knows is down (P's
             # lease expires), nor after a timeout (P releases it).
             why = "not routed: decode down" if self.abandoning is None else f"not routed: {self.abandoning}"
@@ -258,7 +286,8 @@ class Orchestrator:
         params = dict(msg.params)
         if r.push:
             params["push"] = True
-        self.send("D", Decode(lid=r.lid, request_id=f"d-{r.lid}", nblocks=r.nblocks, prefix=r.prefix,
+        r.decoder = decoder
+        self.send(decoder, Decode(lid=r.lid, request_id=f"d-{r.lid}", nblocks=r.nblocks, prefix=r.prefix,
                               await_full=r.kind == "full_awaited", hold=r.hold, params=params,
                               granted_at=msg.granted_at))
 
@@ -324,7 +353,7 @@ class Orchestrator:
             if fault_kind and self.fault_at is None and now - self.t0 >= fault_time:
                 self._inject(fault_kind)
             self._partition_step(now)
-            rank_fault = o.rank is not None  # the engine lives on: the run goes on as without a fault
+            rank_fault = self._lives_on()  # the service lives on: the run goes on as without a fault
             if self.fault_at is None or rank_fault:
                 self._send_due(now)
             if self.fault_at is not None and not rank_fault and self._fault_settled():
@@ -343,6 +372,10 @@ class Orchestrator:
             self._drain_blocks(hard_deadline)
         self._collect_summaries()
         return build_summary(self)
+
+    def _lives_on(self) -> bool:
+        """A fault the service outlives: one rank of the decoder, or one decoder of several."""
+        return self.o.rank is not None or (self.o.kill_decode_at is not None and self.o.decode_engines > 1)
 
     def _partition_step(self, now: float) -> None:
         """--partition-at / --partition-for: cut the link when due, heal it when over."""
@@ -408,8 +441,11 @@ class Orchestrator:
         self._round(live, Abandon(), lambda c: c.abandoned is not None)
         # Only once the reader has stopped: P's leases when D has abandoned
         # (or died), D's holds when P has.
-        safe = [role for role, other in (("P", "D"), ("D", "P"))
-                if role in live and (self.children[other].dead or self.children[other].abandoned is not None)]
+        def stopped(role: str) -> bool:
+            return self.children[role].dead or self.children[role].abandoned is not None
+
+        safe = [role for role in live
+                if (all(stopped(d) for d in self.decoders) if role == "P" else stopped("P"))]
         self._round(safe, Release(), lambda c: c.released is not None)
         unresolved = {"turn1": 0, "turn2": 0}
         for r in self.reqs:
@@ -446,8 +482,12 @@ class Orchestrator:
         if self.o.rank is not None:
             self._inject_rank(kind, self.o.rank)
             return
+        if len(self.decoders) > 1:
+            self._kill_one_decoder(self.decoders[-1])
+            return
         self.phase = f"decode {'killed' if kind == 'kill' else 'hung'}: P reclaims"
         if kind == "kill":
+            d.killed = True
             _signal_engine(d, signal.SIGKILL)
             d.proc.join(timeout=5.0)
             self._drain(d)  # outcomes D sent before it died are still in the pipe
@@ -465,6 +505,28 @@ class Orchestrator:
                 r.turn2, r.turn2_due = "skipped", None
             elif r.hold and r.turn2 is None and r.turn1 in ("failed", "skipped"):
                 r.turn2 = "skipped"
+        self._advance()
+
+    def _kill_one_decoder(self, role: str) -> None:
+        """One decode engine of several dies for good (SIGKILL); the proxy
+        routes to the others from now on.  Its requests in flight fail; P
+        frees their leases when they expire, and drops the dead engine
+        (PeerDisconnected, or engine_ttl of silence)."""
+        victim = self.children[role]
+        self.fault.update(engine=engine_id_of(role), engines_left=len(self.decoders) - 1)
+        self.phase = f"decode engine {engine_id_of(role)} killed: the others carry on"
+        victim.killed = True
+        _signal_engine(victim, signal.SIGKILL)
+        victim.proc.join(timeout=5.0)
+        self._drain(victim)  # outcomes it sent before it died are still in the pipe
+        victim.dead = True
+        for r in self.reqs:
+            if r.decoder != role:
+                continue
+            if r.sent and r.turn1 is None:
+                r.turn1, r.detail = "failed", "decode killed"
+            if r.hold and r.turn2 is None:
+                r.turn2, r.turn2_due = "skipped", None  # its hold died with it
         self._advance()
 
     def _inject_rank(self, kind: str, rank: int) -> None:
@@ -549,21 +611,25 @@ def progress_unit(opts: RunOptions, reqs: list[Req]) -> str:
 def run_job(opts: RunOptions, *, console=None) -> dict:
     """Run the job; returns the summary (also written under ``opts.out``).
     With --hosts netns, inside a pair of namespaces made for it and removed
-    on every way out (netns.HostPair)."""
+    on every way out (netns.HostNet)."""
     opts.validate()
+    # Faults the service outlives: requests keep arriving before, during and after them.
+    span = None
+    if opts.partition_at is not None and opts.partition_for is not None:
+        span = opts.partition_at + opts.partition_for + opts.lease
+    elif opts.kill_decode_at is not None and opts.decode_engines > 1:
+        span = opts.kill_decode_at + opts.lease
+    if span is not None:
+        opts = attrs.evolve(opts, spacing=max(opts.spacing, span / opts.requests))
     if opts.hosts != "netns":
         return _run_job(opts, console=console)
-    if opts.partition_at is not None and opts.partition_for is not None:
-        # Requests keep arriving before, during and after the partition.
-        span = opts.partition_at + opts.partition_for + opts.lease
-        opts = attrs.evolve(opts, spacing=max(opts.spacing, span / opts.requests))
-    with HostPair() as hosts:
+    with HostNet(roles=("P", *decode_roles(opts.decode_engines))) as hosts:
         if opts.rate_limit is not None:
             hosts.rate_limit(opts.rate_limit)
         return _run_job(opts, console=console, hosts=hosts)
 
 
-def _run_job(opts: RunOptions, *, console=None, hosts: HostPair | None = None) -> dict:
+def _run_job(opts: RunOptions, *, console=None, hosts: HostNet | None = None) -> dict:
     os.makedirs(opts.out, exist_ok=True)
     progress_cm = None
     orch = Orchestrator(opts, hosts=hosts)
@@ -630,8 +696,8 @@ def cmd_run(args) -> int:
         console.print(f"[red]{e}[/red]")
     console.print(f"summary: {summary['summary_path']}")
     for role, log in summary["logs"].items():
-        fault = summary["fault"] or {}
-        cut = " (cut short by the kill)" if role == "D" and fault.get("kind") == "kill" and "rank" not in fault else ""
+        killed = [e["role"] for e in summary.get("decode_engines") or [] if e["killed"]]
+        cut = " (cut short by the kill)" if role in killed else ""
         console.print(f"{role} event log{cut}: {log}\n  replay: kvplane replay {log}")
     if not summary["ok"]:
         failed = [k for k, v in summary["checks"].items() if v is False]

@@ -37,17 +37,26 @@ class RunRecord(Protocol):
     startup_s: float | None
     abandoned: dict | None
     partitions: list[Partition]
-    hosts: Any  # netns.HostPair of a --hosts netns run, else None
+    hosts: Any  # netns.HostNet of a --hosts netns run, else None
 
     def elapsed(self) -> float: ...
 
     def summary_of(self, role: str) -> Summary | None: ...
+
+    def decode_summaries(self) -> dict[str, Summary | None]: ...
+
+    def killed_roles(self) -> list[str]: ...
 
 
 def build_summary(orch: RunRecord) -> dict:
     """The run's summary (written as summary.json): outcomes, checks, both sides' reports."""
     o = orch.o
     P, D = (orch.summary_of(r) for r in ("P", "D"))
+    # Every decode engine (one unless --decode-engines); the killed one sent no report.
+    decoders = orch.decode_summaries()
+    killed_roles = orch.killed_roles()
+    survivors = {role: s for role, s in decoders.items() if role not in killed_roles}
+    sides = [s for s in (P, *decoders.values()) if s]
     t1 = {k: 0 for k in ("ok", "recomputed", "corrupt", "failed", "skipped", "abandoned", "pending")}
     t2 = dict(t1)
     for r in orch.reqs:
@@ -56,9 +65,9 @@ def build_summary(orch: RunRecord) -> dict:
             t2[r.turn2 or "pending"] += 1
     late = [r for r in orch.reqs if r.late and r.turn2 not in (None, "skipped", "abandoned")]
     on_time = [r for r in orch.reqs if r.hold and not r.late and r.turn2 not in (None, "skipped", "abandoned")]
-    moved = sum(s.bytes_moved for s in (P, D) if s)
-    busy = sum(s.busy_s for s in (P, D) if s)
-    verified = sum(s.verified_bytes for s in (P, D) if s)
+    moved = sum(s.bytes_moved for s in sides)
+    busy = sum(s.busy_s for s in sides)
+    verified = sum(s.verified_bytes for s in sides)
     wall = orch.elapsed()
     # Only a run without faults, drops or a timeout must read everything.
     clean = o.drop_notifications == 0 and orch.fault_at is None and orch.abandoned is None and not orch.partitions
@@ -67,7 +76,10 @@ def build_summary(orch: RunRecord) -> dict:
     checks["p_blocks_held_zero"] = bool(P) and P.held_blocks == 0
     # A killed engine sends no report; a killed rank's engine does.
     killed = orch.fault.get("kind") == "kill" and "rank" not in orch.fault
-    checks["d_blocks_held_zero"] = None if killed else bool(D) and D.held_blocks == 0
+    if len(decoders) > 1:  # the survivors: each must have reported, holding nothing
+        checks["d_blocks_held_zero"] = all(s is not None and s.held_blocks == 0 for s in survivors.values())
+    else:
+        checks["d_blocks_held_zero"] = None if killed else bool(D) and D.held_blocks == 0
     checks["no_corrupt_bytes"] = t1["corrupt"] == 0 and t2["corrupt"] == 0
     checks["all_requests_resolved"] = t1["pending"] == 0 and t2["pending"] == 0
     checks["late_turn2_declined"] = all(r.turn2 == "recomputed" for r in late)
@@ -100,11 +112,15 @@ def build_summary(orch: RunRecord) -> dict:
         "gbps_in_flight": round(moved / busy / 1e9, 3) if busy > 0 else None,
         "gbps_wall": round(moved / wall / 1e9, 4) if wall > 0 else None,
         "data_path": data_path(P, D),
-        "leases": P.leases if P else None, "holds": D.holds if D else None,
-        "heartbeats_sent": sum(s.heartbeats_sent for s in (P, D) if s),
-        "heartbeats_received": sum(s.heartbeats_received for s in (P, D) if s),
-        "engines_evicted": sum(s.engines_evicted for s in (P, D) if s),
-        "blocks_held": {"P": P.held_blocks if P else None, "D": D.held_blocks if D else None},
+        "leases": P.leases if P else None,
+        "holds": (D.holds if D else None) if len(decoders) == 1 else _merged(s.holds for s in decoders.values() if s),
+        "heartbeats_sent": sum(s.heartbeats_sent for s in sides),
+        "heartbeats_received": sum(s.heartbeats_received for s in sides),
+        "engines_evicted": sum(s.engines_evicted for s in sides),
+        "blocks_held": {"P": P.held_blocks if P else None,
+                        "D": (D.held_blocks if D else None) if len(decoders) == 1 else
+                        (sum(s.held_blocks for s in survivors.values()) if all(survivors.values()) else None)},
+        "decode_engines": _decode_engines(decoders, killed_roles),
         "tp": {"P": o.prefill_tp, "D": o.decode_tp},
         # Per worker rank: lease blocks its plane still held at the end, heartbeats, leases ended.
         "ranks": {role: side.ranks if side else None for role, side in (("P", P), ("D", D))},
@@ -117,17 +133,19 @@ def build_summary(orch: RunRecord) -> dict:
         # What a timeout (or a crashed side) made the job give up; None when it ran to the end.
         "abandoned": orch.abandoned,
         # Why reads were recomputed: turn 1 is D reading P, turn 2 P reading D.
-        "recompute_reasons": {"turn1": D.recompute_reasons if D else None,
+        "recompute_reasons": {"turn1": (D.recompute_reasons if D else None) if len(decoders) == 1 else
+                              _merged(s.recompute_reasons for s in decoders.values() if s),
                               "turn2": P.recompute_reasons if P else None},
         # Each side's step loop: its longest gap between ticks (how late a timer can fire).
         "loop": {role: _loop_brief(side) for role, side in (("P", P), ("D", D))},
         "expired_before_fault": expired_early,
         "sides": {"P": _slim(P), "D": _slim(D)},
         # A side that sent no report (killed): the sums above lack its share.
-        "sides_without_report": [role for role, side in (("P", P), ("D", D)) if side is None],
+        "sides_without_report": [role for role, side in (("P", P), *decoders.items()) if side is None],
         # Written by each side as it runs; a killed side's log ends where it died.
         "logs": {role: os.path.join(os.path.abspath(o.out), f"{name}.events.jsonl")
-                 for role, name in (("P", "prefill"), ("D", "decode"))},
+                 for role, name in (("P", "prefill"), ("D", "decode"),
+                                    *((r, f"decode{r[1:]}") for r in decoders if r != "D"))},
         "requests_detail": [attrs.asdict(r, filter=lambda a, v: a.name != "hold_params") for r in orch.reqs],
     }
     summary["wall_with_startup_s"] = round(wall + (orch.startup_s or 0.0), 3)
@@ -251,6 +269,25 @@ def _reclaim(orch: RunRecord, P: Summary) -> dict:
         out["within_bound"] = not late and not live and reclaim <= bound + slack
     else:
         out["within_bound"] = not late and not live
+    return out
+
+
+def _merged(counts: Any) -> dict:
+    """Counts of several engines, added up."""
+    total: dict = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _decode_engines(decoders: dict[str, Summary | None], killed: list[str]) -> list[dict]:
+    """Each decode engine: its id, whether it was killed, what it did and still holds."""
+    out = []
+    for role, s in decoders.items():
+        out.append({"role": role, "engine_id": s.engine_id if s else None, "killed": role in killed,
+                    "held_blocks": s.held_blocks if s else None, "outcomes": s.outcomes if s else None,
+                    "bytes_moved": s.bytes_moved if s else None})
     return out
 
 
@@ -378,6 +415,11 @@ def summary_table(summary: dict):
     t.add_row("heartbeats sent / received", f"{_total(summary, 'heartbeats_sent')} / "
                                              f"{_total(summary, 'heartbeats_received')}")
     t.add_row("engines evicted", _total(summary, "engines_evicted"))
+    engines = summary.get("decode_engines") or []
+    if len(engines) > 1:
+        t.add_row("decode engines: requests ok / blocks held", ", ".join(
+            f"{e['engine_id'] or e['role']} killed" if e["killed"] else
+            f"{e['engine_id']} {(e['outcomes'] or {}).get('ok', 0)} / {e['held_blocks']}" for e in engines))
     bh = summary["blocks_held"]
     t.add_row("blocks still held P / D", " / ".join(_or_na(summary, role, bh[role]) for role in ("P", "D")))
     ranks = summary.get("ranks") or {}

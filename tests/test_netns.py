@@ -1,7 +1,7 @@
-"""``kvplane run --hosts netns``: P and D in two network namespaces joined by a
-veth pair, NIXL (UCX over TCP) and the side channel across it, as a user runs
-it; a link-down partition; and nothing left behind (namespaces, veth) after a
-run, a failed start or SIGTERM.
+"""``kvplane run --hosts netns``: P and D in network namespaces of their own on
+a bridge, NIXL (UCX over TCP) and the side channel across the veths, as a user
+runs it; a link-down partition; two decode engines, one killed; and nothing
+left behind (namespaces, veths) after a run, a failed start or SIGTERM.
 
 These need root (CI runs as root): where namespaces cannot be made the runs
 exit 2 and the tests fail, they do not skip."""
@@ -77,6 +77,22 @@ def test_partition_p_reclaims_within_the_lease(tmp_path):
 
 
 @pytest.mark.e2e
+def test_two_decode_engines_one_killed(tmp_path):
+    """Two decode engines behind the proxy; one is killed for good at 4 s and
+    the other carries on: nothing is held at the end, by P or the survivor."""
+    done, pid = kvplane_run(tmp_path, "--requests", "24", "--decode-engines", "2", "--kill-decode-at", "4",
+                            "--quiet")
+    assert_ok(done)
+    assert_nothing_left(pid)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    engines = {e["role"]: e for e in summary["decode_engines"]}
+    assert engines["D1"]["killed"] and not engines["D"]["killed"] and engines["D"]["held_blocks"] == 0
+    assert (engines["D"]["outcomes"] or {}).get("ok", 0) > 0  # the survivor served requests
+    assert {r["decoder"] for r in summary["requests_detail"] if r["decoder"]} == {"D", "D1"}  # round robin
+    assert summary["checks"]["p_reclaimed_within_bound"]
+
+
+@pytest.mark.e2e
 def test_sigterm_removes_the_namespaces(tmp_path):
     cmd = [sys.executable, "-m", "kvplane.app.cli", "run", "--hosts", "netns", "--out", str(tmp_path),
            "--requests", "400", "--quiet", "--startup-timeout", "600"]
@@ -118,7 +134,7 @@ def test_leftovers_of_a_dead_run_are_removed():
 
 def test_failed_start_leaves_nothing(monkeypatch):
     """A failure while the pair is made (here: the veth) removes what was made."""
-    pair = netns.HostPair()
+    pair = netns.HostNet()
     real = netns._ip
 
     def failing(*args: str, check: bool = True):
