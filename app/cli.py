@@ -99,8 +99,18 @@ def _explore(args) -> int:
     return cmd_explore(args)
 
 
+# Options of the sim engine's job only, with the value that means "not given".
+SIM_ONLY = {"hosts": "local", "ucx_net_devices": None, "side_channel_host": None, "advertise_host": None,
+            "partition_at": None, "partition_for": None, "rate_limit": None, "decode_engines": 1,
+            "restart_decode_at": None}
+
+
 def _run(args) -> int:
     if args.engine == "vllm":
+        for flag, unset in SIM_ONLY.items():
+            if getattr(args, flag, unset) != unset:
+                print(f"kvplane run: --{flag.replace('_', '-')} needs --engine sim (not yet with vllm)", file=sys.stderr)
+                return 2
         from kvplane.app.vllm_run import cmd_run_vllm
 
         return cmd_run_vllm(args)

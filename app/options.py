@@ -80,6 +80,7 @@ class RunOptions:
     partition_for: float | None = None
     rate_limit: int | None = None  # bits per second
     decode_engines: int = 1  # D, D1, D2, ...: the proxy routes round robin
+    restart_decode_at: float | None = None  # the last decoder killed and started again (a new incarnation)
 
     @classmethod
     def from_args(cls, args) -> "RunOptions":
@@ -151,6 +152,12 @@ class RunOptions:
             raise RunError(f"--decode-engines must be in 1..{MAX_DECODE_ENGINES}, got {self.decode_engines!r}")
         if self.decode_engines > 1 and (self.hang_decode_at is not None or self.rank is not None):
             raise RunError("with --decode-engines > 1 the fault is --kill-decode-at (one engine, for good)")
+        if self.restart_decode_at is not None:
+            if not is_finite_number(self.restart_decode_at) or self.restart_decode_at < 0:
+                raise RunError(f"--restart-decode-at must be a finite number >= 0, got {self.restart_decode_at!r}")
+            if self.kill_decode_at is not None or self.hang_decode_at is not None or self.partition_at is not None:
+                raise RunError("--restart-decode-at is a fault of its own: drop --kill-decode-at, --hang-decode-at "
+                               "and --partition-at")
         if self.max_blocks > self.num_blocks // 2:
             raise RunError("requests must fit the KV cache twice over")
 
@@ -244,6 +251,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-engines", type=int, default=d.decode_engines, metavar="N",
                    help="decode engines behind the proxy (round robin); --kill-decode-at then kills the last one "
                         "for good and the others carry on")
+    p.add_argument("--restart-decode-at", type=float, default=d.restart_decode_at, metavar="S",
+                   help="kill the last decode engine S seconds into the run and start it again: the same engine "
+                        "id, a new process and NIXL agent (default: no restart)")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, metavar="N",
                    help="P's tensor-parallel size: N worker processes, each its own NIXL agent and KV shard")
     p.add_argument("--decode-tp", type=int, default=d.decode_tp, metavar="M",

@@ -90,6 +90,8 @@ class Orchestrator:
         # --partition-at: each partition's window (monotonic start, end), in order.
         self.partitions: list[Partition] = []
         self.decoders = decode_roles(opts.decode_engines)
+        self._node_opts: dict[str, Any] = {}  # what every node is started with (start())
+        self._keys: dict[str, CurveKeys] = {}
         self._next_decoder = 0  # round robin
         self.reqs = make_stream(opts)
         self.by_lid = {r.lid: r for r in self.reqs}
@@ -126,7 +128,8 @@ class Orchestrator:
 
     def _route(self) -> str | None:
         """The decode engine the next request goes to (round robin over the live ones)."""
-        live = [r for r in self.decoders if not self.children[r].dead and not self.children[r].killed]
+        live = [r for r in self.decoders if not self.children[r].dead and not self.children[r].killed
+                and self.children[r].ready is not None]
         if not live:
             return None
         self._next_decoder += 1
@@ -134,9 +137,8 @@ class Orchestrator:
 
     # ------------------------------------------------------------ processes
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
         o = self.o
-        node_opts = dict(
+        self._node_opts = dict(
             plane=o.plane_config(), out=os.path.abspath(o.out), clock_skew=o.clock_skew,
             drop_notifications=o.drop_notifications, seed=o.seed, num_blocks=o.num_blocks,
             block_elems=o.block_elems, overload=o.overload, tp={"P": o.prefill_tp, "D": o.decode_tp},
@@ -145,31 +147,10 @@ class Orchestrator:
         )
         from .node import node_main  # noqa: F401  (fail here, not in a child, if it cannot import)
 
-        saved = {k: os.environ.get(k) for k in ("NIXL_LOG_LEVEL",)}
-        os.environ["NIXL_LOG_LEVEL"] = "ERROR"
         roles = ("P", *self.decoders)
-        keys = run_keys(roles)
-        try:
-            for role in roles:
-                # Each node applies its placement first thing (UCX devices, its namespace).
-                where = self.hosts.placement(role) if self.hosts is not None else o.placement()
-                kind = "P" if role == "P" else "D"  # what the node runs as: every decoder is a D
-                parent, child = ctx.Pipe()
-                node = NodeOptions(**node_opts, engine_ids={"P": engine_id_of("P"), "D": engine_id_of(role)},
-                                   curve=keys[role], placement=where,
-                                   log_stem="" if role in ("P", "D") else f"decode{role[1:]}")
-                proc = ctx.Process(target=node_main, args=(kind, child, node),
-                                   # Not a daemon: a node spawns its worker ranks.
-                                   name=f"kvplane-{role}")
-                proc.start()
-                child.close()
-                self.children[role] = _Child(role, proc, parent)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        self._keys = run_keys(roles)
+        for role in roles:
+            self._spawn(role)
         started = time.monotonic()
         deadline = started + self.o.startup_timeout
         while any(c.ready is None for c in self.children.values()):
@@ -185,6 +166,35 @@ class Orchestrator:
                 why = [e.strip().splitlines()[-1] if "crashed" in e else e for e in self.errors]
                 raise StartupFailed("an engine process failed to start: " + "; ".join(why or ["exited"]))
         self.startup_s = time.monotonic() - started
+
+    def _spawn(self, role: str, incarnation: int = 0) -> None:
+        """Start ``role``'s engine process (``incarnation`` > 0: again, after a restart)."""
+        from .node import node_main
+
+        o = self.o
+        # Each node applies its placement first thing (UCX devices, its namespace).
+        where = self.hosts.placement(role) if self.hosts is not None else o.placement()
+        kind = "P" if role == "P" else "D"  # what the node runs as: every decoder is a D
+        stem = "" if role in ("P", "D") else f"decode{role[1:]}"
+        if incarnation:
+            stem = f"{stem or 'decode'}.incarnation{incarnation}"  # the old one's log stays as it ended
+        parent, child = mp.get_context("spawn").Pipe()
+        node = NodeOptions(**self._node_opts, engine_ids={"P": engine_id_of("P"), "D": engine_id_of(role)},
+                           curve=self._keys[role], placement=where, log_stem=stem)
+        proc = mp.get_context("spawn").Process(target=node_main, args=(kind, child, node),
+                                               # Not a daemon: a node spawns its worker ranks.
+                                               name=f"kvplane-{role}")
+        saved = os.environ.get("NIXL_LOG_LEVEL")
+        os.environ["NIXL_LOG_LEVEL"] = "ERROR"
+        try:
+            proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop("NIXL_LOG_LEVEL", None)
+            else:
+                os.environ["NIXL_LOG_LEVEL"] = saved
+        child.close()
+        self.children[role] = _Child(role, proc, parent)
 
     def _startup_phase(self) -> None:
         """Say which engine processes are still starting (the progress bar's text)."""
@@ -353,12 +363,14 @@ class Orchestrator:
             if fault_kind and self.fault_at is None and now - self.t0 >= fault_time:
                 self._inject(fault_kind)
             self._partition_step(now)
+            self._restart_step(now)
             rank_fault = self._lives_on()  # the service lives on: the run goes on as without a fault
             if self.fault_at is None or rank_fault:
                 self._send_due(now)
             if self.fault_at is not None and not rank_fault and self._fault_settled():
                 break
-            if (self.fault_at is None or rank_fault) and not self._open and not self._partition_pending(now):
+            if (self.fault_at is None or rank_fault) and not self._open and not self._partition_pending(now) \
+                    and not self._restart_pending():
                 if not fault_kind or now - self.t0 >= fault_time:
                     break
             if self.errors:
@@ -375,7 +387,9 @@ class Orchestrator:
 
     def _lives_on(self) -> bool:
         """A fault the service outlives: one rank of the decoder, or one decoder of several."""
-        return self.o.rank is not None or (self.o.kill_decode_at is not None and self.o.decode_engines > 1)
+        o = self.o
+        return o.rank is not None or o.restart_decode_at is not None or \
+            (o.kill_decode_at is not None and o.decode_engines > 1)
 
     def _partition_step(self, now: float) -> None:
         """--partition-at / --partition-for: cut the link when due, heal it when over."""
@@ -507,13 +521,41 @@ class Orchestrator:
                 r.turn2 = "skipped"
         self._advance()
 
-    def _kill_one_decoder(self, role: str) -> None:
+    def _restart_step(self, now: float) -> None:
+        """--restart-decode-at: kill the last decoder, start it again (the
+        same engine id, a new process and NIXL agent), route to it once ready."""
+        o = self.o
+        if o.restart_decode_at is None:
+            return
+        role = self.decoders[-1]
+        if not self.fault and now - self.t0 >= o.restart_decode_at:
+            self.fault_at = now
+            self.fault = {"kind": "restart", "at_s": round(now - self.t0, 3)}
+            in_flight = self._kill_one_decoder(role)
+            self.fault["old_incarnation_in_flight"] = in_flight
+            self.children[role].conn.close()
+            self._spawn(role, incarnation=1)
+            self.phase = f"decode engine {engine_id_of(role)} restarting"
+        elif self.fault.get("kind") == "restart" and "back_at_s" not in self.fault and \
+                self.children[role].ready is not None:
+            self.fault["back_at_s"] = round(now - self.t0, 3)
+            self.phase = f"decode engine {engine_id_of(role)} back (a new incarnation)"
+        elif self.fault.get("kind") == "restart" and "back_at_s" not in self.fault and \
+                now - self.fault_at > o.startup_timeout:
+            self.errors.append(f"the restarted {engine_id_of(role)} did not start within {o.startup_timeout:g} s")
+
+    def _restart_pending(self) -> bool:
+        """A restart still to come, or its engine not back yet: the run goes on."""
+        return self.o.restart_decode_at is not None and "back_at_s" not in self.fault
+
+    def _kill_one_decoder(self, role: str) -> list[str]:
         """One decode engine of several dies for good (SIGKILL); the proxy
         routes to the others from now on.  Its requests in flight fail; P
         frees their leases when they expire, and drops the dead engine
         (PeerDisconnected, or engine_ttl of silence)."""
         victim = self.children[role]
         self.fault.update(engine=engine_id_of(role), engines_left=len(self.decoders) - 1)
+        in_flight = []
         self.phase = f"decode engine {engine_id_of(role)} killed: the others carry on"
         victim.killed = True
         _signal_engine(victim, signal.SIGKILL)
@@ -525,9 +567,11 @@ class Orchestrator:
                 continue
             if r.sent and r.turn1 is None:
                 r.turn1, r.detail = "failed", "decode killed"
+                in_flight.append(r.lid)
             if r.hold and r.turn2 is None:
                 r.turn2, r.turn2_due = "skipped", None  # its hold died with it
         self._advance()
+        return in_flight
 
     def _inject_rank(self, kind: str, rank: int) -> None:
         """One decode worker rank dies (SIGKILL) or hangs (SIGSTOP); the
@@ -619,6 +663,8 @@ def run_job(opts: RunOptions, *, console=None) -> dict:
         span = opts.partition_at + opts.partition_for + opts.lease
     elif opts.kill_decode_at is not None and opts.decode_engines > 1:
         span = opts.kill_decode_at + opts.lease
+    elif opts.restart_decode_at is not None:
+        span = opts.restart_decode_at + 2 * opts.lease
     if span is not None:
         opts = attrs.evolve(opts, spacing=max(opts.spacing, span / opts.requests))
     if opts.hosts != "netns":

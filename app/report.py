@@ -102,6 +102,17 @@ def build_summary(orch: RunRecord) -> dict:
         orch.fault.update(_reclaim(orch, P))
         checks["p_reclaimed_within_bound"] = orch.fault.get("within_bound", False)
     partitions = [_partition_reclaim(orch, P, w) for w in orch.partitions] if P else []
+    if orch.fault.get("kind") == "restart" and P:
+        # The new incarnation must not consume what was leased for the old one's reads.
+        # (A completion the old one sent before it died may still arrive: only one freed after
+        # the new incarnation was up counts.)
+        stranded = {f"p-{lid}" for lid in orch.fault.get("old_incarnation_in_flight", [])}
+        back = orch.t0 + orch.fault.get("back_at_s", math.inf)
+        consumed = [r.id for r in P.lease_records if r.id in stranded and r.reason == "consumed"
+                    and r.freed is not None and r.freed >= back]
+        orch.fault["old_incarnation_leases"] = {"in_flight": len(stranded), "consumed_after": consumed}
+        checks["old_incarnation_leases_not_consumed"] = not consumed
+        checks["restarted_engine_came_back"] = "back_at_s" in orch.fault
     if orch.partitions:
         checks["p_reclaimed_within_lease_after_partition"] = bool(P) and all(p["within_bound"] for p in partitions)
     summary = {

@@ -93,6 +93,25 @@ def test_two_decode_engines_one_killed(tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_restarted_decode_engine_is_a_new_incarnation(tmp_path):
+    """decode-1 is killed at 4 s and started again (same engine id, a new
+    process and NIXL agent) in its namespace: the proxy routes to it again,
+    the leases of its old incarnation's reads expire (the new one consumes
+    none of them), and nothing is held at the end."""
+    done, pid = kvplane_run(tmp_path, "--requests", "24", "--decode-engines", "2", "--restart-decode-at", "4",
+                            "--quiet")
+    assert_ok(done)
+    assert_nothing_left(pid)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    fault = summary["fault"]
+    assert fault["kind"] == "restart" and fault["back_at_s"] > fault["at_s"]
+    assert fault["old_incarnation_leases"]["consumed_after"] == []
+    assert summary["checks"]["old_incarnation_leases_not_consumed"] and summary["checks"]["restarted_engine_came_back"]
+    after = [r for r in summary["requests_detail"] if r["decoder"] == "D1" and r["arrive"] > fault["back_at_s"]]
+    assert any(r["turn1"] == "ok" for r in after), "the new incarnation served nothing"
+
+
+@pytest.mark.e2e
 def test_sigterm_removes_the_namespaces(tmp_path):
     cmd = [sys.executable, "-m", "kvplane.app.cli", "run", "--hosts", "netns", "--out", str(tmp_path),
            "--requests", "400", "--quiet", "--startup-timeout", "600"]
