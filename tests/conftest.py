@@ -39,6 +39,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_eventlog_batches.py": "core",
     "test_explorer.py": None,
     "test_explorer_ranks.py": None,
+    "test_explorer_restart.py": None,
     "test_fuzz_decoders.py": None,
     "test_fuzz_handshake.py": None,
     "test_heartbeat_phase.py": "core",
