@@ -60,6 +60,19 @@ def test_netns_run_moves_kv_across_the_veth(tmp_path):
 
 
 @pytest.mark.e2e
+def test_rate_limited_link(tmp_path):
+    """A 100 Mbit/s tbf on every veth: the run is slower, not wrong."""
+    done, pid = kvplane_run(tmp_path, "--requests", "8", "--rate-limit", "100mbit", "--quiet")
+    assert_ok(done)
+    assert_nothing_left(pid)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["hosts"]["rate_limit_bits"] == 100_000_000
+    # 100 Mbit/s is 12.5 MB/s: no READ may have gone faster than the link (allowing the bucket's burst).
+    reads = summary["data_path"]["reads"]
+    assert reads and reads["gbps"] < 0.05, reads
+
+
+@pytest.mark.e2e
 def test_partition_p_reclaims_within_the_lease(tmp_path):
     """Link down on both ends from 3 s to 15 s while requests keep arriving:
     the leases whose reads or heartbeats the partition cut expire within the
