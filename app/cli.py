@@ -99,8 +99,18 @@ def _explore(args) -> int:
     return cmd_explore(args)
 
 
+# Options of the sim engine's job only, with the value that means "not given".
+SIM_ONLY = {"hosts": "local", "ucx_net_devices": None, "side_channel_host": None, "advertise_host": None,
+            "partition_at": None, "partition_for": None, "rate_limit": None, "decode_engines": 1,
+            "restart_decode_at": None}
+
+
 def _run(args) -> int:
     if args.engine == "vllm":
+        for flag, unset in SIM_ONLY.items():
+            if getattr(args, flag, unset) != unset:
+                print(f"kvplane run: --{flag.replace('_', '-')} needs --engine sim (not yet with vllm)", file=sys.stderr)
+                return 2
         from kvplane.app.vllm_run import cmd_run_vllm
 
         return cmd_run_vllm(args)
@@ -164,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_explore_arguments(e)
     e.set_defaults(fn=_explore)
 
-    from kvplane.app.options import add_run_arguments
+    from kvplane.app.options import add_placement_arguments, add_run_arguments
 
     run = sub.add_parser("run", help="the main job: a prefill and a decode process exchanging KV over real NIXL",
                          formatter_class=HelpFormatter,
@@ -172,14 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      "stream, move the KV over real NIXL, inject the requested faults, check "
                                      "that nothing leaks, and write the event logs and summary.json under --out.")
     add_run_arguments(run)
+    add_placement_arguments(run)
     run.set_defaults(fn=_run)
 
     from kvplane.app.vllm_proxy import add_proxy_arguments
 
-    px = sub.add_parser("proxy", help="a disaggregated-serving proxy for two vLLM engines (P, then D)",
+    px = sub.add_parser("proxy", help="a disaggregated-serving proxy for vLLM engines (P, then D)",
                         formatter_class=HelpFormatter,
-                        description="Serve /v1/completions: each request goes to P with max_tokens 1 and "
-                                    "do_remote_decode, then to D with P's kv_transfer_params (vLLM's protocol).")
+                        description="Serve /v1/completions and /v1/chat/completions (streamed or not): each request "
+                                    "goes to a P with max_tokens 1 and do_remote_decode, then to a D with P's "
+                                    "kv_transfer_params (vLLM's protocol); several Ps and Ds are taken round robin.")
     add_proxy_arguments(px)
     px.set_defaults(fn=_proxy)
 

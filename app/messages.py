@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
+from .placement import Placement
+
 if TYPE_CHECKING:
     from kvplane.statemachines.config import PlaneConfig
 
@@ -41,6 +43,8 @@ class NodeOptions:
     stall_limit: float  # a loop gap this long is listed as a stall
     tp: dict  # role -> tensor-parallel size (worker rank processes)
     curve: CurveKeys
+    placement: Placement = Placement()  # its network: UCX devices, side channel, namespace
+    log_stem: str = ""  # its event log's name (default: prefill / decode)
 
 
 # ------------------------------------------------------------ parent -> node

@@ -38,6 +38,7 @@ from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Fi
 from kvplane.connector.params import BadTransferParams
 from kvplane.connector.ranks import base_engine_id
 
+from .placement import enter as enter_placement
 from .rank_messages import Fill, Poison, RankOptions, Verify
 
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
@@ -114,12 +115,14 @@ class Node:
         # monotonic clock, which all processes on this machine share.
         self.clock = (lambda: time.monotonic() + skew) if skew else time.monotonic
         self.cfg = opts.plane
-        self.sched = ConnectorScheduler(self.engine_id, tp_size=self.tp, config=self.cfg, clock=self.clock)
+        # The side channel's address the peer is told (kv_transfer_params' remote_host).
+        self.sched = ConnectorScheduler(self.engine_id, tp_size=self.tp, config=self.cfg, clock=self.clock,
+                                        host=opts.placement.advertise_host)
         nb, be = opts.num_blocks, opts.block_elems
         self.block_bytes = be * 4
         self.free: deque[int] = deque(range(nb))
         self.owned: dict[str, list[int]] = {}  # request id -> blocks allocated to it
-        name = "prefill" if role == "P" else "decode"
+        name = opts.log_stem or ("prefill" if role == "P" else "decode")
         # Rank 0's log keeps the single-rank name (replay, sequence diagrams); the others add their rank.
         self.log_paths = [os.path.join(opts.out, f"{name}.events.jsonl" if r == 0 else f"{name}.tp{r}.events.jsonl")
                           for r in range(self.tp)]
@@ -132,7 +135,8 @@ class Node:
                                peers=dict(opts.curve.peers), log_path=self.log_paths[rank], clock_skew=skew,
                                drop_notifications=opts.drop_notifications,
                                seed=(opts.seed * 2 + (role == "D")) * 1024 + rank,
-                               measure_bare_read=role == "D" and rank == 0)
+                               measure_bare_read=role == "D" and rank == 0,
+                               side_channel_host=opts.placement.side_channel_host)
 
         self.ranks = RankGroup(self.sched, rank_options, on_verified=self._on_verified,
                                on_lease_event=self._on_lease_event, on_clock_offset=self._on_clock_offset)
@@ -647,6 +651,9 @@ def node_main(role: str, conn, opts: NodeOptions) -> None:
     """Process entry point (multiprocessing 'spawn')."""
     node = None
     try:
+        # Before NIXL and any socket: its namespace (--hosts netns) and UCX devices;
+        # the worker ranks it spawns inherit both.
+        enter_placement(opts.placement)
         node = Node(role, conn, opts)
         node.run()
     except KeyboardInterrupt:

@@ -6,6 +6,8 @@ from it, not restated here."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
 
 import attrs
 
@@ -13,7 +15,20 @@ from kvplane.statemachines.base import is_finite_number
 from kvplane.statemachines.config import ConfigError, PlaneConfig
 from kvplane.statemachines.tp_mapping import MAX_TP
 
+from .placement import LOOPBACK, Placement, advertise_host, bind_host, ucx_devices
+
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
+MAX_DECODE_ENGINES = 8
+
+
+def decode_roles(n: int) -> tuple[str, ...]:
+    """The orchestrator's names of n decode engines: D (decode-0, as with one), D1 (decode-1), ..."""
+    return ("D", *(f"D{i}" for i in range(1, n)))
+
+
+def engine_id_of(role: str) -> str:
+    """P -> prefill-0, D -> decode-0, D<i> -> decode-<i>."""
+    return ENGINE_IDS.get(role) or f"decode-{role[1:]}"
 # PlaneConfig's smallest kv_lease_duration (its heartbeat interval, lease // 6,
 # must be at least 1 s), checked here to name the command-line flag.
 MIN_LEASE = 6.0
@@ -55,6 +70,17 @@ class RunOptions:
     min_blocks: int = 2
     max_blocks: int = 24
     expiry_margin: float = 1.0  # turn-2 gate safety margin (demo-sized)
+    # Placement (placement.py): None is loopback; --hosts netns sets them per engine itself.
+    hosts: str = "local"  # local | netns
+    ucx_net_devices: str | None = None
+    side_channel_host: str | None = None
+    advertise_host: str | None = None
+    # Faults on the veth of --hosts netns.
+    partition_at: float | None = None
+    partition_for: float | None = None
+    rate_limit: int | None = None  # bits per second
+    decode_engines: int = 1  # D, D1, D2, ...: the proxy routes round robin
+    restart_decode_at: float | None = None  # the last decoder killed and started again (a new incarnation)
 
     @classmethod
     def from_args(cls, args) -> "RunOptions":
@@ -120,6 +146,18 @@ class RunOptions:
                 raise RunError("--rank names the decode rank that --kill-decode-at or --hang-decode-at hits")
         if self.overload < 0:
             raise RunError("--overload must be >= 0")
+        self._validate_placement()
+        if isinstance(self.decode_engines, bool) or not isinstance(self.decode_engines, int) or \
+                not 1 <= self.decode_engines <= MAX_DECODE_ENGINES:
+            raise RunError(f"--decode-engines must be in 1..{MAX_DECODE_ENGINES}, got {self.decode_engines!r}")
+        if self.decode_engines > 1 and (self.hang_decode_at is not None or self.rank is not None):
+            raise RunError("with --decode-engines > 1 the fault is --kill-decode-at (one engine, for good)")
+        if self.restart_decode_at is not None:
+            if not is_finite_number(self.restart_decode_at) or self.restart_decode_at < 0:
+                raise RunError(f"--restart-decode-at must be a finite number >= 0, got {self.restart_decode_at!r}")
+            if self.kill_decode_at is not None or self.hang_decode_at is not None or self.partition_at is not None:
+                raise RunError("--restart-decode-at is a fault of its own: drop --kill-decode-at, --hang-decode-at "
+                               "and --partition-at")
         if self.max_blocks > self.num_blocks // 2:
             raise RunError("requests must fit the KV cache twice over")
 
@@ -127,6 +165,38 @@ class RunOptions:
             self.plane_config()
         except ConfigError as exc:  # a derived timeout out of range: name the option it came from
             raise RunError(f"these options give an invalid plane configuration: {exc}") from exc
+
+    def _validate_placement(self) -> None:
+        if self.hosts not in ("local", "netns"):
+            raise RunError(f"--hosts must be local or netns, got {self.hosts!r}")
+        if self.hosts == "netns":
+            given = [n for n in ("ucx_net_devices", "side_channel_host", "advertise_host") if getattr(self, n)]
+            if given:
+                raise RunError(f"--hosts netns places each engine itself: drop --{given[0].replace('_', '-')}")
+        elif self.partition_at is not None or self.partition_for is not None or self.rate_limit is not None:
+            raise RunError("--partition-at, --partition-for and --rate-limit need --hosts netns")
+        if (self.partition_at is None) != (self.partition_for is None):
+            raise RunError("--partition-at and --partition-for go together")
+        for name in ("partition_at", "partition_for"):
+            v = getattr(self, name)
+            if v is not None and (not is_finite_number(v) or v < 0 or (name == "partition_for" and v == 0)):
+                raise RunError(f"--{name.replace('_', '-')} must be a finite number > 0, got {v!r}")
+        if self.rate_limit is not None and (isinstance(self.rate_limit, bool) or not isinstance(self.rate_limit, int)
+                                            or self.rate_limit < 8000):
+            raise RunError(f"--rate-limit must be at least 8kbit, got {self.rate_limit!r}")
+        if self.side_channel_host is not None and self.advertise_host is None:
+            try:
+                if ipaddress.ip_address(self.side_channel_host.strip("[]")).is_unspecified:
+                    raise RunError(f"--side-channel-host {self.side_channel_host} is a wildcard: "
+                                   "give --advertise-host (the address the peer connects to)")
+            except ValueError:
+                pass
+
+    def placement(self) -> Placement:
+        """Where both engines talk (--hosts local): the given devices and hosts, else loopback."""
+        bind = self.side_channel_host or LOOPBACK
+        return Placement(ucx_net_devices=self.ucx_net_devices or "lo", side_channel_host=bind,
+                         advertise_host=self.advertise_host or bind)
 
     def plane_config(self) -> PlaneConfig:
         """The engines' configuration: the lease, the hold and demo-sized timeouts."""
@@ -178,6 +248,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="SIGSTOP the decode process S seconds into the run (default: no hang)")
     p.add_argument("--rank", type=int, default=d.rank, metavar="R",
                    help="kill or hang only decode worker rank R (default: the whole decode engine)")
+    p.add_argument("--decode-engines", type=int, default=d.decode_engines, metavar="N",
+                   help="decode engines behind the proxy (round robin); --kill-decode-at then kills the last one "
+                        "for good and the others carry on")
+    p.add_argument("--restart-decode-at", type=float, default=d.restart_decode_at, metavar="S",
+                   help="kill the last decode engine S seconds into the run and start it again: the same engine "
+                        "id, a new process and NIXL agent (default: no restart)")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, metavar="N",
                    help="P's tensor-parallel size: N worker processes, each its own NIXL agent and KV shard")
     p.add_argument("--decode-tp", type=int, default=d.decode_tp, metavar="M",
@@ -200,3 +276,39 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"how long the two engine processes may take to start (a loaded machine needs more "
                         f"than an idle one; default {d.startup_timeout:g}, with --engine vllm 420)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no start-up messages")
+
+
+_RATE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit)$")
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def rate(text: str) -> int:
+    """``--rate-limit``: a rate as tc writes it (800kbit, 100mbit, 1gbit), in bits per second."""
+    m = _RATE.match(text.strip().lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a rate like 100mbit (bit, kbit, mbit, gbit)")
+    bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+    if not 8000 <= bits <= 100 * 10**9:
+        raise argparse.ArgumentTypeError(f"{text} is outside 8kbit..100gbit")
+    return bits
+
+
+def add_placement_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the engines talk (placement.py), and --hosts netns with its faults (netns.py)."""
+    g = p.add_argument_group("placement (default: loopback)")
+    g.add_argument("--hosts", choices=("local", "netns"), default="local",
+                   help="local: both engines in this host's network; netns: each in its own network namespace, "
+                        "on a switch (a bridge) the run creates and removes (UCX over TCP on the veths; needs root)")
+    g.add_argument("--ucx-net-devices", type=ucx_devices, default=None, metavar="DEVS",
+                   help="UCX_NET_DEVICES of both engines: interfaces / RDMA devices of this host, or all "
+                        "(default: lo)")
+    g.add_argument("--side-channel-host", type=bind_host, default=None, metavar="ADDR",
+                   help=f"the address the side channels bind (default {LOOPBACK})")
+    g.add_argument("--advertise-host", type=advertise_host, default=None, metavar="HOST",
+                   help="the address a peer is told to connect to (default: --side-channel-host)")
+    g.add_argument("--partition-at", type=float, default=None, metavar="S",
+                   help="with --hosts netns: take the link down on both ends S seconds into the run")
+    g.add_argument("--partition-for", type=float, default=None, metavar="S",
+                   help="... for S seconds, then up again (requests keep arriving across the partition)")
+    g.add_argument("--rate-limit", type=rate, default=None, metavar="RATE",
+                   help="with --hosts netns: shape both ends of the link to RATE (tbf), e.g. 200mbit")

@@ -18,15 +18,19 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable
 
+import attrs
+
 from .messages import (TO_PARENT, Abandon, Abandoned, Crashed, CurveKeys, Decode, Decoded, Finish, NodeOptions, Prefill,
                        Prefilled, Ready, Release, Released, Status, StatusRequest, Summary, Turn2, Turn2Done,
                        handlers)
-from .options import ENGINE_IDS, SLACK_S, RunError, RunOptions
-from .report import build_summary, summary_table
+from .netns import HostNet, NetnsUnavailable
+from .options import SLACK_S, RunError, RunOptions, decode_roles, engine_id_of
+from .report import Partition, build_summary, summary_table
 from .workload import Req, make_stream
 
 # The NIXL distributions whose bindings transport/nixl_agent.py imports.
@@ -50,14 +54,19 @@ def nixl_installed() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in NIXL_MODULES)
 
 
-def run_keys() -> dict[str, CurveKeys]:
+def run_keys(roles: tuple[str, ...] = ("P", "D")) -> dict[str, CurveKeys]:
     """A CURVE keypair per node for this run; each node gets its own secret
-    and the other's public key (its server key and its allow-list entry)."""
+    and the public keys of those it talks to (their server keys and its
+    allow-list): P every decoder's, a decoder P's."""
     import zmq
 
-    pairs = {role: zmq.curve_keypair() for role in ENGINE_IDS}
-    return {role: CurveKeys(keypair=pairs[role], peers={ENGINE_IDS[o]: pairs[o][0] for o in ENGINE_IDS if o != role})
-            for role in ENGINE_IDS}
+    pairs = {role: zmq.curve_keypair() for role in roles}
+
+    def peers(role: str) -> tuple[str, ...]:
+        return tuple(r for r in roles if r != role) if role == "P" else ("P",)
+
+    return {role: CurveKeys(keypair=pairs[role], peers={engine_id_of(o): pairs[o][0] for o in peers(role)})
+            for role in roles}
 
 
 class _Child:
@@ -68,14 +77,22 @@ class _Child:
         self.status: Status | None = None
         self.dead = False  # exited (or killed on purpose)
         self.stopped = False
+        self.killed = False  # by --kill-decode-at (its exit is no error)
         self.abandoned: Abandoned | None = None  # its answer to Abandon (what it gave up)
         self.released: Released | None = None  # its answer to Release
 
 
 class Orchestrator:
-    def __init__(self, opts: RunOptions, progress=None):
+    def __init__(self, opts: RunOptions, progress=None, hosts: HostNet | None = None):
         self.o = opts
         self.progress = progress
+        self.hosts = hosts  # --hosts netns: the namespaces P and D run in, and the link's faults
+        # --partition-at: each partition's window (monotonic start, end), in order.
+        self.partitions: list[Partition] = []
+        self.decoders = decode_roles(opts.decode_engines)
+        self._node_opts: dict[str, Any] = {}  # what every node is started with (start())
+        self._keys: dict[str, CurveKeys] = {}
+        self._next_decoder = 0  # round robin
         self.reqs = make_stream(opts)
         self.by_lid = {r.lid: r for r in self.reqs}
         self.children: dict[str, _Child] = {}
@@ -102,12 +119,27 @@ class Orchestrator:
         child = self.children.get(role)
         return None if child is None else child.summary
 
+    def decode_summaries(self) -> dict[str, Summary | None]:
+        """Every decode engine's report, by role (None: it sent none)."""
+        return {role: self.summary_of(role) for role in self.decoders}
+
+    def killed_roles(self) -> list[str]:
+        return [role for role, c in self.children.items() if c.killed]
+
+    def _route(self) -> str | None:
+        """The decode engine the next request goes to (round robin over the live ones)."""
+        live = [r for r in self.decoders if not self.children[r].dead and not self.children[r].killed
+                and self.children[r].ready is not None]
+        if not live:
+            return None
+        self._next_decoder += 1
+        return live[(self._next_decoder - 1) % len(live)]
+
     # ------------------------------------------------------------ processes
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
         o = self.o
-        node_opts = dict(
-            engine_ids=ENGINE_IDS, plane=o.plane_config(), out=os.path.abspath(o.out), clock_skew=o.clock_skew,
+        self._node_opts = dict(
+            plane=o.plane_config(), out=os.path.abspath(o.out), clock_skew=o.clock_skew,
             drop_notifications=o.drop_notifications, seed=o.seed, num_blocks=o.num_blocks,
             block_elems=o.block_elems, overload=o.overload, tp={"P": o.prefill_tp, "D": o.decode_tp},
             # A loop gap this long may have outlived P's lease (listed as a stall; see node.py).
@@ -115,25 +147,10 @@ class Orchestrator:
         )
         from .node import node_main  # noqa: F401  (fail here, not in a child, if it cannot import)
 
-        saved = {k: os.environ.get(k) for k in ("UCX_NET_DEVICES", "NIXL_LOG_LEVEL")}
-        os.environ["UCX_NET_DEVICES"] = "lo"
-        os.environ["NIXL_LOG_LEVEL"] = "ERROR"
-        keys = run_keys()
-        try:
-            for role in ("P", "D"):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=node_main, args=(role, child, NodeOptions(**node_opts, curve=keys[role])),
-                                   # Not a daemon: a node spawns its worker ranks.
-                                   name=f"kvplane-{role}")
-                proc.start()
-                child.close()
-                self.children[role] = _Child(role, proc, parent)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        roles = ("P", *self.decoders)
+        self._keys = run_keys(roles)
+        for role in roles:
+            self._spawn(role)
         started = time.monotonic()
         deadline = started + self.o.startup_timeout
         while any(c.ready is None for c in self.children.values()):
@@ -149,6 +166,35 @@ class Orchestrator:
                 why = [e.strip().splitlines()[-1] if "crashed" in e else e for e in self.errors]
                 raise StartupFailed("an engine process failed to start: " + "; ".join(why or ["exited"]))
         self.startup_s = time.monotonic() - started
+
+    def _spawn(self, role: str, incarnation: int = 0) -> None:
+        """Start ``role``'s engine process (``incarnation`` > 0: again, after a restart)."""
+        from .node import node_main
+
+        o = self.o
+        # Each node applies its placement first thing (UCX devices, its namespace).
+        where = self.hosts.placement(role) if self.hosts is not None else o.placement()
+        kind = "P" if role == "P" else "D"  # what the node runs as: every decoder is a D
+        stem = "" if role in ("P", "D") else f"decode{role[1:]}"
+        if incarnation:
+            stem = f"{stem or 'decode'}.incarnation{incarnation}"  # the old one's log stays as it ended
+        parent, child = mp.get_context("spawn").Pipe()
+        node = NodeOptions(**self._node_opts, engine_ids={"P": engine_id_of("P"), "D": engine_id_of(role)},
+                           curve=self._keys[role], placement=where, log_stem=stem)
+        proc = mp.get_context("spawn").Process(target=node_main, args=(kind, child, node),
+                                               # Not a daemon: a node spawns its worker ranks.
+                                               name=f"kvplane-{role}")
+        saved = os.environ.get("NIXL_LOG_LEVEL")
+        os.environ["NIXL_LOG_LEVEL"] = "ERROR"
+        try:
+            proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop("NIXL_LOG_LEVEL", None)
+            else:
+                os.environ["NIXL_LOG_LEVEL"] = saved
+        child.close()
+        self.children[role] = _Child(role, proc, parent)
 
     def _startup_phase(self) -> None:
         """Say which engine processes are still starting (the progress bar's text)."""
@@ -195,7 +241,7 @@ class Orchestrator:
                     self._drain(c)
                     c.proc.join(timeout=1.0)  # reap it, so exitcode is known
                     c.dead = True
-                    if not (c.role == "D" and self.fault.get("kind") == "kill") and c.summary is None:
+                    if not c.killed and c.summary is None:
                         self.errors.append(f"{c.role} exited unexpectedly (exit code {c.proc.exitcode})")
 
     def _drain(self, c: _Child) -> None:
@@ -237,7 +283,8 @@ class Orchestrator:
 
     def on_prefilled(self, c: _Child, msg: Prefilled) -> None:
         r = self.by_lid[msg.lid]
-        if self.fault_at is not None or self.abandoning:
+        decoder = None if self.abandoning or (self.fault_at is not None and not self._lives_on()) else self._route()
+        if decoder is None:
             # The proxy routes nothing to a decoder it knows is down (P's
             # lease expires), nor after a timeout (P releases it).
             why = "not routed: decode down" if self.abandoning is None else f"not routed: {self.abandoning}"
@@ -249,7 +296,8 @@ class Orchestrator:
         params = dict(msg.params)
         if r.push:
             params["push"] = True
-        self.send("D", Decode(lid=r.lid, request_id=f"d-{r.lid}", nblocks=r.nblocks, prefix=r.prefix,
+        r.decoder = decoder
+        self.send(decoder, Decode(lid=r.lid, request_id=f"d-{r.lid}", nblocks=r.nblocks, prefix=r.prefix,
                               await_full=r.kind == "full_awaited", hold=r.hold, params=params,
                               granted_at=msg.granted_at))
 
@@ -314,12 +362,15 @@ class Orchestrator:
                 break
             if fault_kind and self.fault_at is None and now - self.t0 >= fault_time:
                 self._inject(fault_kind)
-            rank_fault = o.rank is not None  # the engine lives on: the run goes on as without a fault
+            self._partition_step(now)
+            self._restart_step(now)
+            rank_fault = self._lives_on()  # the service lives on: the run goes on as without a fault
             if self.fault_at is None or rank_fault:
                 self._send_due(now)
             if self.fault_at is not None and not rank_fault and self._fault_settled():
                 break
-            if (self.fault_at is None or rank_fault) and not self._open:
+            if (self.fault_at is None or rank_fault) and not self._open and not self._partition_pending(now) \
+                    and not self._restart_pending():
                 if not fault_kind or now - self.t0 >= fault_time:
                     break
             if self.errors:
@@ -333,6 +384,33 @@ class Orchestrator:
             self._drain_blocks(hard_deadline)
         self._collect_summaries()
         return build_summary(self)
+
+    def _lives_on(self) -> bool:
+        """A fault the service outlives: one rank of the decoder, or one decoder of several."""
+        o = self.o
+        return o.rank is not None or o.restart_decode_at is not None or \
+            (o.kill_decode_at is not None and o.decode_engines > 1)
+
+    def _partition_step(self, now: float) -> None:
+        """--partition-at / --partition-for: cut the link when due, heal it when over."""
+        o = self.o
+        if self.hosts is None or o.partition_at is None or o.partition_for is None:
+            return
+        if not self.partitions and now - self.t0 >= o.partition_at:
+            self.hosts.partition()
+            self.partitions.append(Partition(start=now, end=None))
+            self.phase = f"link down for {o.partition_for:g} s"
+        elif self.partitions and self.partitions[-1].end is None and now - self.t0 >= o.partition_at + o.partition_for:
+            self.hosts.heal()
+            self.partitions[-1].end = now
+            self.phase = "link up again: P reclaims what the partition stranded"
+
+    def _partition_pending(self, now: float) -> bool:
+        """A partition still to come or under way: the run goes on past its heal."""
+        o = self.o
+        if self.hosts is None or o.partition_at is None:
+            return False
+        return not self.partitions or self.partitions[-1].end is None
 
     def _send_due(self, now: float) -> None:
         """Send the prefills whose arrival time has come, and the turn 2s that
@@ -377,8 +455,11 @@ class Orchestrator:
         self._round(live, Abandon(), lambda c: c.abandoned is not None)
         # Only once the reader has stopped: P's leases when D has abandoned
         # (or died), D's holds when P has.
-        safe = [role for role, other in (("P", "D"), ("D", "P"))
-                if role in live and (self.children[other].dead or self.children[other].abandoned is not None)]
+        def stopped(role: str) -> bool:
+            return self.children[role].dead or self.children[role].abandoned is not None
+
+        safe = [role for role in live
+                if (all(stopped(d) for d in self.decoders) if role == "P" else stopped("P"))]
         self._round(safe, Release(), lambda c: c.released is not None)
         unresolved = {"turn1": 0, "turn2": 0}
         for r in self.reqs:
@@ -415,8 +496,12 @@ class Orchestrator:
         if self.o.rank is not None:
             self._inject_rank(kind, self.o.rank)
             return
+        if len(self.decoders) > 1:
+            self._kill_one_decoder(self.decoders[-1])
+            return
         self.phase = f"decode {'killed' if kind == 'kill' else 'hung'}: P reclaims"
         if kind == "kill":
+            d.killed = True
             _signal_engine(d, signal.SIGKILL)
             d.proc.join(timeout=5.0)
             self._drain(d)  # outcomes D sent before it died are still in the pipe
@@ -435,6 +520,58 @@ class Orchestrator:
             elif r.hold and r.turn2 is None and r.turn1 in ("failed", "skipped"):
                 r.turn2 = "skipped"
         self._advance()
+
+    def _restart_step(self, now: float) -> None:
+        """--restart-decode-at: kill the last decoder, start it again (the
+        same engine id, a new process and NIXL agent), route to it once ready."""
+        o = self.o
+        if o.restart_decode_at is None:
+            return
+        role = self.decoders[-1]
+        if not self.fault and now - self.t0 >= o.restart_decode_at:
+            self.fault_at = now
+            self.fault = {"kind": "restart", "at_s": round(now - self.t0, 3)}
+            in_flight = self._kill_one_decoder(role)
+            self.fault["old_incarnation_in_flight"] = in_flight
+            self.children[role].conn.close()
+            self._spawn(role, incarnation=1)
+            self.phase = f"decode engine {engine_id_of(role)} restarting"
+        elif self.fault.get("kind") == "restart" and "back_at_s" not in self.fault and \
+                self.children[role].ready is not None:
+            self.fault["back_at_s"] = round(now - self.t0, 3)
+            self.phase = f"decode engine {engine_id_of(role)} back (a new incarnation)"
+        elif self.fault.get("kind") == "restart" and "back_at_s" not in self.fault and \
+                now - self.fault_at > o.startup_timeout:
+            self.errors.append(f"the restarted {engine_id_of(role)} did not start within {o.startup_timeout:g} s")
+
+    def _restart_pending(self) -> bool:
+        """A restart still to come, or its engine not back yet: the run goes on."""
+        return self.o.restart_decode_at is not None and "back_at_s" not in self.fault
+
+    def _kill_one_decoder(self, role: str) -> list[str]:
+        """One decode engine of several dies for good (SIGKILL); the proxy
+        routes to the others from now on.  Its requests in flight fail; P
+        frees their leases when they expire, and drops the dead engine
+        (PeerDisconnected, or engine_ttl of silence)."""
+        victim = self.children[role]
+        self.fault.update(engine=engine_id_of(role), engines_left=len(self.decoders) - 1)
+        in_flight = []
+        self.phase = f"decode engine {engine_id_of(role)} killed: the others carry on"
+        victim.killed = True
+        _signal_engine(victim, signal.SIGKILL)
+        victim.proc.join(timeout=5.0)
+        self._drain(victim)  # outcomes it sent before it died are still in the pipe
+        victim.dead = True
+        for r in self.reqs:
+            if r.decoder != role:
+                continue
+            if r.sent and r.turn1 is None:
+                r.turn1, r.detail = "failed", "decode killed"
+                in_flight.append(r.lid)
+            if r.hold and r.turn2 is None:
+                r.turn2, r.turn2_due = "skipped", None  # its hold died with it
+        self._advance()
+        return in_flight
 
     def _inject_rank(self, kind: str, rank: int) -> None:
         """One decode worker rank dies (SIGKILL) or hangs (SIGSTOP); the
@@ -516,11 +653,32 @@ def progress_unit(opts: RunOptions, reqs: list[Req]) -> str:
 
 
 def run_job(opts: RunOptions, *, console=None) -> dict:
-    """Run the job; returns the summary (also written under ``opts.out``)."""
+    """Run the job; returns the summary (also written under ``opts.out``).
+    With --hosts netns, inside a pair of namespaces made for it and removed
+    on every way out (netns.HostNet)."""
     opts.validate()
+    # Faults the service outlives: requests keep arriving before, during and after them.
+    span = None
+    if opts.partition_at is not None and opts.partition_for is not None:
+        span = opts.partition_at + opts.partition_for + opts.lease
+    elif opts.kill_decode_at is not None and opts.decode_engines > 1:
+        span = opts.kill_decode_at + opts.lease
+    elif opts.restart_decode_at is not None:
+        span = opts.restart_decode_at + 2 * opts.lease
+    if span is not None:
+        opts = attrs.evolve(opts, spacing=max(opts.spacing, span / opts.requests))
+    if opts.hosts != "netns":
+        return _run_job(opts, console=console)
+    with HostNet(roles=("P", *decode_roles(opts.decode_engines))) as hosts:
+        if opts.rate_limit is not None:
+            hosts.rate_limit(opts.rate_limit)
+        return _run_job(opts, console=console, hosts=hosts)
+
+
+def _run_job(opts: RunOptions, *, console=None, hosts: HostNet | None = None) -> dict:
     os.makedirs(opts.out, exist_ok=True)
     progress_cm = None
-    orch = Orchestrator(opts)
+    orch = Orchestrator(opts, hosts=hosts)
     if not opts.quiet:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -572,6 +730,9 @@ def cmd_run(args) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; engine processes stopped[/yellow]")
         return 130
+    except NetnsUnavailable as exc:
+        print(f"kvplane run: {exc}", file=sys.stderr)
+        return 2
     except StartupFailed as exc:
         # run_job stopped every process it started before this reaches us.
         console.print(f"[red]kvplane run: {escape(str(exc))}; engine processes stopped[/red]", soft_wrap=True)
@@ -581,8 +742,8 @@ def cmd_run(args) -> int:
         console.print(f"[red]{e}[/red]")
     console.print(f"summary: {summary['summary_path']}")
     for role, log in summary["logs"].items():
-        fault = summary["fault"] or {}
-        cut = " (cut short by the kill)" if role == "D" and fault.get("kind") == "kill" and "rank" not in fault else ""
+        killed = [e["role"] for e in summary.get("decode_engines") or [] if e["killed"]]
+        cut = " (cut short by the kill)" if role in killed else ""
         console.print(f"{role} event log{cut}: {log}\n  replay: kvplane replay {log}")
     if not summary["ok"]:
         failed = [k for k, v in summary["checks"].items() if v is False]

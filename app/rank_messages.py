@@ -32,6 +32,7 @@ class RankOptions:
     seed: int = 0
     # Make a bare NIXL READ of each READ's size beside the job's (``bare_read``).
     measure_bare_read: bool = False
+    side_channel_host: str = "127.0.0.1"  # the address the rank's side channel binds
 
 
 # ------------------------------------------------------------ scheduler -> rank

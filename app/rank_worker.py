@@ -95,7 +95,8 @@ class RankWorker:
         self.faults = DropNotifications(self.ep, rate=opts.drop_notifications, seed=opts.seed)
         self.driver = PlaneDriver(engine_id=self.rank_id, endpoint=self.faults if self.faults.rate else self.ep,
                                   config=PlaneConfig(**opts.plane_fields), clock=clock, tp_rank=opts.rank,
-                                  curve_keypair=tuple(opts.keypair), trusted_peers=opts.peers)
+                                  curve_keypair=tuple(opts.keypair), trusted_peers=opts.peers,
+                                  host=opts.side_channel_host)
         self._log_stream = None
         self.log = None
         if opts.log_path is not None:

@@ -16,6 +16,14 @@ from .transfer_stats import TransferStats
 from .workload import Req
 
 
+@attrs.define
+class Partition:
+    """One cut of the --hosts netns link (monotonic times; ``end`` None while cut)."""
+
+    start: float
+    end: float | None
+
+
 class RunRecord(Protocol):
     """What the report reads of a finished run (the orchestrator is one);
     a protocol, so that the report does not import the orchestrator."""
@@ -28,16 +36,27 @@ class RunRecord(Protocol):
     errors: list[str]
     startup_s: float | None
     abandoned: dict | None
+    partitions: list[Partition]
+    hosts: Any  # netns.HostNet of a --hosts netns run, else None
 
     def elapsed(self) -> float: ...
 
     def summary_of(self, role: str) -> Summary | None: ...
+
+    def decode_summaries(self) -> dict[str, Summary | None]: ...
+
+    def killed_roles(self) -> list[str]: ...
 
 
 def build_summary(orch: RunRecord) -> dict:
     """The run's summary (written as summary.json): outcomes, checks, both sides' reports."""
     o = orch.o
     P, D = (orch.summary_of(r) for r in ("P", "D"))
+    # Every decode engine (one unless --decode-engines); the killed one sent no report.
+    decoders = orch.decode_summaries()
+    killed_roles = orch.killed_roles()
+    survivors = {role: s for role, s in decoders.items() if role not in killed_roles}
+    sides = [s for s in (P, *decoders.values()) if s]
     t1 = {k: 0 for k in ("ok", "recomputed", "corrupt", "failed", "skipped", "abandoned", "pending")}
     t2 = dict(t1)
     for r in orch.reqs:
@@ -46,18 +65,21 @@ def build_summary(orch: RunRecord) -> dict:
             t2[r.turn2 or "pending"] += 1
     late = [r for r in orch.reqs if r.late and r.turn2 not in (None, "skipped", "abandoned")]
     on_time = [r for r in orch.reqs if r.hold and not r.late and r.turn2 not in (None, "skipped", "abandoned")]
-    moved = sum(s.bytes_moved for s in (P, D) if s)
-    busy = sum(s.busy_s for s in (P, D) if s)
-    verified = sum(s.verified_bytes for s in (P, D) if s)
+    moved = sum(s.bytes_moved for s in sides)
+    busy = sum(s.busy_s for s in sides)
+    verified = sum(s.verified_bytes for s in sides)
     wall = orch.elapsed()
     # Only a run without faults, drops or a timeout must read everything.
-    clean = o.drop_notifications == 0 and orch.fault_at is None and orch.abandoned is None
+    clean = o.drop_notifications == 0 and orch.fault_at is None and orch.abandoned is None and not orch.partitions
     checks: dict[str, Any] = {}
     checks["no_errors"] = not orch.errors
     checks["p_blocks_held_zero"] = bool(P) and P.held_blocks == 0
     # A killed engine sends no report; a killed rank's engine does.
     killed = orch.fault.get("kind") == "kill" and "rank" not in orch.fault
-    checks["d_blocks_held_zero"] = None if killed else bool(D) and D.held_blocks == 0
+    if len(decoders) > 1:  # the survivors: each must have reported, holding nothing
+        checks["d_blocks_held_zero"] = all(s is not None and s.held_blocks == 0 for s in survivors.values())
+    else:
+        checks["d_blocks_held_zero"] = None if killed else bool(D) and D.held_blocks == 0
     checks["no_corrupt_bytes"] = t1["corrupt"] == 0 and t2["corrupt"] == 0
     checks["all_requests_resolved"] = t1["pending"] == 0 and t2["pending"] == 0
     checks["late_turn2_declined"] = all(r.turn2 == "recomputed" for r in late)
@@ -71,7 +93,7 @@ def build_summary(orch: RunRecord) -> dict:
                 r["lease_blocks_held"] == 0 and r["plane_held"] == 0 for r in side.ranks)
     if P:
         recs = P.lease_records
-        cut = orch.fault_at if orch.fault_at is not None else math.inf
+        cut = min([orch.fault_at if orch.fault_at is not None else math.inf] + [w.start for w in orch.partitions])
         if o.drop_notifications == 0:
             # Heartbeats flowed until the fault (if any): no lease may expire before it.
             expired_early = [r.id for r in recs if r.reason == "expired" and r.freed < cut]
@@ -79,6 +101,20 @@ def build_summary(orch: RunRecord) -> dict:
     if orch.fault_at is not None and P:
         orch.fault.update(_reclaim(orch, P))
         checks["p_reclaimed_within_bound"] = orch.fault.get("within_bound", False)
+    partitions = [_partition_reclaim(orch, P, w) for w in orch.partitions] if P else []
+    if orch.fault.get("kind") == "restart" and P:
+        # The new incarnation must not consume what was leased for the old one's reads.
+        # (A completion the old one sent before it died may still arrive: only one freed after
+        # the new incarnation was up counts.)
+        stranded = {f"p-{lid}" for lid in orch.fault.get("old_incarnation_in_flight", [])}
+        back = orch.t0 + orch.fault.get("back_at_s", math.inf)
+        consumed = [r.id for r in P.lease_records if r.id in stranded and r.reason == "consumed"
+                    and r.freed is not None and r.freed >= back]
+        orch.fault["old_incarnation_leases"] = {"in_flight": len(stranded), "consumed_after": consumed}
+        checks["old_incarnation_leases_not_consumed"] = not consumed
+        checks["restarted_engine_came_back"] = "back_at_s" in orch.fault
+    if orch.partitions:
+        checks["p_reclaimed_within_lease_after_partition"] = bool(P) and all(p["within_bound"] for p in partitions)
     summary = {
         "options": attrs.asdict(o), "plane_config": attrs.asdict(o.plane_config()), "wall_s": round(wall, 3),
         "requests": {"turn1": t1, "turn2": t2, "total": o.requests,
@@ -87,11 +123,15 @@ def build_summary(orch: RunRecord) -> dict:
         "gbps_in_flight": round(moved / busy / 1e9, 3) if busy > 0 else None,
         "gbps_wall": round(moved / wall / 1e9, 4) if wall > 0 else None,
         "data_path": data_path(P, D),
-        "leases": P.leases if P else None, "holds": D.holds if D else None,
-        "heartbeats_sent": sum(s.heartbeats_sent for s in (P, D) if s),
-        "heartbeats_received": sum(s.heartbeats_received for s in (P, D) if s),
-        "engines_evicted": sum(s.engines_evicted for s in (P, D) if s),
-        "blocks_held": {"P": P.held_blocks if P else None, "D": D.held_blocks if D else None},
+        "leases": P.leases if P else None,
+        "holds": (D.holds if D else None) if len(decoders) == 1 else _merged(s.holds for s in decoders.values() if s),
+        "heartbeats_sent": sum(s.heartbeats_sent for s in sides),
+        "heartbeats_received": sum(s.heartbeats_received for s in sides),
+        "engines_evicted": sum(s.engines_evicted for s in sides),
+        "blocks_held": {"P": P.held_blocks if P else None,
+                        "D": (D.held_blocks if D else None) if len(decoders) == 1 else
+                        (sum(s.held_blocks for s in survivors.values()) if all(survivors.values()) else None)},
+        "decode_engines": _decode_engines(decoders, killed_roles),
         "tp": {"P": o.prefill_tp, "D": o.decode_tp},
         # Per worker rank: lease blocks its plane still held at the end, heartbeats, leases ended.
         "ranks": {role: side.ranks if side else None for role, side in (("P", P), ("D", D))},
@@ -99,21 +139,24 @@ def build_summary(orch: RunRecord) -> dict:
         "clock_skew": o.clock_skew,
         "p_estimated_offset_of_d": P.clock_offsets.get(ENGINE_IDS["D"]) if P else None,
         "fault": orch.fault or None, "errors": orch.errors, "checks": checks,
+        "hosts": _hosts_brief(orch), "partitions": partitions,
         "startup_s": None if orch.startup_s is None else round(orch.startup_s, 3),
         # What a timeout (or a crashed side) made the job give up; None when it ran to the end.
         "abandoned": orch.abandoned,
         # Why reads were recomputed: turn 1 is D reading P, turn 2 P reading D.
-        "recompute_reasons": {"turn1": D.recompute_reasons if D else None,
+        "recompute_reasons": {"turn1": (D.recompute_reasons if D else None) if len(decoders) == 1 else
+                              _merged(s.recompute_reasons for s in decoders.values() if s),
                               "turn2": P.recompute_reasons if P else None},
         # Each side's step loop: its longest gap between ticks (how late a timer can fire).
         "loop": {role: _loop_brief(side) for role, side in (("P", P), ("D", D))},
         "expired_before_fault": expired_early,
         "sides": {"P": _slim(P), "D": _slim(D)},
         # A side that sent no report (killed): the sums above lack its share.
-        "sides_without_report": [role for role, side in (("P", P), ("D", D)) if side is None],
+        "sides_without_report": [role for role, side in (("P", P), *decoders.items()) if side is None],
         # Written by each side as it runs; a killed side's log ends where it died.
         "logs": {role: os.path.join(os.path.abspath(o.out), f"{name}.events.jsonl")
-                 for role, name in (("P", "prefill"), ("D", "decode"))},
+                 for role, name in (("P", "prefill"), ("D", "decode"),
+                                    *((r, f"decode{r[1:]}") for r in decoders if r != "D"))},
         "requests_detail": [attrs.asdict(r, filter=lambda a, v: a.name != "hold_params") for r in orch.reqs],
     }
     # The plane's CPU (recorder on) per request sent, each side summed over its ranks (app.plane_cpu).
@@ -246,6 +289,62 @@ def _reclaim(orch: RunRecord, P: Summary) -> dict:
     return out
 
 
+def _merged(counts: Any) -> dict:
+    """Counts of several engines, added up."""
+    total: dict = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _decode_engines(decoders: dict[str, Summary | None], killed: list[str]) -> list[dict]:
+    """Each decode engine: its id, whether it was killed, what it did and still holds."""
+    out = []
+    for role, s in decoders.items():
+        out.append({"role": role, "engine_id": s.engine_id if s else None, "killed": role in killed,
+                    "held_blocks": s.held_blocks if s else None, "outcomes": s.outcomes if s else None,
+                    "bytes_moved": s.bytes_moved if s else None})
+    return out
+
+
+def _partition_reclaim(orch: RunRecord, P: Summary, w: Partition) -> dict:
+    """P's reclaim after one partition: every lease granted before the link
+    went down and freed as expired (its completion or heartbeats lost on the
+    link) must be freed within the lease term of the cut (a lease granted
+    just before it runs its whole initial term), plus slack; the same for a
+    lease granted while the link was down, from its grant."""
+    o = orch.o
+    end = w.end if w.end is not None else math.inf
+    # A lease a heartbeat reached after the heal was not stranded by the cut.
+    stranded = [r for r in P.lease_records if r.reason == "expired" and r.freed is not None and r.granted < end
+                and r.freed >= w.start and (r.hb is None or r.hb < end)]
+    out: dict[str, Any] = {"at_s": round(w.start - orch.t0, 3),
+                           "healed_at_s": None if w.end is None else round(w.end - orch.t0, 3),
+                           "lease_s": o.lease, "leases_expired": len(stranded)}
+    if not stranded:
+        out.update(reclaim_s=None, slack_s=SLACK_S, within_bound=True)
+        return out
+    reclaim = [r.freed - max(w.start, r.granted) for r in stranded]
+    last = max(r.freed for r in stranded)
+    slack = SLACK_S + round(_loop_stall_between(P.loop, w.start, last), 3)
+    out.update(reclaim_s=round(max(reclaim), 3), reclaim_min_s=round(min(reclaim), 3),
+               p_all_reclaimed_s=round(last - orch.t0, 3), slack_s=round(slack, 3),
+               within_bound=max(reclaim) <= o.lease + slack)
+    return out
+
+
+def _hosts_brief(orch: RunRecord) -> dict:
+    """Where the engines ran: this host's network, or the namespaces of --hosts netns."""
+    pair = orch.hosts
+    if pair is None:
+        where = orch.o.placement()
+        return {"kind": "local", "ucx_net_devices": where.ucx_net_devices,
+                "side_channel_host": where.side_channel_host, "advertise_host": where.advertise_host}
+    return {"kind": "netns", **{role: attrs.asdict(h) for role, h in pair.hosts.items()},
+            "rate_limit_bits": pair.rate_bits}
+
+
 def _loop_stall_between(loop: dict | None, start: float, end: float) -> float:
     """The longest gap of a side's loop that overlaps [start, end] (its
     monotonic clock, the one every process here shares)."""
@@ -333,6 +432,11 @@ def summary_table(summary: dict):
     t.add_row("heartbeats sent / received", f"{_total(summary, 'heartbeats_sent')} / "
                                              f"{_total(summary, 'heartbeats_received')}")
     t.add_row("engines evicted", _total(summary, "engines_evicted"))
+    engines = summary.get("decode_engines") or []
+    if len(engines) > 1:
+        t.add_row("decode engines: requests ok / blocks held", ", ".join(
+            f"{e['engine_id'] or e['role']} killed" if e["killed"] else
+            f"{e['engine_id']} {(e['outcomes'] or {}).get('ok', 0)} / {e['held_blocks']}" for e in engines))
     bh = summary["blocks_held"]
     t.add_row("blocks still held P / D", " / ".join(_or_na(summary, role, bh[role]) for role in ("P", "D")))
     ranks = summary.get("ranks") or {}
@@ -365,6 +469,16 @@ def summary_table(summary: dict):
     t.add_row("plane CPU per request P / D (recording on; of which GC)",
               " / ".join("-" if cpu.get(r) is None else f"{cpu[r]:.0f} µs ({in_gc.get(r) or 0:.0f})"
                          for r in ("P", "D")))
+    hosts = summary.get("hosts") or {}
+    if hosts.get("kind") == "netns":
+        t.add_row("hosts: network namespaces, P / D", " / ".join(
+            f"{hosts[r]['address']} ({hosts[r]['veth']})" for r in ("P", "D"))
+            + (f", tbf {hosts['rate_limit_bits'] / 1e6:g} Mbit/s" if hosts.get("rate_limit_bits") else ""))
+    for part in summary.get("partitions") or []:
+        t.add_row(f"link down at {part['at_s']} s, up at {part['healed_at_s']} s: P reclaimed (leases expired)",
+                  ("nothing stranded" if part["reclaim_s"] is None else
+                   f"{part['reclaim_s']} s after the cut, bound lease {part['lease_s']:g} s + {part['slack_s']} s "
+                   f"slack") + f" ({part['leases_expired']})")
     loop = summary.get("loop") or {}
     t.add_row("longest loop stall P / D (gaps > 0.1 s)",
               " / ".join("-" if loop.get(r) is None else f"{loop[r]['max_gap_s']:.3f} s ({loop[r]['gaps_over_0.1s']})"

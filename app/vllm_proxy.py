@@ -7,20 +7,27 @@ request then goes to D with them, and D's answer is the client's.  This is
 the protocol of vLLM's own toy proxy, so kvplane's connector and vLLM's
 NixlConnector are driven the same way.
 
-``disaggregated`` is the protocol (the main job calls it directly, timing
-each leg); ``serve`` wraps it in an HTTP server (``kvplane proxy``).  Only
-``/v1/completions`` without streaming to the client: enough for a
-benchmark and a demo, and a clear 400 for anything else.
+``disaggregated`` is the protocol as a blocking client (the main job calls
+it directly, timing each leg).  ``make_app`` is the same protocol as a
+server (``kvplane proxy``): an ASGI app (Starlette) served by uvicorn,
+relaying with one ``httpx.AsyncClient``: ``/v1/completions`` and
+``/v1/chat/completions``, streamed or not, over several P and D engines
+(round robin, each leg its own turn).  An upstream that cannot be reached
+or answers with an error gets the client a 502 with a JSON body naming the
+leg and the engine; a request that is not a JSON object, a 400.  Those
+libraries come with vLLM (the ``proxy`` extra names them) and are imported
+only when the server is built.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import threading
+import sys
 import time
+import uuid
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 import attrs
@@ -116,70 +123,200 @@ def disaggregated(prefill_url: str, decode_url: str, body: dict, *, timeout: flo
 
 
 # ---------------------------------------------------------------- the HTTP server
-def make_handler(prefill_url: str, decode_url: str, timeout: float) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+# What the prefill leg must not carry (P computes the prompt and one token).
+_PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
+PATHS = ("/v1/completions", "/v1/chat/completions")
 
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            if self.path != "/v1/completions":
-                return self._answer(404, {"error": f"{self.path}: kvplane proxy serves /v1/completions"})
+
+def prefill_body(body: dict) -> dict:
+    """The request as P gets it: one token, no streaming, and a request to keep its KV for D."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def _error(status: int, message: str, **where: Any):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": "bad_gateway" if status == 502 else "bad_request",
+                                   "code": status, **where}}, status_code=status)
+
+
+def make_app(prefill_urls: list[str], decode_urls: list[str], *, timeout: float = 300.0,
+             transport: Any = None) -> Any:
+    """The proxy as an ASGI app.  ``transport``: the httpx transport to the
+    engines (tests hand in an ``httpx.ASGITransport``); None: the network."""
+    import contextlib
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    prefills = itertools.cycle([u.rstrip("/") for u in prefill_urls])
+    decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
+    clients: dict[str, httpx.AsyncClient] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any):
+        clients["http"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout), transport=transport)
+        try:
+            yield
+        finally:
+            await clients.pop("http").aclose()
+
+    def headers_for(request: Request, request_id: str) -> dict[str, str]:
+        out = {"X-Request-Id": request_id}
+        if "authorization" in request.headers:
+            out["Authorization"] = request.headers["authorization"]
+        return out
+
+    async def upstream_failed(leg: str, url: str, resp: httpx.Response) -> Any:
+        """An engine's error answer: a client error (4xx) goes back as it is;
+        anything else is the proxy's 502."""
+        text = (await resp.aread()).decode(errors="replace")[:2000]
+        if 400 <= resp.status_code < 500:
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            except (ValueError, json.JSONDecodeError) as exc:
-                return self._answer(400, {"error": f"bad JSON: {exc}"})
-            if not isinstance(body, dict) or body.get("stream"):
-                return self._answer(400, {"error": "a JSON object without stream: true (the proxy does not stream)"})
+                return JSONResponse(json.loads(text), status_code=resp.status_code)
+            except ValueError:
+                pass
+        return _error(502, f"{leg} engine answered {resp.status_code}: {text or '(empty)'}", leg=leg, upstream=url)
+
+    async def relay(request: Request) -> Any:
+        path = request.url.path
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return _error(400, f"the request body is not JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        client = clients["http"]
+        request_id = str(uuid.uuid4())
+        headers = headers_for(request, request_id)
+        p_url, d_url = next(prefills), next(decodes)
+        try:
+            p_resp = await client.post(p_url + path, json=prefill_body(body), headers=headers)
+        except httpx.HTTPError as exc:
+            return _error(502, f"prefill engine {p_url} unreachable: {type(exc).__name__}: {exc}", leg="prefill",
+                          upstream=p_url)
+        if p_resp.status_code != 200:
+            return await upstream_failed("prefill", p_url, p_resp)
+        try:
+            params = p_resp.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            return _error(502, "prefill engine answered something that is not a JSON object", leg="prefill",
+                          upstream=p_url)
+        if not isinstance(params, dict) or not params:
+            return _error(502, "prefill engine answered without kv_transfer_params (is it started with a KV "
+                               "connector as a producer?)", leg="prefill", upstream=p_url)
+        d_body = dict(body, kv_transfer_params=params)
+        try:
+            d_resp = await client.send(client.build_request("POST", d_url + path, json=d_body, headers=headers),
+                                       stream=True)
+        except httpx.HTTPError as exc:
+            return _error(502, f"decode engine {d_url} unreachable: {type(exc).__name__}: {exc}", leg="decode",
+                          upstream=d_url)
+        if d_resp.status_code != 200:
             try:
-                result = disaggregated(prefill_url, decode_url, body, timeout=timeout)
-            except ProxyError as exc:
-                return self._answer(502, {"error": str(exc)})
-            out = dict(result.decode)
-            out["choices"] = [{"index": 0, "token_ids": list(result.text_tokens), "finish_reason":
-                               (result.decode.get("choices") or [{}])[-1].get("finish_reason")}]
-            self._answer(200, out)
+                return await upstream_failed("decode", d_url, d_resp)
+            finally:
+                await d_resp.aclose()
+        if not body.get("stream"):
+            try:
+                raw = await d_resp.aread()
+            except httpx.HTTPError as exc:
+                return _error(502, f"decode engine {d_url} broke off: {exc}", leg="decode", upstream=d_url)
+            finally:
+                await d_resp.aclose()
+            try:
+                return JSONResponse(json.loads(raw))
+            except ValueError:
+                return _error(502, "decode engine answered something that is not JSON", leg="decode", upstream=d_url)
 
-        def do_GET(self) -> None:  # noqa: N802
-            if self.path == "/health":
-                return self._answer(200, {"status": "ok"})
-            self._answer(404, {"error": "not found"})
+        async def chunks():
+            try:
+                async for chunk in d_resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:
+                # The status line is out: say it in the stream, as an engine would.
+                err = {"error": {"message": f"decode engine {d_url} broke off: {exc}", "type": "bad_gateway",
+                                 "code": 502}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
+            finally:
+                await d_resp.aclose()
 
-        def _answer(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+        return StreamingResponse(chunks(), media_type=d_resp.headers.get("content-type", "text/event-stream"))
 
-        def log_message(self, fmt: str, *args: Any) -> None:
-            pass
+    async def health(_request: Request) -> Any:
+        return JSONResponse({"status": "ok", "prefill": list(prefill_urls), "decode": list(decode_urls)})
 
-    return Handler
+    routes = [Route(path, relay, methods=["POST"]) for path in PATHS] + [Route("/health", health, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan)
 
 
-def serve(prefill_url: str, decode_url: str, *, host: str = "127.0.0.1", port: int = 8000,
-          timeout: float = 300.0) -> ThreadingHTTPServer:
-    """A started server (its thread is a daemon); ``shutdown()`` stops it."""
-    server = ThreadingHTTPServer((host, port), make_handler(prefill_url.rstrip("/"), decode_url.rstrip("/"), timeout))
-    threading.Thread(target=server.serve_forever, daemon=True, name="kvplane-proxy").start()
-    return server
+# ---------------------------------------------------------------- command line
+def port(text: str) -> int:
+    """``--port``: 1..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (1..65535)")
+    return value
+
+
+def engine_url(text: str) -> str:
+    """``--prefill`` / ``--decode``: http(s)://host:port of a vLLM server."""
+    from urllib.parse import urlsplit
+
+    from kvplane.transport.wire import host_problem
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r} is not an http(s)://host:port URL")
+    problem = host_problem(parts.hostname)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r}: {problem}")
+    return text.rstrip("/")
+
+
+def positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
 
 
 def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", required=True, metavar="URL", help="P's vLLM server, e.g. http://127.0.0.1:8100")
-    p.add_argument("--decode", required=True, metavar="URL", help="D's vLLM server, e.g. http://127.0.0.1:8200")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per leg")
+    p.add_argument("--prefill", required=True, nargs="+", type=engine_url, metavar="URL",
+                   help="P's vLLM server(s), e.g. http://127.0.0.1:8100 (several: round robin)")
+    p.add_argument("--decode", required=True, nargs="+", type=engine_url, metavar="URL",
+                   help="D's vLLM server(s), e.g. http://127.0.0.1:8200 (several: round robin)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to serve on")
+    p.add_argument("--port", type=port, default=8000, help="the port to serve on (1..65535)")
+    p.add_argument("--timeout", type=positive, default=300.0, metavar="S", help="per leg")
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
-    server = serve(args.prefill, args.decode, host=args.host, port=args.port, timeout=args.timeout)
-    print(f"kvplane proxy on http://{args.host}:{server.server_address[1]}/v1/completions: "
-          f"P {args.prefill}, D {args.decode} (Ctrl-C stops)", flush=True)
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
-    server.shutdown()
+        import uvicorn
+
+        app = make_app(args.prefill, args.decode, timeout=args.timeout)
+    except ImportError as exc:
+        print(f"kvplane proxy: {exc.name} is missing: pip install 'kvplane[proxy]'", file=sys.stderr)
+        return 2
+    print(f"kvplane proxy on http://{args.host}:{args.port} ({', '.join(PATHS)}): P {' '.join(args.prefill)}, "
+          f"D {' '.join(args.decode)} (Ctrl-C stops)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -32,6 +32,7 @@ class Req:
     hold_params: dict | None = None
     turn2_due: float | None = None
     sent: bool = False
+    decoder: str = ""  # the decode engine the proxy routed it to (orchestrator role)
 
     @property
     def done(self) -> bool:

@@ -441,6 +441,10 @@ class PlaneDriver:
             if a.cancel:
                 self.counters["transfers_cancelled"] += 1
             self._release(entry[0])
+            if a.cancel and entry[1] == "READ":
+                # A READ cut in flight may still land (seen after a link-down partition healed):
+                # close the connection to its peer so it cannot; the next request handshakes again.
+                follow.append(E.PeerDisconnected(engine_id=entry[2], reason="a READ cut in flight"))
 
     def _release(self, handle) -> None:
         try:

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import attrs
 
 from kvplane.statemachines.config import ConfigError, PlaneConfig
+from kvplane.transport.wire import host_problem
 
 from .secret import SECRET_ENV, SECRET_KEY, DeploymentKeys, load_keys
 
@@ -34,6 +36,8 @@ VLLM_DEFAULTS = {"engine_ttl": 3600.0, "kv_load_failure_policy": "fail", "handsh
 # NixlConnector keys that are not PlaneConfig fields.
 NIXL_KEYS = ("bidirectional_kv_xfer", "enforce_handshake_compat", "kv_recompute_threshold", "backends")
 COMPAT_HASH = "kvplane-vllm-v1"
+# UCX_NET_DEVICES: "all", or a comma-separated list of interfaces and RDMA devices with a port.
+_UCX_DEVICES = re.compile(r"^(all|[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?(,[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?)*)$")
 
 
 @attrs.frozen(kw_only=True)
@@ -44,7 +48,13 @@ class VllmSettings:
     # kvplane_side_channel_port: rank r of data-parallel index i listens on
     # port + i * tp_size + r (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT by default).
     side_channel_port: int = 5600
-    side_channel_host: str = "127.0.0.1"
+    side_channel_host: str = "127.0.0.1"  # the address peers are told (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST)
+    # kvplane_side_channel_bind_host: the address the side channel binds, where
+    # peers reach this host through another (0.0.0.0, a NAT); None: side_channel_host.
+    side_channel_bind_host: str | None = None
+    # kvplane_ucx_net_devices: UCX_NET_DEVICES for the worker's NIXL agent (eth0,
+    # mlx5_0:1, all); None: the environment's (UCX's default: every device).
+    ucx_net_devices: str | None = None
     # kvplane_secret_file (or env KVPLANE_SECRET_FILE): the deployment
     # secret (connector/secret.py): P signs its params with it, D verifies
     # them, and every engine's side channel uses its CURVE keypair.
@@ -67,6 +77,10 @@ class VllmSettings:
     unknown_keys: tuple[str, ...] = ()
 
     @property
+    def bind_host(self) -> str:
+        return self.side_channel_bind_host or self.side_channel_host
+
+    @property
     def insecure(self) -> bool:
         """No CURVE on the side channel (kvplane_insecure: true)."""
         return self.keys is None and self.keypair_path is None
@@ -80,6 +94,8 @@ _OWN = {
     "kvplane_side_channel_host": "side_channel_host",
     "kvplane_secret_file": "secret_file",
     "kvplane_insecure": "allow_insecure",
+    "kvplane_side_channel_bind_host": "side_channel_bind_host",
+    "kvplane_ucx_net_devices": "ucx_net_devices",
     "kvplane_keypair": "keypair_path",
     "kvplane_trusted_peers": "trusted_peers",
     "kvplane_event_log": "event_log",
@@ -123,6 +139,12 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
     _check_port("kvplane_side_channel_port", own["side_channel_port"])
     if not isinstance(own["side_channel_host"], str) or not own["side_channel_host"]:
         raise ConfigError("kvplane_side_channel_host", "must be a host name or address")
+    bind = own.get("side_channel_bind_host")
+    if bind is not None and (not isinstance(bind, str) or host_problem(bind) is not None):
+        raise ConfigError("kvplane_side_channel_bind_host", f"must be an address of this host, got {bind!r}")
+    devices = own.get("ucx_net_devices")
+    if devices is not None and (not isinstance(devices, str) or not _UCX_DEVICES.match(devices)):
+        raise ConfigError("kvplane_ucx_net_devices", f"must be UCX_NET_DEVICES (eth0,mlx5_0:1 or all), got {devices!r}")
     for key in ("secret_file", "keypair_path", "event_log", "status_file", "kv_dump_dir"):
         value = own.get(key)
         if value is not None and not isinstance(value, (str, Path)):

@@ -49,6 +49,8 @@ class VllmWorkerSide:
         self.rank = rank
         self.engine_id = engine_id
         rank_id = rank_engine_id(engine_id, rank)
+        if settings.ucx_net_devices is not None:
+            os.environ["UCX_NET_DEVICES"] = settings.ucx_net_devices  # read when the agent's UCX starts
         self.endpoint = NixlEndpoint(rank_id)
         endpoint: Any = self.endpoint
         if settings.drop_notifications:
@@ -73,7 +75,7 @@ class VllmWorkerSide:
                         "accepted from any agent (as with NixlConnector)")
         port = settings.side_channel_port + dp_index * tp_size + rank
         self.driver = PlaneDriver(engine_id=rank_id, endpoint=endpoint, config=settings.plane,
-                                  compat_hash=compat_hash, host=settings.side_channel_host, port=port,
+                                  compat_hash=compat_hash, host=settings.bind_host, port=port,
                                   curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
                                   insecure=settings.insecure, tp_rank=rank, deployment_keys=deployment_keys)
         self._log_stream = None

@@ -49,11 +49,24 @@ def test_keys_are_read_and_checked():
     ({"kvplane_insecure": False}, "kvplane_secret_file"),  # neither a secret nor insecure: refused
     ({"kvplane_insecure": "yes"}, "kvplane_insecure"),
     ({"kvplane_event_log": 5}, "kvplane_event_log"),
+    ({"kvplane_side_channel_bind_host": "no host!"}, "kvplane_side_channel_bind_host"),
+    ({"kvplane_ucx_net_devices": "eth0;rm"}, "kvplane_ucx_net_devices"),
 ])
 def test_bad_values_name_their_key(extra, key):
     with pytest.raises(ConfigError) as info:
         settings_from({**INSECURE, **extra}, environ={})
     assert info.value.field == key
+
+
+def test_placement_keys_bind_and_advertise_apart():
+    """Peers are told side_channel_host; the side channel binds the bind host (default: the same)."""
+    plain = settings_from({"kvplane_insecure": True}, side_channel_host="10.0.0.5")
+    assert plain.bind_host == "10.0.0.5" and plain.ucx_net_devices is None
+    apart = settings_from({"kvplane_insecure": True, "kvplane_side_channel_bind_host": "0.0.0.0",
+                           "kvplane_ucx_net_devices": "eth0,mlx5_0:1"},
+                          side_channel_host="10.0.0.5")
+    assert (apart.side_channel_host, apart.bind_host, apart.ucx_net_devices) == ("10.0.0.5", "0.0.0.0",
+                                                                                "eth0,mlx5_0:1")
 
 
 # ---------------------------------------------------------------- params

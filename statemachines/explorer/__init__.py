@@ -28,6 +28,10 @@ Moves (each a BFS edge):
   D's posted READ meanwhile.  D resumes at any point P's timers or the
   bound reach, firing its due timers before it handles anything, as the
   driver does;
+  and, also outside the default set (``RESTART_FAULTS``), D restarts: a
+  fresh D plane with the same engine id (its requests, holds and loop's
+  messages gone, what it sent still in flight, P told it disconnected);
+  the new incarnation must never complete a lease P granted the old one;
 - tick: advance time to the next deadline of either plane and fire timers.
   Time only advances when no message is in flight (delivery is faster than
   any timer), except for hung READs.
@@ -77,7 +81,8 @@ from __future__ import annotations
 
 from .canonical import GATE_STATES
 from .checks import HELD_LEASE, Found
-from .config import EXPLORER_PLANE_CONFIG, FAULTS, PROFILES, RANK_FAULTS, STALL_FAULTS, ExploreConfig, Profile
+from .config import (EXPLORER_PLANE_CONFIG, FAULTS, PROFILES, RANK_FAULTS, RESTART_FAULTS, STALL_FAULTS, ExploreConfig,
+                     Profile)
 from .model import IGNORED_ACTIONS, Model
 from .ranks import RankModel, RankWorld, model_for
 from .search import ExploreResult, SearchProgress, Violation, explore
@@ -86,7 +91,8 @@ from .world import World, clone_plane
 _Found = Found  # the name the tests have used
 
 __all__ = [
-    "EXPLORER_PLANE_CONFIG", "FAULTS", "GATE_STATES", "HELD_LEASE", "IGNORED_ACTIONS", "PROFILES", "RANK_FAULTS", "STALL_FAULTS",
+    "EXPLORER_PLANE_CONFIG", "FAULTS", "GATE_STATES", "HELD_LEASE", "IGNORED_ACTIONS", "PROFILES", "RANK_FAULTS",
+    "RESTART_FAULTS", "STALL_FAULTS",
     "ExploreConfig", "ExploreResult", "Found", "Model", "Profile", "RankModel", "RankWorld", "SearchProgress",
     "Violation", "World", "clone_plane", "explore", "model_for",
 ]

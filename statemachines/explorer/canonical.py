@@ -191,7 +191,8 @@ class Canonical:
             net = w.canon_net = (w.net, w.stalled, order, nd, tuple(sorted(self._message(m, rename, w) for m in w.net)),
                                  tuple(sorted(self._message(m, rename, w) for m in w.stalled)))
         stall = None if w.stall is None else (self._rel(w.stall[0], nd), self._rel(w.stall[1], nd))
-        return (tuple([local[i] for i in order]), shared, net[4], net[5], w.faults, w.aborts, w.crashed, stall)
+        return (tuple([local[i] for i in order]), shared, net[4], net[5], w.faults, w.aborts, w.crashed, stall,
+                w.restarted is not None)
 
     def _shared(self, parts: PlaneParts, order: tuple, activity: dict) -> tuple:
         """One plane's remote engines (references renamed by ``order``, the

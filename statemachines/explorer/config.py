@@ -46,6 +46,9 @@ FAULTS = frozenset({"lose", "dup", "hs_fail", "hs_hang", "read_fail", "read_hang
 # loop does nothing while P's clock and timers run on.  Not in the default
 # fault set (it multiplies the state space); ``kvplane explore --stall``.
 STALL_FAULTS = FAULTS | {"stall"}
+# D restarts: its process dies and starts again at once with the same engine
+# id (a new incarnation: nothing of the old one's state).  Not in the default set.
+RESTART_FAULTS = FAULTS | {"restart"}
 # The faults of the rank world (``ranks``): a lost or duplicated completion
 # notification (one rank's), a heartbeat lost to one P rank only (a Tick
 # variant), failed or hung handshakes and READs, and one rank crashing.

@@ -20,7 +20,7 @@ from . import messages as msg
 from .canonical import Canonical
 from .checks import Checks, Found
 from .config import PROFILES, ExploreConfig
-from .moves import (STEP_AT, Abort, AbortLease, Crash, Deliver, Inject, Late, Move, Resume, Schedule, Stall, Step,
+from .moves import (STEP_AT, Abort, AbortLease, Crash, Restart, Deliver, Inject, Late, Move, Resume, Schedule, Stall, Step,
                     Tick)
 from .world import ABORTED, ARRIVED, DEAD, FINISHED, LOADING, NEW, RUNNING, SENT, Clocks, World
 
@@ -122,6 +122,7 @@ class Model:
         w.phase2 = [NEW] * self.n  # turn 2 (P's scheduler)
         w.faults = w.aborts = 0
         w.crashed = False
+        w.restarted = None
         w.awaited = w.reported = w.freed = frozenset()  # (plane, request id)
         w.activity = {}  # (plane, engine) -> last activity the plane observed
         w.hold_expiry = [None] * self.n  # D's exported hold deadline (D's clock)
@@ -196,6 +197,8 @@ class Model:
             out.append(Late(j))
         if faults_left and not w.crashed and "crash" in allowed:
             out.append(Crash())
+        if faults_left and w.restarted is None and w.stall is None and "restart" in allowed:
+            out.append(Restart())
         if w.stall is not None:  # stalled
             if not urgent:
                 out.append(Tick())  # P's next deadline, or the end of the stall
@@ -253,6 +256,8 @@ class Model:
             return f"tick to t={self._next_time(w):g}: due timers fire{lost}"
         if isinstance(move, Crash):
             return f"crash P {at}"
+        if isinstance(move, Restart):
+            return f"D restarts (a new incarnation, the same engine id) {at}"
         if isinstance(move, Stall):
             return f"D stalls for at most {self.cfg.stall:g} s {at}"
         if isinstance(move, Resume):
@@ -347,6 +352,9 @@ class Model:
     def _crash_move(self, w: World, move: Crash) -> None:
         self._crash(w)
 
+    def _restart_move(self, w: World, move: Restart) -> None:
+        self._restart(w)
+
     def _abort_lease(self, w: World, move: AbortLease) -> None:
         w.aborts += 1
         self._feed(w, "P", E.LeaseAbort(request_id=f"p{move.request}"))
@@ -363,7 +371,7 @@ class Model:
 
     _APPLY: dict[type, Callable] = {
         Tick: _tick, Stall: _stall, Resume: _resume_move, Deliver: _deliver_move, Inject: _inject, Late: _late,
-        Crash: _crash_move, AbortLease: _abort_lease, Abort: _abort, Schedule: _schedule,
+        Crash: _crash_move, Restart: _restart_move, AbortLease: _abort_lease, Abort: _abort, Schedule: _schedule,
     }
 
     def _resume(self, w: World) -> None:
@@ -458,6 +466,38 @@ class Model:
         # P's scheduler died with it: nothing there awaits a report any more.
         w.awaited = frozenset(k for k in w.awaited if k[0] != "P")
         w.reported = frozenset(k for k in w.reported if k[0] != "P")
+
+    def _restart(self, w: World) -> None:
+        """D dies and starts again with the same engine id: a fresh plane.
+        Its requests and holds die with it (the proxy sends them nowhere
+        else: their turn 1 and turn 2 are over); what it sent is still on
+        the network; what was addressed to its loop is gone; a READ P made
+        of its holds fails (the peer is gone).  P is told the peer
+        disconnected.  Requests not yet arrived go to the new incarnation.
+        P must reclaim every lease it granted for the old one (liveness),
+        and the new one must never complete any of them (``_send_notif``)."""
+        w.faults += 1
+        old = [i for i, ph in enumerate(w.phase) if ph != NEW]
+        w.restarted = frozenset(f"p{i}" for i in old)
+        w.planes["D"] = ControlPlane(self.cfg.plane, machines=self.machines)
+        w.owned.add("D")
+        net: list[msg.Message] = []
+        for m in w.net + w.stalled:
+            if isinstance(m, msg.Read) and m.engine == "D":
+                net.append(msg.ReadFailed(m.plane, m.request_id))
+            elif m.plane != "D":
+                net.append(m)
+        net.append(msg.Disconnect("P", "D"))
+        w.net = tuple(net)
+        w.stalled = ()
+        for i in old:
+            if w.phase[i] != FINISHED:  # a finished turn 1 stays (its turn 2 may be under way at P)
+                w.phase[i] = DEAD
+            if w.phase2[i] == NEW:
+                w.phase2[i] = DEAD  # its hold died: no turn 2
+        w.awaited = frozenset(k for k in w.awaited if k[0] != "D")
+        w.reported = frozenset(k for k in w.reported if k[0] != "D")
+        w.hold_expiry = [None if i in old else e for i, e in enumerate(w.hold_expiry)]
 
     # ------------------------------------------------------------ network
     def _deliver(self, w: World, m: msg.Message) -> None:
@@ -570,6 +610,9 @@ class Model:
             w.stalled = tuple(m for m in w.stalled if keep(m))
 
     def _send_notif(self, w: World, pname: str, a: A.SendNotif, lose_heartbeats: bool) -> None:
+        if pname == "D" and w.restarted is not None and a.remote_request_id in w.restarted:
+            raise Found("old_incarnation_lease_consumed", f"D's new incarnation completes {a.remote_request_id}, "
+                        f"a lease P granted for its old one")
         w.net = w.net + (msg.Notif(a.engine_id, a.remote_request_id, pname, a.expected_consumers),)
 
     def _send_heartbeat(self, w: World, pname: str, a: A.SendHeartbeat, lose_heartbeats: bool) -> None:

@@ -106,6 +106,11 @@ class Crash:
 
 
 @attrs.frozen
+class Restart:
+    """D crashes and starts again at once: a new incarnation, the same engine id."""
+
+
+@attrs.frozen
 class Stall:
     """D stalls (a fault) for at most ``ExploreConfig.stall`` seconds."""
 
@@ -131,7 +136,8 @@ class TickLosing:
     rank: int
 
 
-Move = Schedule | Abort | AbortLease | Deliver | Inject | Late | Tick | Crash | Stall | Resume | CrashRank | TickLosing
+Move = (Schedule | Abort | AbortLease | Deliver | Inject | Late | Tick | Crash | Restart | Stall | Resume | CrashRank
+        | TickLosing)
 
 STEP_NAMED: dict[str, Step] = {s.name: s for s in STEPS}
 

@@ -38,7 +38,7 @@ class World:
     """Mutable while a move is applied; cloned (cheaply) before each move."""
 
     __slots__ = ("t", "planes", "owned", "net", "stalled", "phase", "phase2", "faults", "aborts", "crashed",
-                 "awaited", "reported", "freed", "activity", "hold_expiry", "stall", "p_expiry", "ahead",
+                 "restarted", "awaited", "reported", "freed", "activity", "hold_expiry", "stall", "p_expiry", "ahead",
                  "canon_parts", "canon_net")
     t: float
     planes: dict[str, ControlPlane]
@@ -50,6 +50,8 @@ class World:
     faults: int
     aborts: int
     crashed: bool
+    # After D restarted: the leases P granted for its old incarnation's requests.
+    restarted: frozenset[str] | None
     awaited: frozenset[tuple[str, str]]  # (plane, request id)
     reported: frozenset[tuple[str, str]]
     freed: frozenset[tuple[str, str]]
@@ -78,6 +80,7 @@ class World:
         w.phase = list(self.phase)
         w.phase2 = list(self.phase2)
         w.faults, w.aborts, w.crashed = self.faults, self.aborts, self.crashed
+        w.restarted = self.restarted
         w.awaited, w.reported, w.freed = self.awaited, self.reported, self.freed
         w.activity = dict(self.activity)
         w.hold_expiry = list(self.hold_expiry)
