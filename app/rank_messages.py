@@ -121,6 +121,8 @@ class RankSummary:
     bare_read_error: str | None = None
     cpu_s: float = 0.0  # the process's CPU time over its life
     waits: dict = attrs.Factory(dict)  # loop passes that found nothing to do, by how they waited
+    # LifecycleCounts.to_dict() of the rank's plane: what replay of its log counts.
+    lifecycle: dict = attrs.Factory(dict)
 
 
 FROM_RANK = (RankReady, RankStep, RankCrashed, RankSummary)

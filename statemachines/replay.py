@@ -36,6 +36,7 @@ from .machines import MACHINES
 from .machines.heartbeat import KIND as HEARTBEAT
 from .plane import ControlPlane
 from .machine import Machine
+from .lifecycle_counts import LifecycleCounts
 from .observe import Observer, Step, observed
 from .stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, Final
 
@@ -71,26 +72,18 @@ class ReplayResult:
 
 
 class _Counts:
-    """Observer that tallies lease and engine lifecycles."""
+    """Observer that tallies lease and engine lifecycles (``LifecycleCounts``,
+    the same count the main job's summary makes) into the result."""
 
-    KINDS = ("lease", "remote_engine")  # the only kinds it counts
+    KINDS = LifecycleCounts.KINDS  # the only kinds it counts
 
     def __init__(self, result: ReplayResult, chained: Observer | None):
         self.r = result
+        self.counts = LifecycleCounts(leases=result.leases)
         self.chained = chained
 
     def __call__(self, step: Step) -> None:
-        kind, before, after = step.kind, step.state_before, step.state_after
-        if kind == "lease":
-            if before == "PREFILLING" and after == "LEASED":
-                self.r.leases["granted"] += 1
-            elif (before == after and type(step.event).__name__ == "LeaseHeartbeat"
-                  and step.instance.deadline != step.deadline_before):
-                self.r.leases["extended"] += 1
-            elif after in ("EXPIRED", "RELEASED") and before != after:
-                self.r.leases[after.lower()] += 1
-        elif kind == "remote_engine" and after == "EVICTED" and before != after:
-            self.r.engines_evicted += 1
+        self.counts(step)
         if self.chained is not None:
             self.chained(step)
 
@@ -141,6 +134,7 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
         plane.recorder = None
         plane.fire_due(until)
         result.end_time = until
+    result.engines_evicted = counts.counts.engines_evicted
     _summarize(result, plane)
     return result
 

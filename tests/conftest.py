@@ -35,6 +35,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_driver_loop.py": "core",
     "test_e2e_mainjob.py": "e2e",
     "test_e2e_replay.py": "e2e",
+    "test_e2e_summary_counts.py": "e2e",
     "test_eventlog.py": "core",
     "test_eventlog_batches.py": "core",
     "test_explorer.py": None,
