@@ -23,6 +23,7 @@ requests per final state, lease and engine counts, and the leak report
 """
 from __future__ import annotations
 
+import os
 from collections import Counter, deque
 from typing import Any, Callable, Iterable
 
@@ -65,6 +66,9 @@ class ReplayResult:
     anomalies: Counter = attrs.Factory(Counter)  # stats.Anomaly -> count (unknown ids and kinds, violations)
     end_time: float | None = None
     plane: ControlPlane | None = None
+    # A log without a config header that replays only under an older
+    # version's defaults: which ones (LEGACY_DEFAULTS), else None.
+    assumed: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -88,6 +92,32 @@ class _Counts:
             self.chained(step)
 
 
+# The defaults of older versions, newest first, for a log without a config
+# header (a header states the config; one lacking a key is read as from
+# before that key, eventlog.parse_config).  Such a log replays under today's
+# defaults, else under the first of these it reproduces exactly.
+LEGACY_DEFAULTS: tuple[tuple[str, PlaneConfig], ...] = (
+    ("heartbeats in lockstep (before heartbeat_spread)", PlaneConfig(heartbeat_spread=False)),
+    ("heartbeats in lockstep, engines STALE at engine_ttl (before engine_stale_after, 5a6f572)",
+     PlaneConfig(heartbeat_spread=False, engine_stale_after=PlaneConfig().engine_ttl)),
+)
+
+
+def _rereadable(source) -> bool:
+    return isinstance(source, (str, os.PathLike, EventLog, list, tuple))
+
+
+def _legacy_replay(source, machines, until) -> ReplayResult | None:
+    """A header-less log's replay under the first older defaults it
+    reproduces exactly (no observer: a probe), or None."""
+    for why, cfg in LEGACY_DEFAULTS:
+        r = replay(source, cfg, machines=machines, until=until)
+        if r.divergence is None:
+            r.assumed = why
+            return r
+    return None
+
+
 def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Machine] | None = None,
            observer: Observer | None = None, before_line: Callable[[LogRecord, ControlPlane], None] | None = None,
            until: float | None = None) -> ReplayResult:
@@ -106,8 +136,14 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
         stream = LogStream(source)
         records, log_config = stream, stream.config
     else:
-        log = read_log(source)
-        records, log_config = log.records, log.config
+        source = read_log(source)
+        records, log_config = source.records, source.config
+    if stream is None and config is None and log_config is None and (observer is not None or before_line is not None):
+        # A header-less log whose observer must see one replay only: its
+        # config is chosen first, by a probe.
+        probe = replay(source, machines=machines, until=until)
+        if probe.assumed is not None:
+            config = probe.config
     cfg = config or log_config or PlaneConfig()
     result = ReplayResult(config=cfg)
     counts = _Counts(result, observer)
@@ -136,6 +172,13 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
         result.end_time = until
     result.engines_evicted = counts.counts.engines_evicted
     _summarize(result, plane)
+    if (result.divergence is not None and config is None and log_config is None and observer is None
+            and before_line is None and _rereadable(source)):
+        legacy = _legacy_replay(source, machines, until)
+        if legacy is not None:
+            return legacy
+    elif config is not None and log_config is None:
+        result.assumed = next((why for why, cfg in LEGACY_DEFAULTS if cfg == config), None)
     return result
 
 
