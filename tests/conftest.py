@@ -21,6 +21,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_bench_smoke.py": "e2e",
     "test_bench_targets.py": "core",
     "test_cli.py": None,
+    "test_cli_errors.py": "core",
     "test_composition.py": "core",
     "test_config_kv_transfer.py": "core",
     "test_connector_loopback.py": None,
