@@ -116,6 +116,12 @@ def _explore(args) -> int:
 
 def _run(args) -> int:
     if args.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            print("kvplane run: --engine vllm: vLLM is not installed: from the checkout, run scripts/install-vllm "
+                  "(see docs/vllm.md)", file=sys.stderr)
+            return 2
         from kvplane.app.vllm_run import cmd_run_vllm
 
         return cmd_run_vllm(args)

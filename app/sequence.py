@@ -103,7 +103,9 @@ def cmd_sequence(args) -> int:
         return _refuse(f"P's and D's logs are the same file ({args.p_log}): give the prefill log, then the decode log")
     try:
         logs = {P: read_side(P, args.p_log), D: read_side(D, args.d_log)}
-    except (EventLogError, OSError) as exc:
+    except OSError as exc:
+        return _refuse(f"cannot read {exc.filename}: {exc.strerror or exc}")
+    except EventLogError as exc:
         return _refuse(f"cannot read the logs: {exc}")
     for side, path in ((P, args.p_log), (D, args.d_log)):
         if not logs[side].records:
