@@ -1,6 +1,6 @@
 """The JSONL event log: one stimulus a line, versioned.
 
-Format (ARCHITECTURE.md, "Event log")::
+Format (docs/event-logs.md)::
 
     {"v":1,"config":{...}}                                   optional header
     {"v":1,"seq":N,"t":now,"machine":"kind:id","event":"Name","data":{...},

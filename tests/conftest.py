@@ -55,6 +55,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_plane_timers.py": "core",
     "test_read_gate_property.py": "core",
     "test_reference_interpreter.py": "core",
+    "test_readme.py": "core",
     "test_replay.py": "core",
     "test_replay_old_logs.py": "core",
     "test_security_nixl.py": "nixl",
