@@ -324,6 +324,11 @@ def cmd_explore(args: Any = None) -> int:
             if p_tp < 1 or d_tp < 1:
                 raise ValueError(f"--ranks: each TP size must be >= 1, got {a.ranks!r}")
             cfg = attrs.evolve(cfg, ranks=(p_tp, d_tp), faults=RANK_FAULTS)
+        if a.out:
+            try:  # before the search: its counterexamples must have somewhere to go
+                os.makedirs(a.out, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"--out {a.out}: cannot create it: {exc.strerror or exc}") from None
         if a.quiet or json_out:
             result = explore(cfg, clock=time.perf_counter)
         else:

@@ -120,6 +120,7 @@ def test_sequence_json_is_one_object_on_stdout(logs, capsys, tmp_path):
 @pytest.mark.parametrize("argv", [
     ["diagrams", "--out", UNWRITABLE],
     ["run", "--out", UNWRITABLE],
+    ["explore", "--depth", "2", "--out", UNWRITABLE],
 ])
 def test_an_unwritable_out_is_one_line(argv, capsys):
     _refused(capsys, argv, "kvplane-nowhere")
