@@ -164,3 +164,12 @@ def test_a_missing_log_is_one_line(command, capsys, tmp_path):
 
 def test_nothing_was_written_where_it_could_not_be():
     assert not os.path.exists(os.path.dirname(UNWRITABLE))
+
+
+def test_run_without_torch_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
+    """torch is the `run` extra: the core installs without it."""
+    from kvplane.app import orchestrator
+
+    monkeypatch.setattr(orchestrator, "torch_installed", lambda: False)
+    _refused(capsys, ["run", "--out", str(tmp_path / "run")], "pip install -e '.[run]' --extra-index-url")
+    assert not (tmp_path / "run").exists()
