@@ -17,11 +17,12 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from kvplane.statemachines.eventlog import EventLogError, read_log
-from kvplane.statemachines.explorer import RANK_FAULTS, STALL_FAULTS, ExploreConfig, ExploreResult, Violation, explore
+from kvplane.statemachines.eventlog import EventLogError, lines_before, read_log, torn_last_line
+from kvplane.statemachines.explorer import PROFILES, RANK_FAULTS, STALL_FAULTS, ExploreConfig, ExploreResult, Violation, explore
 from kvplane.statemachines.monitors import DEFAULT_GRACE, check_log
 from kvplane.statemachines.replay import Divergence, replay
 
+from .options import finite_float, int_at_least
 from .progress import PLAIN_EVERY_S, ExploreProgress
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
@@ -39,6 +40,13 @@ def _emit_json(obj: dict) -> None:
     """The --json output: one object, one line, on stdout."""
     sys.stdout.write(json.dumps(obj, default=str) + "\n")
     sys.stdout.flush()
+
+
+def _os_error(exc: Exception) -> str:
+    """An error in words: an OSError's reason without its repr'd file name."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
 
 
 def _label(key: Any) -> str:
@@ -69,17 +77,37 @@ def _violation_note(log_path: str) -> dict | None:
     return note if isinstance(note, dict) and "kind" in note else None
 
 
+def _whole_lines(command: str, path: str):
+    """What to read of the log at ``path``: the path itself, or, when its last
+    line is torn (a writer killed mid-line), the lines before it, with a
+    warning on stderr.  Raises OSError for a file that cannot be read."""
+    torn = torn_last_line(path)
+    if torn is None:
+        return path
+    print(f"warning: kvplane {command}: {path}: line {torn} is torn (a writer killed mid-line): "
+          f"read up to line {torn - 1}", file=sys.stderr)
+    return list(lines_before(path, torn))
+
+
+def _bad_input(command: str, message: str, json_obj: dict | None) -> int:
+    """One line on stderr (and, with --json, the object on stdout): exit 2."""
+    if json_obj is not None:
+        _emit_json({**json_obj, "ok": False, "error": message})
+    print(f"kvplane {command}: {message}", file=sys.stderr)
+    return BAD_INPUT
+
+
 def cmd_replay(path: str, *, json_out: bool = False) -> int:
     con = _console()
     where = os.path.abspath(path)
     try:
-        r = replay(path)
+        r = replay(_whole_lines("replay", path))
     except (EventLogError, OSError) as exc:
-        if json_out:
-            _emit_json({"command": "replay", "schema": JSON_SCHEMA, "log": where, "ok": False, "error": str(exc)})
-        else:
-            con.print(f"cannot replay {where}: {exc}", style="red")
-        return BAD_INPUT
+        return _bad_input("replay", f"cannot replay {where}: {_os_error(exc)}",
+                          {"command": "replay", "schema": JSON_SCHEMA, "log": where} if json_out else None)
+    if r.assumed is not None:
+        print(f"note: {where} has no config header and replays only under an older version's defaults: "
+              f"{r.assumed}", file=sys.stderr)
     note = _violation_note(path)
     if json_out:
         _emit_json({
@@ -92,7 +120,7 @@ def cmd_replay(path: str, *, json_out: bool = False) -> int:
             "divergence": _divergence_json(r.divergence),
             "held": [{"machine": kind, "id": str(key), "state": state, "holds": list(res)}
                      for kind, key, state, res in r.held],
-            "counterexample_of": note,
+            "counterexample_of": note, "assumed_defaults": r.assumed,
         })
         return OK if r.ok else FAILED
     t = Table(title=f"replay {where}")
@@ -130,19 +158,16 @@ def cmd_check_log(path: str, grace: float = DEFAULT_GRACE, *, json_out: bool = F
     where = os.path.abspath(path)
 
     def refuse(message: str) -> int:
-        if json_out:
-            _emit_json({"command": "check-log", "schema": JSON_SCHEMA, "log": where, "ok": False, "error": message})
-        else:
-            con.print(message, style="red")
-        return BAD_INPUT
+        return _bad_input("check-log", message,
+                          {"command": "check-log", "schema": JSON_SCHEMA, "log": where} if json_out else None)
 
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < math.inf:
         return refuse(f"bad --grace {grace!r}: must be a finite number of seconds >= 0")
     try:
-        log = read_log(path)
+        log = read_log(_whole_lines("check-log", path))
         rep = check_log(log, grace=grace)
     except (EventLogError, OSError) as exc:
-        return refuse(f"cannot check {where}: {exc}")
+        return refuse(f"cannot check {where}: {_os_error(exc)}")
     start = log.records[0].t  # read_log refuses a log without an event line
 
     def rel(t: float | None) -> float | None:
@@ -181,17 +206,20 @@ def add_explore_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     d = ExploreConfig()
     parser.add_argument("--requests", default=",".join(d.requests), metavar="PROFILES",
                         help="comma-separated request profiles: read, hit, notify, read2 (turn 2), push")
-    parser.add_argument("--depth", type=int, default=d.max_depth, metavar="N", help="moves per execution, at most")
-    parser.add_argument("--faults", type=int, default=d.max_faults, metavar="N", help="fault budget per execution")
-    parser.add_argument("--aborts", type=int, default=d.max_aborts, metavar="N", help="abort budget per execution")
-    parser.add_argument("--skew", type=float, default=d.skew, metavar="S", help="P clock minus D clock, seconds")
-    parser.add_argument("--stall", type=float, nargs="?", const=d.stall, default=None, metavar="S",
+    parser.add_argument("--depth", type=int_at_least(1), default=d.max_depth, metavar="N",
+                        help="moves per execution, at most")
+    parser.add_argument("--faults", type=int_at_least(0), default=d.max_faults, metavar="N",
+                        help="fault budget per execution")
+    parser.add_argument("--aborts", type=int_at_least(0), default=d.max_aborts, metavar="N",
+                        help="abort budget per execution")
+    parser.add_argument("--skew", type=finite_float(), default=d.skew, metavar="S", help="P clock minus D clock, seconds")
+    parser.add_argument("--stall", type=finite_float(), nargs="?", const=d.stall, default=None, metavar="S",
                         help=f"add the fault 'D stalls' for up to S seconds ({d.stall:g} when S is omitted): D's "
                              "timers and loop stop while P's run on (not in the default fault set)")
     parser.add_argument("--ranks", default=None, metavar="PxD",
                         help="one plane per worker rank: P's TP x D's TP (e.g. 2x2, 1x2), with the rank faults "
                              "(a heartbeat lost to one rank, one rank's notification lost, a rank crash)")
-    parser.add_argument("--max-states", type=int, default=d.max_states, metavar="N",
+    parser.add_argument("--max-states", type=int_at_least(1), default=d.max_states, metavar="N",
                         help="stop (truncated) after this many distinct states")
     parser.add_argument("--no-symmetry", action="store_true", help="do not merge states that differ only in "
                                                                    "the naming of interchangeable requests")
@@ -275,6 +303,10 @@ def cmd_explore(args: Any = None) -> int:
         a = _explore_args(args)
         json_out = bool(a.json)
         requests = tuple(x.strip() for x in str(a.requests).split(",") if x.strip())
+        unknown = [r for r in requests if r not in PROFILES]
+        if unknown or not requests:
+            raise ValueError(f"--requests: unknown profile(s) {', '.join(unknown) or '(none given)'} "
+                             f"(known: {', '.join(PROFILES)})")
         cfg = ExploreConfig(requests=requests, max_depth=a.depth, max_faults=a.faults, max_aborts=a.aborts,
                             skew=a.skew, max_states=a.max_states, symmetry=not a.no_symmetry,
                             liveness=not a.no_liveness, stop_at_first=not a.all)
@@ -285,8 +317,18 @@ def cmd_explore(args: Any = None) -> int:
         if a.ranks is not None:
             if a.stall is not None:
                 raise ValueError("--ranks models no D stalls")
-            p_tp, d_tp = (int(x) for x in str(a.ranks).lower().split("x"))
+            try:
+                p_tp, d_tp = (int(x) for x in str(a.ranks).lower().split("x"))
+            except ValueError:
+                raise ValueError(f"--ranks takes PxD, e.g. 2x2, got {a.ranks!r}") from None
+            if p_tp < 1 or d_tp < 1:
+                raise ValueError(f"--ranks: each TP size must be >= 1, got {a.ranks!r}")
             cfg = attrs.evolve(cfg, ranks=(p_tp, d_tp), faults=RANK_FAULTS)
+        if a.out:
+            try:  # before the search: its counterexamples must have somewhere to go
+                os.makedirs(a.out, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"--out {a.out}: cannot create it: {exc.strerror or exc}") from None
         if a.quiet or json_out:
             result = explore(cfg, clock=time.perf_counter)
         else:
@@ -295,11 +337,11 @@ def cmd_explore(args: Any = None) -> int:
     except SystemExit:
         return BAD_INPUT
     except (KeyError, ValueError, TypeError) as exc:
+        # In words: a KeyError's str() is the key's repr.
+        message = f"kvplane explore: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}"
         if json_out:
-            _emit_json({"command": "explore", "schema": JSON_SCHEMA, "ok": False,
-                        "error": f"bad explore arguments: {exc!r}"})
-        else:
-            con.print(f"bad explore arguments: {exc!r}")
+            _emit_json({"command": "explore", "schema": JSON_SCHEMA, "ok": False, "error": message})
+        print(message, file=sys.stderr)
         return BAD_INPUT
     written: dict[int, list[str]] = {}
     if result.violations and a.out:

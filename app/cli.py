@@ -52,6 +52,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument error is one line on stderr (exit 2), not the usage
+    block: the line names the option and points at --help."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _diagrams(args) -> int:
     from kvplane.app import diagram_folders as folders
     from kvplane.app import diagrams
@@ -59,6 +67,9 @@ def _diagrams(args) -> int:
     try:
         if args.check:
             folder = (Path(args.out) if args.out else folders.committed()).resolve()
+            if not folder.is_dir():
+                print(f"kvplane diagrams: no folder {folder} to check", file=sys.stderr)
+                return 2
             stale = diagrams.stale_files(folder)
             if stale:
                 # Outside a checkout the shipped copy is the reference: the
@@ -72,12 +83,16 @@ def _diagrams(args) -> int:
         out = (Path(args.out) if args.out else folders.default_out()).resolve()
         if not diagrams.have_dot():
             print("note: graphviz `dot` not found; writing Mermaid only "
-                  "(apt-get install graphviz for SVG)")
+                  "(apt-get install graphviz for SVG)", file=sys.stderr)
         for path in diagrams.write_all(out):
             print(f"wrote {path}")
         return 0
     except folders.DiagramsUnavailable as exc:
-        print(f"kvplane diagrams: {exc}")
+        print(f"kvplane diagrams: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        where = exc.filename or args.out
+        print(f"kvplane diagrams: cannot write {where}: {exc.strerror or exc}", file=sys.stderr)
         return 2
 
 
@@ -111,6 +126,12 @@ def _run(args) -> int:
             if getattr(args, flag, unset) != unset:
                 print(f"kvplane run: --{flag.replace('_', '-')} needs --engine sim (not yet with vllm)", file=sys.stderr)
                 return 2
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            print("kvplane run: --engine vllm: vLLM is not installed: from the checkout, run scripts/install-vllm "
+                  "(see docs/vllm.md)", file=sys.stderr)
+            return 2
         from kvplane.app.vllm_run import cmd_run_vllm
 
         return cmd_run_vllm(args)
@@ -136,7 +157,7 @@ def _sequence(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvplane", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
+    p = Parser(prog="kvplane", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 

@@ -217,6 +217,8 @@ class Summary:
     waited_for_blocks: dict
     # Per worker rank: what it held at the end, heartbeats, leases ended (RankSummary fields).
     ranks: list = attrs.Factory(list)
+    # LifecycleCounts of every rank's plane, summed: what replay of the rank logs counts.
+    lifecycle: dict = attrs.Factory(dict)
     lost_ranks: list = attrs.Factory(list)
     rank_crashes: dict = attrs.Factory(dict)  # rank -> the traceback of a rank that crashed
     # Every transfer the ranks posted (TransferSample: post -> done), and D rank 0's bare NIXL READs of

@@ -37,6 +37,7 @@ from .messages import (TO_NODE, Abandon, Abandoned, Crashed, Decode, Decoded, Fi
 
 from kvplane.connector.params import BadTransferParams
 from kvplane.connector.ranks import base_engine_id
+from kvplane.statemachines.lifecycle_counts import LifecycleCounts
 
 from .placement import enter as enter_placement
 from .rank_messages import Fill, Poison, RankOptions, Verify
@@ -145,7 +146,6 @@ class Node:
         self.lease_reasons: dict[str, set[str]] = {}  # lease id -> why each rank ended it
         self.last_hb_at: float | None = None  # raw clock of the last heartbeat that reached a lease
         self.hb_by_rank: Counter = Counter()  # lease heartbeats accepted, per rank
-        self.extended = 0
         self.outcomes: Counter = Counter()
         self.verified_bytes = 0
         self._tokens = itertools.count(1)
@@ -224,9 +224,8 @@ class Node:
             if rec is not None and rec.freed is None:
                 rec.hb = t
                 self.last_hb_at = t
-                if rank == 0 and expiry > rec.expiry:  # one extension per lease, not one per rank
+                if rank == 0 and expiry > rec.expiry:
                     rec.expiry = expiry
-                    self.extended += 1
         else:
             self.lease_reasons.setdefault(rid, set()).add(what)
 
@@ -597,6 +596,7 @@ class Node:
             counters.update(rs.counters)
             anomalies.update(rs.anomalies)
         leases = Counter(r.reason or "live" for r in self.lease_rec.values())
+        lifecycle = LifecycleCounts.total([rs.lifecycle for rs in ranks])
         summary = {
             "role": self.role, "engine_id": self.engine_id, "log": self.log_path,
             "outcomes": dict(self.outcomes), "verified_bytes": self.verified_bytes,
@@ -604,11 +604,13 @@ class Node:
             # The ranks move in parallel: the engine was busy while any rank was.
             "busy_s": max((rs.busy_s for rs in ranks), default=0.0),
             "counters": dict(counters),
-            "engines_evicted": sum(rs.engines_evicted for rs in ranks),
+            # Counted from the planes' own transitions, as replay counts them.
+            "lifecycle": lifecycle,
+            "engines_evicted": lifecycle["engines_evicted"],
             "engines_closed_at_shutdown": sum(rs.engines_closed_at_shutdown for rs in ranks),
             "heartbeats_sent": sum(rs.heartbeats_sent for rs in ranks),
             "heartbeats_received": sum(rs.heartbeats_received for rs in ranks),
-            "leases": {"granted": len(self.lease_rec), "extended": self.extended,
+            "leases": {"granted": len(self.lease_rec), "extended": lifecycle["leases"]["extended"],
                        "expired": leases.get("expired", 0), "consumed": leases.get("consumed", 0),
                        "aborted": leases.get("aborted", 0), "live": leases.get("live", 0)},
             "lease_records": list(self.lease_rec.values()),

@@ -43,6 +43,38 @@ class RunError(ValueError):
     """Invalid run options (a clear message for the command line)."""
 
 
+# argparse types: a bad value is refused by the parser itself (one line on
+# stderr, exit 2), naming the option and what it takes.
+def int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def finite_float(low: float | None = None):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not is_finite_number(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text}")
+        return value
+
+    parse.__name__ = "finite number" if low is None else f"number >= {low:g}"
+    return parse
+
+
 @attrs.frozen(kw_only=True)
 class RunOptions:
     requests: int = 48
@@ -276,6 +308,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"how long the two engine processes may take to start (a loaded machine needs more "
                         f"than an idle one; default {d.startup_timeout:g}, with --engine vllm 420)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no start-up messages")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (the outcome: checks, counts, paths) instead of the table; "
+                        "progress and errors stay on stderr")
 
 
 _RATE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit)$")

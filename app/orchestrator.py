@@ -35,8 +35,11 @@ from .workload import Req, make_stream
 
 # The NIXL distributions whose bindings transport/nixl_agent.py imports.
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
-NO_NIXL = ("kvplane run: NIXL is not installed: pip install 'kvplane[nixl-cu12]' (CPU or CUDA 12) "
-           "or 'kvplane[nixl-cu13]' (CUDA 13)")
+# One line each; the command works from the checkout (kvplane is on no package index).
+INSTALL_RUN = "pip install -e '.[run]' --extra-index-url https://download.pytorch.org/whl/cpu"
+NO_NIXL = (f"kvplane run: NIXL is not installed: from the checkout, {INSTALL_RUN} "
+           "(CUDA 13 hosts: '.[torch,nixl-cu13]')")
+NO_TORCH = f"kvplane run: torch is not installed: from the checkout, {INSTALL_RUN}"
 
 
 # What an engine process does before it reports ready (node.py); D
@@ -46,6 +49,11 @@ STARTING = "spawn, import torch and NIXL, NIXL agent, side channel"
 
 class StartupFailed(RuntimeError):
     """An engine process did not come up (in time); the job stops them all."""
+
+
+def torch_installed() -> bool:
+    """Whether torch is importable (looked up, not imported)."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def nixl_installed() -> bool:
@@ -688,11 +696,19 @@ def _run_job(opts: RunOptions, *, console=None, hosts: HostNet | None = None) ->
         units = opts.requests + sum(r.hold for r in orch.reqs)
         task = progress_cm.add_task(orch.phase, total=units, unit=progress_unit(opts, orch.reqs))
 
+        live = progress_cm.console.is_terminal
+        said: list[str] = []
+
         def update(o: Orchestrator) -> None:
             n = sum((r.turn1 is not None) + (r.hold and r.turn2 is not None) for r in o.reqs)
             progress_cm.update(task, completed=n, description=o.phase)
+            if not live and (not said or said[-1] != o.phase):
+                # Off a terminal the bar is not redrawn: each phase is a line.
+                said.append(o.phase)
+                print(f"kvplane run: {o.phase}", file=sys.stderr, flush=True)
 
         orch.progress = update
+        update(orch)  # the first phase (starting the engines), before anything has started
     try:
         if progress_cm is not None:
             with progress_cm:
@@ -711,43 +727,79 @@ def _run_job(opts: RunOptions, *, console=None, hosts: HostNet | None = None) ->
     return summary
 
 
+def _writable_out(out: str) -> str | None:
+    """Why ``--out`` cannot take the run's files, or None."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        return f"--out {out}: cannot create it: {exc.strerror or exc}"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return f"--out {out}: not writable"
+    return None
+
+
+def run_json(summary: dict) -> dict:
+    """``kvplane run --json``: the summary's outcome in one object (the
+    whole summary is summary.json)."""
+    keys = ("ok", "checks", "check_reasons", "requests", "bytes_moved", "bytes_verified", "leases", "holds",
+            "lifecycle", "engines_evicted", "heartbeats_sent", "heartbeats_received", "blocks_held", "errors",
+            "wall_s", "startup_s", "wall_with_startup_s", "summary_path", "logs", "sequence_diagrams")
+    return {"command": "run", "schema": 1, **{k: summary.get(k) for k in keys}}
+
+
 def cmd_run(args) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    console = Console()
+    # Start-up lines, progress and errors on stderr (a terminal or not);
+    # stdout has the table, or with --json one JSON object.
+    err = Console(stderr=True, highlight=False)
+    json_out = bool(getattr(args, "json", False))
+
+    def refuse(message: str, code: int = 2) -> int:
+        print(message, file=sys.stderr)
+        if json_out:
+            print(json.dumps({"command": "run", "schema": 1, "ok": False, "error": message}))
+        return code
+
     try:
         opts = RunOptions.from_args(args)
         opts.validate()
     except (RunError, ValueError, TypeError) as exc:
-        console.print(f"[red]kvplane run: {escape(str(exc))}[/red]", soft_wrap=True)
-        return 2
+        return refuse(f"kvplane run: {exc}")
+    if not torch_installed():
+        return refuse(NO_TORCH)
     if not nixl_installed():
-        console.print(f"[red]{escape(NO_NIXL)}[/red]", soft_wrap=True)
-        return 2
+        return refuse(NO_NIXL)
+    problem = _writable_out(opts.out)
+    if problem is not None:
+        return refuse(f"kvplane run: {problem}")
     try:
-        summary = run_job(opts, console=console)
+        summary = run_job(opts, console=err)
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted; engine processes stopped[/yellow]")
-        return 130
+        return refuse("kvplane run: interrupted; engine processes stopped", 130)
     except NetnsUnavailable as exc:
-        print(f"kvplane run: {exc}", file=sys.stderr)
-        return 2
+        return refuse(f"kvplane run: {exc}")
     except StartupFailed as exc:
         # run_job stopped every process it started before this reaches us.
-        console.print(f"[red]kvplane run: {escape(str(exc))}; engine processes stopped[/red]", soft_wrap=True)
-        return 1
-    console.print(summary_table(summary))
+        return refuse(f"kvplane run: {exc}; engine processes stopped", 1)
+    except OSError as exc:
+        return refuse(f"kvplane run: {exc.strerror or exc}: {exc.filename or opts.out}", 2)
     for e in summary["errors"]:
-        console.print(f"[red]{e}[/red]")
-    console.print(f"summary: {summary['summary_path']}")
-    for role, log in summary["logs"].items():
+        err.print(f"[red]{escape(str(e))}[/red]", soft_wrap=True)
+    failed = [k for k, v in summary["checks"].items() if v is False]
+    if json_out:
+        print(json.dumps(run_json(summary), default=str))
+    else:
+        console = Console()
+        console.print(summary_table(summary))
+        console.print(f"summary: {summary['summary_path']}")
         killed = [e["role"] for e in summary.get("decode_engines") or [] if e["killed"]]
-        cut = " (cut short by the kill)" if role in killed else ""
-        console.print(f"{role} event log{cut}: {log}\n  replay: kvplane replay {log}")
+        for role, log in summary["logs"].items():
+            cut = " (cut short by the kill)" if role in killed else ""
+            console.print(f"{role} event log{cut}: {log}\n  replay: kvplane replay {log}")
     if not summary["ok"]:
-        failed = [k for k, v in summary["checks"].items() if v is False]
-        console.print(f"[red]FAILED checks: {', '.join(failed)}[/red]")
+        err.print(f"[red]FAILED checks: {', '.join(failed)}[/red]")
         return 1
     return 0
 

@@ -124,6 +124,8 @@ class RankSummary:
     plane_cpu_s: float = 0.0  # CPU time inside the plane's handle and fire_due (app.plane_cpu)
     plane_gc_s: float = 0.0  # of plane_cpu_s: garbage collections that ran inside those calls
     waits: dict = attrs.Factory(dict)  # loop passes that found nothing to do, by how they waited
+    # LifecycleCounts.to_dict() of the rank's plane: what replay of its log counts.
+    lifecycle: dict = attrs.Factory(dict)
 
 
 FROM_RANK = (RankReady, RankStep, RankCrashed, RankSummary)

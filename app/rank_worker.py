@@ -45,6 +45,9 @@ from typing import Any, Iterator
 
 from kvplane.statemachines.actions import FreeBlocks
 from kvplane.statemachines.events import HandshakeOk, LeaseHeartbeat
+from kvplane.statemachines.lifecycle_counts import LifecycleCounts
+from kvplane.statemachines.machines import MACHINES
+from kvplane.statemachines.observe import observed
 from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed
 
 from .messages import handlers
@@ -93,10 +96,15 @@ class RankWorker:
         self.rank_id = rank_engine_id(opts.engine_id, opts.rank)
         self.ep = NixlEndpoint(self.rank_id)
         self.faults = DropNotifications(self.ep, rate=opts.drop_notifications, seed=opts.seed)
+        # The summary's lease and engine counts: the machines' own
+        # transitions, counted as replay counts them (LifecycleCounts).
+        self.lifecycle = LifecycleCounts()
+        counted = observed({k: MACHINES[k] for k in LifecycleCounts.KINDS}, self.lifecycle)
         self.driver = PlaneDriver(engine_id=self.rank_id, endpoint=self.faults if self.faults.rate else self.ep,
                                   config=PlaneConfig(**opts.plane_fields), clock=clock, tp_rank=opts.rank,
                                   curve_keypair=tuple(opts.keypair), trusted_peers=opts.peers,
-                                  host=opts.side_channel_host)
+                                  host=opts.side_channel_host,
+                                  machines={**MACHINES, **counted})
         self._log_stream = None
         self.log = None
         if opts.log_path is not None:
@@ -308,7 +316,7 @@ class RankWorker:
             self._bare.close()
         self.conn.send(RankSummary(
             rank=self.opts.rank, engine_id=self.rank_id, counters=counters, busy_s=self.busy_s,
-            engines_evicted=evicted, engines_closed_at_shutdown=closed,
+            engines_evicted=evicted, engines_closed_at_shutdown=closed, lifecycle=self.lifecycle.to_dict(),
             anomalies=anomalies, nixl_calls=self.ep.call_times.to_dict(),
             heartbeats_received=d.counters.get("heartbeats_received", 0),
             heartbeats_sent=d.plane.stats.get("heartbeats_sent", 0), leases_ended=ended, plane_held=held,

@@ -132,6 +132,8 @@ def build_summary(orch: RunRecord) -> dict:
                         "D": (D.held_blocks if D else None) if len(decoders) == 1 else
                         (sum(s.held_blocks for s in survivors.values()) if all(survivors.values()) else None)},
         "decode_engines": _decode_engines(decoders, killed_roles),
+        # Each side's planes' LifecycleCounts (summed over its ranks): the table's lease rows.
+        "lifecycle": {role: side.lifecycle if side else None for role, side in (("P", P), ("D", D))},
         "tp": {"P": o.prefill_tp, "D": o.decode_tp},
         # Per worker rank: lease blocks its plane still held at the end, heartbeats, leases ended.
         "ranks": {role: side.ranks if side else None for role, side in (("P", P), ("D", D))},
@@ -421,14 +423,15 @@ def summary_table(summary: dict):
         t.add_row("job READ GB/s / bare NIXL READ GB/s", f"{dp['read_gbps_vs_bare']:.0%}")
     elif dp.get("bare_read_error"):
         t.add_row("bare NIXL READ", f"failed: {dp['bare_read_error']}")
-    le = summary["leases"]
-    t.add_row("P leases granted / extended / expired / consumed",
-              _or_na(summary, "P", None) if le is None else
-              f"{le.get('granted', '-')} / {le.get('extended', '-')} / {le.get('expired', '-')} / {le.get('consumed', '-')}")
-    ho = summary["holds"]
-    t.add_row("D holds granted / consumed / expired",
-              _or_na(summary, "D", None) if ho is None else
-              f"{ho.get('granted', 0)} / {ho.get('consumed', 0)} / {ho.get('expired', 0)}")
+    # Lease counts from the machines' own transitions (LifecycleCounts): the
+    # same count, made the same way, as `kvplane replay` of each side's logs.
+    life = summary.get("lifecycle") or {}
+    ranks_note = {role: " (all ranks)" if (summary.get("tp") or {}).get(role, 1) > 1 else "" for role in ("P", "D")}
+    for role, label in (("P", "P leases"), ("D", "D holds")):
+        le = (life.get(role) or {}).get("leases")
+        t.add_row(f"{label} granted / extended / expired / released{ranks_note[role]}",
+                  _or_na(summary, role, "-") if le is None else
+                  f"{le['granted']} / {le['extended']} / {le['expired']} / {le['released']}")
     t.add_row("heartbeats sent / received", f"{_total(summary, 'heartbeats_sent')} / "
                                              f"{_total(summary, 'heartbeats_received')}")
     t.add_row("engines evicted", _total(summary, "engines_evicted"))

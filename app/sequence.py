@@ -7,7 +7,7 @@ files (an SVG too when the Mermaid CLI ``mmdc`` is on PATH).
 """
 from __future__ import annotations
 
-import math
+import json
 import os
 import shutil
 import subprocess
@@ -15,13 +15,17 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
+import attrs
 from kvplane.statemachines.eventlog import EmptyLog, EventLogError, MalformedLine, read_log
+
+from .options import finite_float, int_at_least
 
 from . import sequence_model as model
 from .sequence_mermaid import check, render
 from .sequence_model import D, P, Selection, SequenceDiagram, SideLog
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
+JSON_SCHEMA = 1  # as the --json of replay, check-log and explore
 NO_MMDC = "note: Mermaid CLI `mmdc` not found on PATH; wrote Mermaid only (npm install -g @mermaid-js/mermaid-cli for SVG)"
 
 
@@ -79,43 +83,86 @@ def write(d: SequenceDiagram, path: str, *, svg: bool = True, say: TextIO | None
     return written
 
 
+def _refuse(message: str) -> int:
+    print(f"kvplane sequence: {message}", file=sys.stderr)
+    return BAD_INPUT
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def cmd_sequence(args) -> int:
     err = sys.stderr
-    if args.max_events < 1:
-        print(f"kvplane sequence: --max-events must be >= 1, got {args.max_events}", file=err)
-        return BAD_INPUT
-    for name in ("start", "end"):
-        v = getattr(args, name)
-        if v is not None and not math.isfinite(v):
-            print(f"kvplane sequence: --{'from' if name == 'start' else 'to'} must be a finite number", file=err)
-            return BAD_INPUT
+    if args.start is not None and args.end is not None and args.start > args.end:
+        return _refuse(f"--from {args.start:g} is after --to {args.end:g}: the window is empty")
+    if _same_file(args.p_log, args.d_log):
+        return _refuse(f"P's and D's logs are the same file ({args.p_log}): give the prefill log, then the decode log")
     try:
         logs = {P: read_side(P, args.p_log), D: read_side(D, args.d_log)}
-    except (EventLogError, OSError) as exc:
-        print(f"kvplane sequence: cannot read the logs: {exc}", file=err)
-        return BAD_INPUT
-    if not any(log.records for log in logs.values()):
-        print("kvplane sequence: both logs are empty", file=err)
-        return BAD_INPUT
+    except OSError as exc:
+        return _refuse(f"cannot read {exc.filename}: {exc.strerror or exc}")
+    except EventLogError as exc:
+        return _refuse(f"cannot read the logs: {exc}")
+    for side, path in ((P, args.p_log), (D, args.d_log)):
+        if not logs[side].records:
+            return _refuse(f"{path} has no event line (an empty log): nothing to draw {side}'s side from")
+    if logs[P].records == logs[D].records:
+        return _refuse(f"{args.p_log} and {args.d_log} hold the same records: give the prefill log, then the decode log")
+    seen = {side: model.looks_like(log.records) for side, log in logs.items()}
+    if seen == {P: D, D: P}:
+        # Given the other way round: draw them as their content says.
+        logs = {P: attrs.evolve(logs[D], side=P), D: attrs.evolve(logs[P], side=D)}
+        print(f"note: {args.p_log} is a decode log and {args.d_log} a prefill log (their leases and reads say so): "
+              f"drawn with {args.d_log} as P", file=err)
+    elif seen[P] == D or seen[D] == P:
+        which = args.p_log if seen[P] == D else args.d_log
+        return _refuse(f"{which} looks like the {'decode' if seen[P] == D else 'prefill'} side's log "
+                       f"(its leases and reads say so): give the prefill log, then the decode log")
+    for torn in (log for log in logs.values() if log.torn_tail):
+        print(f"warning: {torn.source}: line {torn.torn_tail} is torn (a writer killed mid-line): read up to the "
+              f"line before it", file=err)
     requests = tuple(args.request or ())
     unknown = [r for r in requests if r not in model.known_ids(logs)]
     if unknown:
-        print(f"kvplane sequence: request(s) {', '.join(map(repr, unknown))} appear in neither log", file=err)
-        return BAD_INPUT
+        return _refuse(f"request(s) {', '.join(unknown)} appear in neither log")
     sel = Selection(request_ids=requests, start=args.start, end=args.end, max_events=args.max_events,
                     proxy=args.proxy)
     d = model.build(logs, sel)
+    if not d.items and (args.start is not None or args.end is not None):
+        return _refuse(f"no event between --from {args.start if args.start is not None else 0:g} and --to "
+                       f"{args.end if args.end is not None else 'the end'} (seconds after the first event)")
+    text = render(d)
+    check(text)
+    written: list[str] = []
     if args.out:
-        for path in write(d, args.out, say=err):
-            print(f"wrote {os.path.abspath(path)}", file=err)
-    else:
-        text = render(d)
-        check(text)
+        try:
+            written = [os.path.abspath(path) for path in write(d, args.out, say=None if args.json else err)]
+        except OSError as exc:
+            return _refuse(f"cannot write {args.out}: {exc.strerror or exc}")
+        for path in written:
+            print(f"wrote {path}", file=err)
+    if args.json:
+        _emit_json({"command": "sequence", "schema": JSON_SCHEMA, "ok": True,
+                    "p_log": os.path.abspath(logs[P].source), "d_log": os.path.abspath(logs[D].source),
+                    "swapped": seen == {P: D, D: P}, "items": len(d.items), "left_out": d.left_out,
+                    "arrows": len(d.arrows), "notes": len(d.notes),
+                    "clock_shift_s": d.clock.shift, "written": written,
+                    "mermaid": None if args.out else text})
+    elif not args.out:
         sys.stdout.write(text)
         sys.stdout.flush()
     if d.left_out:
         print(f"note: {d.left_out} event(s) left out past --max-events {args.max_events}", file=err)
     return OK
+
+
+def _emit_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
 
 
 def add_sequence_arguments(p) -> None:
@@ -126,14 +173,17 @@ def add_sequence_arguments(p) -> None:
     p.add_argument("--request", action="append", metavar="ID",
                    help="only this request (either side's id; its peer on the other side comes with it); "
                         "repeatable")
-    p.add_argument("--from", dest="start", type=float, default=None, metavar="T",
+    p.add_argument("--from", dest="start", type=finite_float(0), default=None, metavar="T",
                    help="only events T seconds or later after the first event")
-    p.add_argument("--to", dest="end", type=float, default=None, metavar="T",
+    p.add_argument("--to", dest="end", type=finite_float(0), default=None, metavar="T",
                    help="only events up to T seconds after the first event")
-    p.add_argument("--max-events", type=int, default=model.DEFAULT_MAX_EVENTS, metavar="N",
+    p.add_argument("--max-events", type=int_at_least(1), default=model.DEFAULT_MAX_EVENTS, metavar="N",
                    help="draw at most N arrows and notes, saying how many were left out")
     p.add_argument("--proxy", action="store_true",
                    help="draw the proxy that forwarded kv_transfer_params (as kvplane run's parent does)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout: what was drawn (items, left out, clock shift), the files "
+                        "written, and the Mermaid text when not written to --out")
 
 
 # ------------------------------------------------------------------ kvplane run / explore

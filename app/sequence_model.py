@@ -197,6 +197,26 @@ def best_offset(records: Iterable[LogRecord], engine: str | None = None) -> floa
     return None if best is None else best[0]
 
 
+def looks_like(records: Sequence[LogRecord]) -> str | None:
+    """Which side a log's content says it is: P grants renewable leases
+    (turn 1) and reads only D's fixed-TTL holds; D reads renewable leases
+    and grants fixed-TTL holds.  None when the log does not tell."""
+    p_signs = d_signs = 0
+    for r in records:
+        name = type(r.event).__name__
+        if name == "LeaseGranted":
+            if r.event.renewable:
+                p_signs += 1
+            else:
+                d_signs += 1
+        elif name == "NewRequest":
+            if r.event.remote_renewable:
+                d_signs += 1
+            else:
+                p_signs += 1
+    return P if p_signs > d_signs else D if d_signs > p_signs else None
+
+
 def engine_ids(logs: dict[str, SideLog]) -> dict[str, str]:
     """Each side's engine id as its peer's log names it (NewRequest, heartbeat
     senders, remote_engine machines)."""
@@ -525,7 +545,7 @@ LOG_END_GAP = 1.0
 def _log_ends(logs: dict[str, SideLog], shift: dict[str, float], b: _Builder) -> dict[str, Note]:
     ends = {side: log.records[-1].t + shift[side] for side, log in logs.items() if log.records}
     if len(ends) < 2:
-        return []
+        return {}
     last = max(ends.values())
     return {side: Note(t, b.span(side), f"no more records in {side}'s log", Kind.LOG_END, (), side)
             for side, t in ends.items() if t < last - LOG_END_GAP}

@@ -345,7 +345,7 @@ def _status(path: Path) -> dict | None:
 def run_vllm(opts: VllmRunOptions, say: Callable[[str], None] = print) -> dict:
     """The whole job; returns the summary (also written to summary.json)."""
     if importlib.util.find_spec("vllm") is None:
-        raise RuntimeError("vLLM is not installed: pip install -e '.[vllm]' and see the README's vLLM section")
+        raise RuntimeError("vLLM is not installed: from the checkout, run scripts/install-vllm (see docs/vllm.md)")
     run = VllmRun(opts, say)
     p_spec, d_spec = run.prepare()
     late_every = 4 if opts.late_forward else 0

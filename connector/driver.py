@@ -84,6 +84,7 @@ class PlaneDriver:
         insecure: bool = False,
         tp_rank: int = 0,
         deployment_keys: tuple = (),
+        machines: dict[str, Any] | None = None,
     ):
         """``curve_keypair`` (public, secret; z85): this engine's CURVE key,
         generated when not given.  ``trusted_peers``: engine id -> its public
@@ -109,7 +110,9 @@ class PlaneDriver:
         self.config = config or PlaneConfig()
         self.clock = clock
         self.compat_hash = compat_hash
-        self.plane = ControlPlane(self.config)
+        # ``machines``: the plane's (default: every machine), e.g. some of
+        # them wrapped by ``observe.observed`` to count their transitions.
+        self.plane = ControlPlane(self.config, machines=machines)
         self.directory: dict[str, str] = {}  # engine id -> side-channel url
         self.agents: dict[str, str] = {}  # engine id -> NIXL remote agent name
         self.engine_of_agent: dict[str, str] = {}

@@ -1,6 +1,6 @@
 """The JSONL event log: one stimulus a line, versioned.
 
-Format (ARCHITECTURE.md, "Event log")::
+Format (docs/event-logs.md)::
 
     {"v":1,"config":{...}}                                   optional header
     {"v":1,"seq":N,"t":now,"machine":"kind:id","event":"Name","data":{...},
@@ -783,6 +783,44 @@ def _iter_lines(source) -> Iterator[str | bytes]:
             yield from f
     else:
         yield from source
+
+
+def torn_last_line(path: str | os.PathLike) -> int | None:
+    """The number of a file's last line when it is torn (not JSON, or not
+    UTF-8: what a writer killed in the middle of a line leaves), else None.
+    Only the last non-blank line counts, and only after a whole one: a bad
+    line anywhere else stays an error for the reader."""
+    count = 0
+    last_start = 0  # offset of the line after the last newline seen
+    with open(path, "rb") as f:
+        offset = 0
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            count += chunk.count(b"\n")
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                last_start = offset + nl + 1
+            offset += len(chunk)
+        f.seek(last_start)
+        tail = f.read()
+    number = count + 1  # the line after the last newline
+    if not tail.strip():
+        return None  # the file ends with a whole line (and blanks)
+    if number < 2:
+        return None
+    try:
+        _loads(tail, number)
+    except MalformedLine as exc:
+        return number if exc.message.startswith(("not JSON", "not UTF-8")) else None
+    return None
+
+
+def lines_before(path: str | os.PathLike, line: int) -> Iterator[bytes]:
+    """The file's lines before line number ``line`` (bytes, as the reader takes them)."""
+    with open(path, "rb") as f:
+        for n, text in enumerate(f, start=1):
+            if n >= line:
+                return
+            yield text
 
 
 def parse_config(obj: Any, line: int) -> PlaneConfig:

@@ -23,6 +23,7 @@ requests per final state, lease and engine counts, and the leak report
 """
 from __future__ import annotations
 
+import os
 from collections import Counter, deque
 from typing import Any, Callable, Iterable
 
@@ -36,6 +37,7 @@ from .machines import MACHINES
 from .machines.heartbeat import KIND as HEARTBEAT
 from .plane import ControlPlane
 from .machine import Machine
+from .lifecycle_counts import LifecycleCounts
 from .observe import Observer, Step, observed
 from .stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, Final
 
@@ -64,6 +66,9 @@ class ReplayResult:
     anomalies: Counter = attrs.Factory(Counter)  # stats.Anomaly -> count (unknown ids and kinds, violations)
     end_time: float | None = None
     plane: ControlPlane | None = None
+    # A log without a config header that replays only under an older
+    # version's defaults: which ones (LEGACY_DEFAULTS), else None.
+    assumed: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -71,28 +76,46 @@ class ReplayResult:
 
 
 class _Counts:
-    """Observer that tallies lease and engine lifecycles."""
+    """Observer that tallies lease and engine lifecycles (``LifecycleCounts``,
+    the same count the main job's summary makes) into the result."""
 
-    KINDS = ("lease", "remote_engine")  # the only kinds it counts
+    KINDS = LifecycleCounts.KINDS  # the only kinds it counts
 
     def __init__(self, result: ReplayResult, chained: Observer | None):
         self.r = result
+        self.counts = LifecycleCounts(leases=result.leases)
         self.chained = chained
 
     def __call__(self, step: Step) -> None:
-        kind, before, after = step.kind, step.state_before, step.state_after
-        if kind == "lease":
-            if before == "PREFILLING" and after == "LEASED":
-                self.r.leases["granted"] += 1
-            elif (before == after and type(step.event).__name__ == "LeaseHeartbeat"
-                  and step.instance.deadline != step.deadline_before):
-                self.r.leases["extended"] += 1
-            elif after in ("EXPIRED", "RELEASED") and before != after:
-                self.r.leases[after.lower()] += 1
-        elif kind == "remote_engine" and after == "EVICTED" and before != after:
-            self.r.engines_evicted += 1
+        self.counts(step)
         if self.chained is not None:
             self.chained(step)
+
+
+# The defaults of older versions, newest first, for a log without a config
+# header (a header states the config; one lacking a key is read as from
+# before that key, eventlog.parse_config).  Such a log replays under today's
+# defaults, else under the first of these it reproduces exactly.
+LEGACY_DEFAULTS: tuple[tuple[str, PlaneConfig], ...] = (
+    ("heartbeats in lockstep (before heartbeat_spread)", PlaneConfig(heartbeat_spread=False)),
+    ("heartbeats in lockstep, engines STALE at engine_ttl (before engine_stale_after, 5a6f572)",
+     PlaneConfig(heartbeat_spread=False, engine_stale_after=PlaneConfig().engine_ttl)),
+)
+
+
+def _rereadable(source) -> bool:
+    return isinstance(source, (str, os.PathLike, EventLog, list, tuple))
+
+
+def _legacy_replay(source, machines, until) -> ReplayResult | None:
+    """A header-less log's replay under the first older defaults it
+    reproduces exactly (no observer: a probe), or None."""
+    for why, cfg in LEGACY_DEFAULTS:
+        r = replay(source, cfg, machines=machines, until=until)
+        if r.divergence is None:
+            r.assumed = why
+            return r
+    return None
 
 
 def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Machine] | None = None,
@@ -113,8 +136,14 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
         stream = LogStream(source)
         records, log_config = stream, stream.config
     else:
-        log = read_log(source)
-        records, log_config = log.records, log.config
+        source = read_log(source)
+        records, log_config = source.records, source.config
+    if stream is None and config is None and log_config is None and (observer is not None or before_line is not None):
+        # A header-less log whose observer must see one replay only: its
+        # config is chosen first, by a probe.
+        probe = replay(source, machines=machines, until=until)
+        if probe.assumed is not None:
+            config = probe.config
     cfg = config or log_config or PlaneConfig()
     result = ReplayResult(config=cfg)
     counts = _Counts(result, observer)
@@ -141,7 +170,15 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
         plane.recorder = None
         plane.fire_due(until)
         result.end_time = until
+    result.engines_evicted = counts.counts.engines_evicted
     _summarize(result, plane)
+    if (result.divergence is not None and config is None and log_config is None and observer is None
+            and before_line is None and _rereadable(source)):
+        legacy = _legacy_replay(source, machines, until)
+        if legacy is not None:
+            return legacy
+    elif config is not None and log_config is None:
+        result.assumed = next((why for why, cfg in LEGACY_DEFAULTS if cfg == config), None)
     return result
 
 

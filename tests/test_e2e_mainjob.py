@@ -243,7 +243,7 @@ def test_cli_rejects_short_lease(capsys):
     from kvplane.app.cli import main
 
     assert main(["run", "--lease", "4", "--quiet"]) == 2
-    assert "--lease must be >= 6" in capsys.readouterr().out
+    assert "--lease must be >= 6" in capsys.readouterr().err  # errors go to stderr
 
 
 @pytest.mark.parametrize("flag, value", [
@@ -261,8 +261,8 @@ def test_cli_rejects_non_finite_options_before_starting_anything(flag, value, tm
     out = tmp_path / "run"
     assert main(["run", f"{flag}={value}", "--quiet", "--out", str(out)]) == 2
     printed = capsys.readouterr()
-    lines = printed.out.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"kvplane run: {flag} must be"), printed.out
+    lines = printed.err.strip().splitlines()
+    assert printed.out == "" and len(lines) == 1 and lines[0].startswith(f"kvplane run: {flag} must be"), printed.err
     assert "Traceback" not in printed.out + printed.err
     assert multiprocessing.active_children() == [] and not out.exists()
 
@@ -277,8 +277,9 @@ def test_run_without_nixl_is_one_clear_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(orchestrator, "nixl_installed", lambda: False)
     out = tmp_path / "run"
     assert main(["run", "--quiet", "--out", str(out)]) == 2
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvplane run: NIXL is not installed") and "nixl-cu12" in lines[0]
+    lines = capsys.readouterr().err.strip().splitlines()
+    # The command works from the checkout (kvplane is on no package index).
+    assert len(lines) == 1 and lines[0].startswith("kvplane run: NIXL is not installed") and "pip install -e '.[run]'" in lines[0]
     assert multiprocessing.active_children() == [] and not out.exists()
 
 
@@ -291,7 +292,7 @@ def test_engine_startup_over_its_limit_is_a_clear_error(tmp_path, capsys):
 
     assert main(["run", "--startup-timeout", "0.2", "--quiet", "--out", str(tmp_path)]) == 1
     printed = capsys.readouterr()
-    assert "did not start within 0.2 s (--startup-timeout)" in printed.out
+    assert "did not start within 0.2 s (--startup-timeout)" in printed.err
     assert "Traceback" not in printed.out + printed.err
     assert multiprocessing.active_children() == []
 

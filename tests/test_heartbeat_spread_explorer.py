@@ -1,7 +1,7 @@
 """The explorer on the spread heartbeat schedule, the plane's default.
 
 The explorer's own profiles pin the lockstep schedule (whole-second sends,
-the state counts the README states); here every lease and READ-gate
+the state counts docs/design-review.md states); here every lease and READ-gate
 property is checked again with each engine on its phase grid, and the
 injected bugs the schedule touches (a lease that never expires, a READ gate
 that trusts a broken heartbeat chain, an engine evicted under a transfer)

@@ -127,8 +127,8 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert cmd_check_log(str(bad)) == 2
     assert cmd_explore(["--requests", "read", "--depth", "5"]) == 0
     assert cmd_explore(["--requests", "nope"]) == 2
-    out = " ".join(capsys.readouterr().out.split())
-    assert "line 1: log version 7" in out
+    err = " ".join(capsys.readouterr().err.split())  # bad input: one line on stderr each
+    assert "line 1: log version 7" in err and "unknown profile(s) nope" in err
 
 
 def test_a_change_inside_an_internal_cascade_diverges():
@@ -193,8 +193,10 @@ def test_cli_refuses_bad_logs_with_exit_2_naming_the_line(name, command, tmp_pat
     path = tmp_path / "bad.jsonl"
     path.write_bytes(text)
     assert main([command, str(path)]) == 2
-    out = " ".join(capsys.readouterr().out.split())
-    assert words in out and "Traceback" not in out
+    got = capsys.readouterr()
+    assert got.out == "" and len(got.err.splitlines()) == 1  # one line on stderr
+    err = " ".join(got.err.split())
+    assert words in err and "Traceback" not in err
 
 
 def test_cli_prints_log_contents_verbatim_never_as_markup(tmp_path, capsys):
@@ -216,7 +218,7 @@ def test_check_log_refuses_a_grace_that_is_not_a_finite_duration(grace, tmp_path
     path = tmp_path / "good.jsonl"
     path.write_text("\n".join(lines) + "\n")
     assert main(["check-log", "--grace", grace, str(path)]) == 2
-    assert "bad --grace" in capsys.readouterr().out
+    assert "bad --grace" in capsys.readouterr().err
 
 
 def test_one_observer_sees_the_same_steps_from_the_compiled_machines_and_the_reference_interpreter():

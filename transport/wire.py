@@ -1,6 +1,6 @@
 """Wire codecs: NIXL notification strings and framed agent metadata.
 
-Formats (see shared/design/ARCHITECTURE.md, they match vLLM's where one exists):
+Formats (see docs/architecture.md, "Wire formats"; they match vLLM's where one exists):
 
 * completion notif  ``"<peer_request_id>:<expected_consumers>"``
 * heartbeat         ``"HB:<id>,<id>,..."``

@@ -41,7 +41,7 @@ same for every request (they are opaque to the machines), so requests of
 one profile are interchangeable; a cancelled READ does not execute; a
 crashed P stays down (its memory went with it, so its leases are no longer
 checked).  Push mode is modeled as far as P's side needs: D's blocks are
-not checked (D cannot see or stop a one-sided WRITE; see the README).
+not checked (D cannot see or stop a one-sided WRITE; see docs/known-gaps.md).
 
 State hashing: a canonical tuple of each plane's instances (kind, state,
 relevant fields, times relative to the plane's now) + live timers (the

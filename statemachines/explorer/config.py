@@ -9,7 +9,7 @@ from ..config import PlaneConfig
 # engine goes STALE after 3 s of silence and is evicted after 6 (engine_stale_after
 # pins the scale the explored paths and the mutation tests were built on, and
 # heartbeat_spread=False the whole-second heartbeat times and the state counts
-# the README states; tests/test_heartbeat_spread_explorer.py explores the
+# docs/design-review.md states; tests/test_heartbeat_spread_explorer.py explores the
 # spread schedule, the plane's default).
 EXPLORER_PLANE_CONFIG = PlaneConfig(
     kv_lease_duration=6.0, decoder_kv_blocks_ttl=8.0, expiry_safety_margin=5.0, engine_ttl=6.0,
