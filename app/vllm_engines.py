@@ -21,6 +21,8 @@ from typing import Callable
 
 import attrs
 
+from kvplane.connector.secret import write_secret_file
+
 # Seconds vLLM's API server waits for its engine core (and so the workers' connector shutdown) on a stop,
 # well inside EngineProcess.stop's SIGKILL timeout.
 SHUTDOWN_GRACE_S = 20
@@ -30,6 +32,16 @@ CONNECTORS = {
     "kvplane": ("KVPlaneConnector", "kvplane.connector.vllm"),
     "nixl": ("DumpingNixlConnector", "kvplane.app.vllm_nixl_dump"),
 }
+
+
+def kvplane_secret_config(folder: str | Path) -> dict[str, str]:
+    """The kv_connector_extra_config entry of a run's deployment secret: one
+    fresh secret file in ``folder`` (owner-only), shared by every kvplane
+    engine of the run (NixlConnector engines take none)."""
+    path = Path(folder) / "kvplane.secret"
+    if not path.exists():
+        write_secret_file(path)
+    return {"kvplane_secret_file": str(path)}
 
 
 @attrs.frozen(kw_only=True)

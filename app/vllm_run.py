@@ -39,7 +39,8 @@ import attrs
 from kvplane.connector.kv_dump import DUMP_KEY
 
 from .kv_check import check_all
-from .vllm_engines import EngineProcess, EngineSpec, EngineStartError, split_cores, wait_healthy
+from .vllm_engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, split_cores,
+                           wait_healthy)
 from .vllm_model import write_tiny_model
 from .vllm_proxy import ProxyError, disaggregated, post_json
 from .vllm_workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
@@ -131,17 +132,9 @@ class VllmRun:
         return specs["P"], specs["D"]
 
     def _keys(self, name: str) -> dict[str, Any]:
-        """CURVE: each engine its own key, trusting the other's."""
-        import zmq.auth
-
-        keys = self.out / "keys"
-        keys.mkdir(exist_ok=True)
-        for n in ENGINE_IDS.values():
-            if not (keys / f"{n}.key_secret").exists():
-                zmq.auth.create_certificates(str(keys), n)
-        other = ENGINE_IDS["D" if name == "P" else "P"]
-        return {"kvplane_keypair": str(keys / f"{ENGINE_IDS[name]}.key_secret"),
-                "kvplane_trusted_peers": {other: str(keys / f"{other}.key")}}
+        """The run's deployment secret (one file both engines read): P signs
+        its params with it, the side channels use its CURVE keypair."""
+        return kvplane_secret_config(self.out)
 
     def start(self, p: EngineSpec, d: EngineSpec) -> float:
         self.say(f"starting two vLLM engines ({self.opts.connector} connector): P on :{p.http_port}, "

@@ -35,7 +35,7 @@ def run(quick: bool) -> list[Table]:
         return [Table(key="vllm.targets", title="targets: vllm", columns=["target", "measured", "goal", "met"],
                       rows=[["kvplane TTFT p50 / NixlConnector TTFT p50 (vLLM, one run)",
                              "not run: vLLM is not installed (scripts/install-vllm)", "<= 1.05x", "NO"]])]
-    from kvplane.app.vllm_engines import EngineProcess, EngineSpec, split_cores, wait_healthy
+    from kvplane.app.vllm_engines import EngineProcess, EngineSpec, kvplane_secret_config, split_cores, wait_healthy
     from kvplane.app.vllm_model import write_tiny_model
     from kvplane.app.vllm_proxy import disaggregated
     from kvplane.app.vllm_run import _free_ports
@@ -48,7 +48,7 @@ def run(quick: bool) -> list[Table]:
     engines: dict[str, dict[str, EngineProcess]] = {}
     try:
         for k, connector in enumerate(("kvplane", "nixl")):
-            extra = {"num_threads": 1} if connector == "nixl" else {}
+            extra = {"num_threads": 1} if connector == "nixl" else kvplane_secret_config(work)
             pair = {}
             for j, (name, cores) in enumerate((("P", p_cores), ("D", d_cores))):
                 spec = EngineSpec(name=name, engine_id=f"{connector}-{name}", http_port=ports[4 * k + j],

@@ -57,6 +57,8 @@ log = logging.getLogger("kvplane.driver")
 EARLY_KEEP_S = 5.0
 EARLY_MAX = 4096
 MAX_EARLY_PER_NAME = 64
+# The side channel's name for a client holding a deployment key.
+DEPLOYMENT_MEMBER = "kvplane-deployment"
 
 
 @attrs.define
@@ -81,6 +83,7 @@ class PlaneDriver:
         server_public_keys: dict[str, bytes] | None = None,
         insecure: bool = False,
         tp_rank: int = 0,
+        deployment_keys: tuple = (),
     ):
         """``curve_keypair`` (public, secret; z85): this engine's CURVE key,
         generated when not given.  ``trusted_peers``: engine id -> its public
@@ -92,7 +95,12 @@ class PlaneDriver:
         accepted from any agent.  Fault injection (lost notifications) wraps
         the endpoint (``kvplane.transport.faults``); the driver has none.
         ``tp_rank``: the rank this driver serves (one driver per worker rank;
-        its side channel answers that rank only).  A peer named
+        its side channel answers that rank only).  ``deployment_keys``: the
+        CURVE public keys every engine of the deployment shares (its secret,
+        ``connector.secret``): they may fetch our metadata, and any agent
+        may notify us, since it can only have reached our agent with the
+        metadata our side channel hands to key holders; leases still bind
+        their consumers.  A peer named
         ``"<engine>/tp<r>"`` (``ranks``) is trusted, and its server key
         known, through its engine's entry: the ranks share the key."""
         self.engine_id = engine_id
@@ -131,6 +139,9 @@ class PlaneDriver:
                                      client_keypair=self.keypair, insecure=insecure)
         for peer, key in (trusted_peers or {}).items():
             self.trust_peer(peer, key)
+        self._deployment = bool(deployment_keys)
+        for key in deployment_keys:
+            self.server.allow_client(key, DEPLOYMENT_MEMBER)
         # Lease names: what P exports as the remote request id (a capability:
         # the request id plus 128 random bits), both ways.
         self._lease_name: dict[str, str] = {}
@@ -245,7 +256,7 @@ class PlaneDriver:
             return engine
         if agent in self._trusted or base_engine_id(agent) in self._trusted:
             return agent  # a peer's NIXL agent is named by its engine id (a rank's: by its rank engine id)
-        if self.insecure and not self._trusted:
+        if self._deployment or (self.insecure and not self._trusted):
             return agent
         return None
 
@@ -406,6 +417,10 @@ class PlaneDriver:
                 handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif,
                               remote_part=parts[0], local_part=parts[1])
         except (TransportError, ValueError) as exc:
+            # A refused post (a block id past the peer's pool, a layout that
+            # does not pair, a gone peer) fails this transfer only.
+            self._count_and_warn(f"{op.lower()}s_refused", "%s %s of %s from %s refused: %s", self.engine_id, op,
+                                 a.request_id, a.engine_id, exc)
             follow.append(failed(request_id=a.request_id, reason=f"{type(exc).__name__}: {exc}"))
             if isinstance(exc, PeerGone):
                 follow.append(E.PeerDisconnected(engine_id=a.engine_id, reason=str(exc)))

@@ -10,11 +10,26 @@ remote begin.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Sequence
 
 import attrs
 
 DUMP_KEY = "kvplane_dump_kv"  # kv_transfer_params key: save this request's KV under the given tag
+# A tag comes from a client: a plain name, never a path (no separator, no
+# leading dot), so a dump lands in kv_dump_dir and nowhere else.
+TAG_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# What dump_path accepts: a tag plus the suffix the recv dump adds.
+_FILE_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,159}")
+
+
+def tag_problem(tag: Any) -> str | None:
+    """Why ``tag`` (a client's kvplane_dump_kv) is no dump tag, or None."""
+    if not isinstance(tag, str):
+        return f"a dump tag must be a string, got {type(tag).__name__}"
+    if TAG_PATTERN.fullmatch(tag) is None:
+        return f"a dump tag must match {TAG_PATTERN.pattern} (a plain name, not a path)"
+    return None
 
 
 @attrs.frozen
@@ -40,6 +55,10 @@ class DumpKV:
 
 
 def dump_path(directory: str, tag: str, rank: int) -> str:
+    """The dump file of ``tag`` in ``directory``; ValueError for a tag that
+    is not a plain name (checked again here: a path never escapes)."""
+    if not isinstance(tag, str) or _FILE_TAG.fullmatch(tag) is None:
+        raise ValueError(f"dump tag {tag!r:.80} is not a plain name")
     return os.path.join(directory, f"{tag}.rank{rank}.pt")
 
 

@@ -37,6 +37,10 @@ class RemoteKV:
     # channel port on remote_host; absent: rank r listens on remote_port + r.
     tp_size: int = 1
     remote_rank_ports: tuple = attrs.field(converter=lambda ports: tuple(ports), default=())
+    # The CURVE public key (z85) the holder's side channel must prove: set by
+    # D from the deployment key that vouched for the params, never read from
+    # them (None: the key the driver already knows for the engine, if any).
+    remote_public_key: bytes | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.remote_rank_ports:
@@ -52,6 +56,7 @@ class RemoteKV:
 
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self)
+        del d["remote_public_key"]  # ours, never on the wire
         d["remote_block_ids"] = list(self.remote_block_ids)
         d["remote_ranks"] = list(self.remote_ranks)
         d["remote_rank_ports"] = list(self.remote_rank_ports)

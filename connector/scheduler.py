@@ -24,6 +24,8 @@ import time
 from collections import Counter
 from typing import Any, Callable, Iterable
 
+import attrs
+
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.rank_results import Outcome, RankResults
 from kvplane.statemachines.tp_mapping import TpMapping, TpMismatch
@@ -64,15 +66,17 @@ class ConnectorScheduler:
         self.ranks[info.rank] = info
 
     # ------------------------------------------------------------ requests
-    def on_new_request(self, request_id: str, kv_transfer_params: dict | None) -> None:
+    def on_new_request(self, request_id: str, kv_transfer_params: dict | None, *,
+                       server_public_key: bytes | None = None) -> None:
         """Register a request.  One with remote KV is sent to every rank in
-        the next metadata, and its heartbeats start there."""
+        the next metadata, and its heartbeats start there (at the side
+        channel that proves ``server_public_key``, when given)."""
         params = kv_transfer_params or {}
-        if params.get("do_remote_decode"):
-            self._serve[request_id] = bool(params.get("push"))
         if not params.get("do_remote_prefill"):
+            if params.get("do_remote_decode"):
+                self._serve[request_id] = bool(params.get("push"))
             return
-        rk = RemoteKV.from_dict(params)
+        rk = attrs.evolve(RemoteKV.from_dict(params), remote_public_key=server_public_key)
         try:
             mapping = TpMapping(rk.tp_size, self.tp_size)
         except TpMismatch as exc:

@@ -135,6 +135,12 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
                                       kv_load_failure_policy=ktc.kv_load_failure_policy,
                                       side_channel_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
                                       side_channel_host="127.0.0.1" if host == "localhost" else host)
+        if self.settings.insecure:
+            log.warning("kvplane: kvplane_insecure: the side channel is plaintext, notifications are accepted "
+                        "from any agent and kv_transfer_params are not authenticated (docs/security.md)")
+        elif self.settings.keys is None:
+            log.warning("kvplane: kvplane_keypair without kvplane_secret_file: kv_transfer_params are not "
+                        "authenticated (docs/security.md)")
         if self.settings.unknown_keys:
             log.warning("kvplane: unknown kv_connector_extra_config keys ignored: %s",
                         ", ".join(self.settings.unknown_keys))
@@ -151,6 +157,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side: VllmWorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = VllmSchedulerSide(self.engine_id, self.settings, tp_size=self.tp_size,
+                                                    block_size=_block_size(vllm_config, kv_cache_config),
                                                     warn=log.warning)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -209,6 +216,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         return None if report is None or report.empty else KVPlaneWorkerMeta(reports=[report])
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.scheduler_side is not None:
+            return KVPlaneStats(data=vllm_stats.scheduler_stats_data(self.scheduler_side.stats()))
         if self.worker_side is None:
             return None
         counts, gauges = self.worker_side.stats()
@@ -277,6 +286,15 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         return None  # any: blocks are moved whole, in the layout both sides share
+
+
+def _block_size(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Tokens per KV block: the KV cache group's, else the cache config's."""
+    if kv_cache_config is not None:
+        size = getattr(kv_cache_config.kv_cache_groups[0].kv_cache_spec, "block_size", None)
+        if size:
+            return int(size)
+    return int(vllm_config.cache_config.block_size)
 
 
 def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool) -> str:

@@ -21,7 +21,10 @@ request lifecycle means for the plane, path by path:
   other way (aborted, error): freed now.
 
 Bad params from a proxy never reach the plane: the request is counted,
-logged by the caller, and computed locally.
+logged (rate-limited), and computed locally.  With a deployment secret
+(``settings.keys``) P signs the params it hands out and D acts only on
+params whose signature verifies, made for its own prompt, naming exactly
+the blocks of its tokens, and not used here before (``param_auth``).
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ from typing import Any, Callable
 
 import attrs
 
-from .kv_dump import DUMP_KEY, DumpKV
-from .params import BadTransferParams
+from .kv_dump import DUMP_KEY, DumpKV, tag_problem
+from .param_auth import ConsumedLeases, RefusedParams, Vouched, check_for_request, prompt_digest, sign, verify
+from .params import BadTransferParams, RemoteKV
 from .records import RankInfo, StepMeta, WorkerReport
 from .scheduler import ConnectorScheduler
 from .vllm_params import from_vllm, to_vllm
@@ -39,6 +43,12 @@ from .vllm_settings import VllmSettings
 
 # vLLM's RequestStatus names of a request that finished producing output.
 FINISHED_NORMALLY = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+# Refusals logged: the first few, then every this many-th (a flood costs a count).
+LOG_EVERY = 1000
+# Counts the scheduler half reports to vLLM's stats (vllm_stats.COUNT_KEYS).
+STAT_KEYS = ("kvplane_refused_params", "kvplane_refused_dump_tags")
+
+
 @attrs.frozen
 class SchedulerStep:
     """What the workers get each step: the plane's records and the dumps."""
@@ -48,12 +58,17 @@ class SchedulerStep:
 
 
 class VllmSchedulerSide:
-    def __init__(self, engine_id: str, settings: VllmSettings, *, tp_size: int = 1,
+    def __init__(self, engine_id: str, settings: VllmSettings, *, tp_size: int = 1, block_size: int = 16,
                  warn: Callable[..., None] = lambda *a: None):
+        """``block_size``: tokens per KV block (vLLM's cache block size): D
+        checks that P's block list covers exactly the tokens to load."""
         self.settings = settings
         self.sched = ConnectorScheduler(engine_id, tp_size=tp_size, config=settings.plane,
                                         host=settings.side_channel_host)
+        self.block_size = block_size
         self.warn = warn
+        self.consumed = ConsumedLeases()
+        self._last_stats: dict[str, int] = {}
         self._remote: set[str] = set()  # D: requests with remote KV (accepted params)
         self._allocated: set[str] = set()  # of those, blocks allocated (first update_state_after_alloc)
         self._awaited: set[str] = set()  # of those, the recv is awaited
@@ -72,17 +87,57 @@ class VllmSchedulerSide:
     # ------------------------------------------------------------ requests
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
-        if not params:
+        if not params or not isinstance(params, dict):
             return
+        remote = bool(params.get("do_remote_prefill"))
         try:
-            translated = from_vllm(params) if params.get("do_remote_prefill") else params
-            self.sched.on_new_request(request.request_id, translated)
+            if remote:
+                translated, server_key = self._accept(request, params)
+                self.sched.on_new_request(request.request_id, translated, server_public_key=server_key)
+            else:
+                self.sched.on_new_request(request.request_id, params)
         except BadTransferParams as exc:
             self.counters["bad_transfer_params"] += 1
-            self.warn("kvplane: request %s: %s; its prompt is computed locally", request.request_id, exc)
+            if isinstance(exc, RefusedParams):
+                self.counters[f"refused_params: {exc.reason}"] += 1
+            self._refuse("kvplane_refused_params", "kvplane: request %s: %s; its prompt is computed locally",
+                         request.request_id, exc)
             return
-        if params.get("do_remote_prefill"):
+        except Exception as exc:  # the last line: one request's params never stop the engine
+            self.counters["bad_transfer_params"] += 1
+            self._refuse("kvplane_refused_params", "kvplane: request %s: unexpected %s on its kv_transfer_params "
+                         "(%s); its prompt is computed locally", request.request_id, type(exc).__name__, exc)
+            return
+        if remote:
             self._remote.add(request.request_id)
+
+    def _accept(self, request: Any, params: dict) -> tuple[dict, bytes | None]:
+        """(the params to register, the CURVE key P's side channel must
+        prove) for D's remote prefill; BadTransferParams when refused.
+        With a deployment secret only P's signed fields are read."""
+        if params.get("do_remote_decode"):
+            raise BadTransferParams("kv_transfer_params: do_remote_prefill and do_remote_decode both set")
+        translated = from_vllm(params)
+        keys = self.settings.keys
+        if keys is None:
+            # Unauthenticated (kvplane_insecure or per-engine keypairs): still
+            # the block list must cover exactly the prompt's tokens.
+            tokens = translated.get("remote_num_tokens")
+            blocks = translated.get("remote_block_ids")
+            if tokens != request.num_prompt_tokens or not isinstance(blocks, list) or \
+                    len(blocks) != -(-request.num_prompt_tokens // self.block_size) or \
+                    len(set(map(repr, blocks))) != len(blocks):
+                raise RefusedParams("blocks do not cover the tokens",
+                                    f"{_count(blocks)} blocks for {tokens!r} tokens; the prompt has "
+                                    f"{request.num_prompt_tokens} of {self.block_size} a block")
+            return translated, None
+        vouched = verify(translated, keys)
+        check_for_request(vouched, prompt_token_ids=getattr(request, "prompt_token_ids", None),
+                          num_prompt_tokens=request.num_prompt_tokens, block_size=self.block_size)
+        registered = _registered(vouched)
+        RemoteKV.from_dict(registered)  # well formed before its lease name is spent
+        self.consumed.consume(vouched.lease_name, vouched.term, self.sched.clock())
+        return registered, vouched.key.curve_public
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
@@ -103,8 +158,8 @@ class VllmSchedulerSide:
         self._allocated.add(rid)
         if num_external_tokens > 0:
             self._awaited.add(rid)
-            tag = (request.kv_transfer_params or {}).get(DUMP_KEY)
-            if isinstance(tag, str) and tag and self.settings.kv_dump_dir and block_ids:
+            tag = self._dump_tag(request, request.kv_transfer_params or {})
+            if tag is not None and block_ids:
                 # What the read brings, saved when it is done, before D writes anything.
                 self._dumps.append(DumpKV(request_id=rid, tag=f"{tag}.recv", block_ids=block_ids, num_tokens=0,
                                           holds_blocks=False, when="recv"))
@@ -123,7 +178,7 @@ class VllmSchedulerSide:
 
     def request_finished(self, request: Any, block_ids: tuple[int, ...]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         normal = getattr(request.status, "name", str(request.status)) in FINISHED_NORMALLY
         if rid in self._remote:
             self._remote.discard(rid)
@@ -151,7 +206,7 @@ class VllmSchedulerSide:
             self._recv_failed.discard(rid)
             first = self._local_hit.pop(rid, 0)
             if out is not None:
-                return delay, to_vllm(out, num_tokens=request.num_computed_tokens)
+                return delay, self._vouch(request, out)
             return self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok)
         if params.get("do_remote_decode"):
             if not normal or not block_ids:
@@ -161,7 +216,7 @@ class VllmSchedulerSide:
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False)  # the lease holds them
-            return delay, to_vllm(out, num_tokens=request.num_computed_tokens)
+            return delay, self._vouch(request, out)
         return self._maybe_dump(request, block_ids, params, normal)
 
     def _maybe_dump(self, request: Any, block_ids: tuple[int, ...], params: dict, normal: bool, *,
@@ -169,13 +224,66 @@ class VllmSchedulerSide:
                     read_ok: bool | None = None) -> tuple[bool, dict[str, Any] | None]:
         """A request tagged ``kvplane_dump_kv`` (with a dump folder set) has
         its prompt's KV saved; (delay the free, params) for vLLM."""
-        tag = params.get(DUMP_KEY)
-        if not (normal and isinstance(tag, str) and tag and self.settings.kv_dump_dir and block_ids):
+        tag = self._dump_tag(request, params) if normal and block_ids else None
+        if tag is None:
             return False, None
         self._dumps.append(DumpKV(request_id=request.request_id, tag=tag, block_ids=block_ids,
                                   num_tokens=request.num_prompt_tokens, holds_blocks=holds_blocks,
                                   first_read_token=first_read_token, read_ok=read_ok))
         return holds_blocks, None
+
+    def _vouch(self, request: Any, out: dict[str, Any]) -> dict[str, Any]:
+        """The params for the reader in vLLM's shape, signed with the
+        deployment secret over the tokens the blocks hold (unsigned when
+        there is none: kvplane_insecure, or token ids P does not have,
+        which a reader with the secret then refuses)."""
+        num_tokens = request.num_computed_tokens
+        params = to_vllm(out, num_tokens=num_tokens)
+        keys = self.settings.keys
+        if keys is None:
+            return params
+        token_ids = getattr(request, "all_token_ids", None)
+        if token_ids is None or getattr(request, "prompt_token_ids", None) is None:
+            self.counters["params_unsigned_no_token_ids"] += 1
+            return params
+        try:
+            digest = prompt_digest(list(token_ids)[:num_tokens])
+        except ValueError:
+            self.counters["params_unsigned_no_token_ids"] += 1
+            return params
+        # The scheduler stated expiry = its clock at the grant + the term.
+        plane = self.settings.plane
+        issued = out["remote_expiry"] - (plane.kv_lease_duration if out.get("remote_renewable")
+                                         else plane.decoder_kv_blocks_ttl)
+        return sign(params, prompt_sha256=digest, issued=issued, key=keys.signing)
+
+    def _dump_tag(self, request: Any, params: dict) -> str | None:
+        """The request's dump tag if it asks for a dump that may be made (a
+        dump folder is set and the tag is a plain name); a bad tag is a
+        counted, logged refusal."""
+        tag = params.get(DUMP_KEY)
+        if tag is None or not self.settings.kv_dump_dir:
+            return None
+        problem = tag_problem(tag)
+        if problem is not None:
+            self._refuse("kvplane_refused_dump_tags", "kvplane: request %s: KV dump refused: %s",
+                         request.request_id, problem)
+            return None
+        return tag
+
+    def _refuse(self, counter: str, fmt: str, *args: Any) -> None:
+        """Count a refusal; log the first few, then every LOG_EVERY-th."""
+        n = self.counters[counter] = self.counters[counter] + 1
+        if n <= 10 or n % LOG_EVERY == 0:
+            self.warn(f"{fmt} (%s #%d)", *args, counter, n)
+
+    def stats(self) -> dict[str, int]:
+        """The scheduler half's counts since the last call (vLLM's
+        scheduler-side get_kv_connector_stats)."""
+        now = {k: self.counters[k] for k in STAT_KEYS}
+        delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()}
+        self._last_stats = now
+        return {k: v for k, v in delta.items() if v}
 
     # ------------------------------------------------------------ worker results
     def update_from_workers(self, reports: list[WorkerReport], finished_recving: set[str]) -> None:
@@ -189,3 +297,12 @@ class VllmSchedulerSide:
         for rid in finished_recving:
             if rid in self._awaited:
                 self._recv_reported.add(rid)
+
+
+def _registered(v: Vouched) -> dict[str, Any]:
+    """What D registers of vouched params: the signed fields, nothing else."""
+    return {"do_remote_prefill": True, **v.fields}
+
+
+def _count(blocks: Any) -> str:
+    return str(len(blocks)) if isinstance(blocks, list) else "no list of"

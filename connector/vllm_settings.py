@@ -16,12 +16,15 @@ This module imports no vLLM: it reads plain values.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import attrs
 
 from kvplane.statemachines.config import ConfigError, PlaneConfig
+
+from .secret import SECRET_ENV, SECRET_KEY, DeploymentKeys, load_keys
 
 # NixlConnector's defaults where PlaneConfig's differ (PlaneConfig is tuned
 # for the main job, where engines come and go in seconds).
@@ -42,12 +45,20 @@ class VllmSettings:
     # port + i * tp_size + r (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT by default).
     side_channel_port: int = 5600
     side_channel_host: str = "127.0.0.1"
+    # kvplane_secret_file (or env KVPLANE_SECRET_FILE): the deployment
+    # secret (connector/secret.py): P signs its params with it, D verifies
+    # them, and every engine's side channel uses its CURVE keypair.
+    secret_file: str | None = None
+    keys: DeploymentKeys | None = None
     # kvplane_keypair: a zmq.auth secret certificate (the engine's CURVE key);
     # kvplane_trusted_peers: engine id -> public certificate path or z85 key.
-    # Neither: the side channel is plaintext and notifications are taken from
-    # any agent, as with NixlConnector (logged as a warning at start-up).
+    # (Per-engine keys, no params authentication; the secret replaces both.)
     keypair_path: str | None = None
     trusted_peers: Mapping[str, str] = attrs.field(factory=dict)
+    # kvplane_insecure: true runs with neither: plaintext side channel,
+    # notifications from any agent, params unauthenticated (as with
+    # NixlConnector).  Required to start without a secret or keypair.
+    allow_insecure: bool = False
     event_log: str | None = None  # kvplane_event_log: JSONL path ("{rank}" is replaced)
     status_file: str | None = None  # kvplane_status_file: JSON written every step ("{rank}" is replaced)
     kv_dump_dir: str | None = None  # kvplane_kv_dump_dir: where requests tagged kvplane_dump_kv save their KV
@@ -57,7 +68,8 @@ class VllmSettings:
 
     @property
     def insecure(self) -> bool:
-        return self.keypair_path is None
+        """No CURVE on the side channel (kvplane_insecure: true)."""
+        return self.keys is None and self.keypair_path is None
 
     def rank_path(self, template: str | None, rank: int) -> str | None:
         return None if template is None else template.replace("{rank}", str(rank))
@@ -66,6 +78,8 @@ class VllmSettings:
 _OWN = {
     "kvplane_side_channel_port": "side_channel_port",
     "kvplane_side_channel_host": "side_channel_host",
+    "kvplane_secret_file": "secret_file",
+    "kvplane_insecure": "allow_insecure",
     "kvplane_keypair": "keypair_path",
     "kvplane_trusted_peers": "trusted_peers",
     "kvplane_event_log": "event_log",
@@ -77,10 +91,14 @@ _OWN = {
 
 
 def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: str | None = None,
-                  side_channel_port: int = 5600, side_channel_host: str = "127.0.0.1") -> VllmSettings:
+                  side_channel_port: int = 5600, side_channel_host: str = "127.0.0.1",
+                  environ: Mapping[str, str] | None = None) -> VllmSettings:
     """Settings from ``kv_connector_extra_config`` (and vLLM's top-level
-    ``kv_load_failure_policy``); a wrong value raises ``ConfigError`` naming
-    the key."""
+    ``kv_load_failure_policy``; ``environ``, default ``os.environ``, for
+    ``KVPLANE_SECRET_FILE``); a wrong value raises ``ConfigError`` naming
+    the key.  Without a secret or a keypair, ``kvplane_insecure: true`` is
+    required."""
+    environ = os.environ if environ is None else environ
     extra = dict(extra or {})
     if not all(isinstance(k, str) for k in extra):
         raise ConfigError("kv_connector_extra_config", "keys must be strings")
@@ -105,7 +123,7 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
     _check_port("kvplane_side_channel_port", own["side_channel_port"])
     if not isinstance(own["side_channel_host"], str) or not own["side_channel_host"]:
         raise ConfigError("kvplane_side_channel_host", "must be a host name or address")
-    for key in ("keypair_path", "event_log", "status_file", "kv_dump_dir"):
+    for key in ("secret_file", "keypair_path", "event_log", "status_file", "kv_dump_dir"):
         value = own.get(key)
         if value is not None and not isinstance(value, (str, Path)):
             raise ConfigError(_key_of(key), f"must be a path, got {type(value).__name__}")
@@ -121,8 +139,26 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
     seed = own.get("fault_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError("kvplane_fault_seed", f"must be an int, got {seed!r}")
-    if own.get("keypair_path") is None and peers:
-        raise ConfigError("kvplane_trusted_peers", "needs kvplane_keypair (this engine's own CURVE key)")
+    own["allow_insecure"] = _bool("kvplane_insecure", own.get("allow_insecure", False))
+    if own.get("secret_file") is None and environ.get(SECRET_ENV):
+        own["secret_file"] = environ[SECRET_ENV]
+    if own.get("secret_file") is not None:
+        if own.get("keypair_path") is not None:
+            raise ConfigError("kvplane_keypair", "give either kvplane_secret_file (one secret for the deployment) "
+                                                 "or kvplane_keypair, not both")
+        if own["allow_insecure"]:
+            raise ConfigError("kvplane_insecure", "true contradicts the deployment secret "
+                                                  f"({SECRET_KEY} or {SECRET_ENV})")
+        own["keys"] = load_keys(own["secret_file"])
+    elif own.get("keypair_path") is None:
+        if peers:
+            raise ConfigError("kvplane_trusted_peers", "needs kvplane_keypair (this engine's own CURVE key)")
+        if not own["allow_insecure"]:
+            raise ConfigError(SECRET_KEY, f"no deployment secret: set {SECRET_KEY} in kv_connector_extra_config "
+                                          f"(or the environment variable {SECRET_ENV}) to a file holding one "
+                                          "(python -c 'import secrets; print(secrets.token_hex(32))'), the same "
+                                          "for every engine; or set kvplane_insecure: true to run unauthenticated "
+                                          "(docs/security.md)")
     return VllmSettings(plane=plane, unknown_keys=tuple(sorted(unknown)), **own)
 
 

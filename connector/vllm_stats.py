@@ -11,7 +11,9 @@ Names: vLLM's NixlConnector names where the count means the same
 (``num_failed_transfers``, ``num_failed_notifications``,
 ``num_failed_handshakes``, ``num_kv_expired_reqs``,
 ``bytes_transferred``, ``num_successful_transfers``), ``kvplane_*`` for the
-rest.
+rest.  The scheduler half adds its own counts (``scheduler_stats_data``):
+params refused (``kvplane_refused_params``: unauthenticated, tampered,
+another prompt's, replayed, malformed) and dump tags refused.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ COUNT_KEYS = (
     "kvplane_declined_reads", "kvplane_failed_recvs", "kvplane_protocol_errors", "kvplane_fail_closed",
     "kvplane_lease_extensions", "kvplane_heartbeats_sent", "kvplane_heartbeats_received",
     "kvplane_refused_notifications", "kvplane_leases_consumed", "kvplane_leases_aborted",
-    "kvplane_engines_evicted",
+    "kvplane_engines_evicted", "kvplane_refused_params", "kvplane_refused_dump_tags",
 )
 GAUGE_KEYS = ("kvplane_blocks_held", "kvplane_leases", "kvplane_recvs_in_flight", "kvplane_remote_engines")
 
@@ -108,6 +110,11 @@ def snapshot(driver: Any, tally: PlaneTally) -> tuple[dict[str, int], dict[str, 
 def stats_data(rank: int, counts: dict[str, int], gauges: dict[str, int]) -> dict[str, Any]:
     """The payload of one rank's KVConnectorStats (msgspec/pickle-friendly)."""
     return {"counts": dict(counts), "gauges": {str(rank): dict(gauges)}}
+
+
+def scheduler_stats_data(counts: dict[str, int]) -> dict[str, Any]:
+    """The scheduler half's KVConnectorStats payload: counts, no gauges."""
+    return {"counts": dict(counts)}
 
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,12 @@ class VllmWorkerSide:
                                          seed=settings.fault_seed + rank)
         self.faults = endpoint if settings.drop_notifications else None
         keypair = None
-        if settings.keypair_path is not None:
+        deployment_keys: tuple[bytes, ...] = ()
+        if settings.keys is not None:
+            # The deployment's keypair: every engine serves and connects with it.
+            keypair = settings.keys.signing.curve_keypair
+            deployment_keys = settings.keys.public_keys
+        elif settings.keypair_path is not None:
             import zmq.auth
 
             public, secret = zmq.auth.load_certificate(settings.keypair_path)
@@ -64,13 +69,13 @@ class VllmWorkerSide:
                 raise ValueError(f"kvplane_keypair {settings.keypair_path}: no secret key in it")
             keypair = (public, secret)
         else:
-            log.warning("kvplane: no kvplane_keypair: the side channel is plaintext and notifications are "
+            log.warning("kvplane: kvplane_insecure: the side channel is plaintext and notifications are "
                         "accepted from any agent (as with NixlConnector)")
         port = settings.side_channel_port + dp_index * tp_size + rank
         self.driver = PlaneDriver(engine_id=rank_id, endpoint=endpoint, config=settings.plane,
                                   compat_hash=compat_hash, host=settings.side_channel_host, port=port,
                                   curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
-                                  insecure=settings.insecure, tp_rank=rank)
+                                  insecure=settings.insecure, tp_rank=rank, deployment_keys=deployment_keys)
         self._log_stream = None
         self.log_writer: EventLogWriter | None = None
         log_path = settings.rank_path(settings.event_log, rank)

@@ -16,6 +16,7 @@ every reader rank that will read it.
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
@@ -26,6 +27,10 @@ from kvplane.statemachines.tp_mapping import TpMapping
 from .driver import PlaneDriver
 from .ranks import rank_engine_id
 from .records import Finish, LeaseGrant, RankInfo, StepMeta, WorkerReport, check
+
+log = logging.getLogger("kvplane.worker")
+# Holder ranks looked for when a new request's set-up raised half-way.
+MAX_HOLDER_RANKS_SCANNED = 64
 
 
 def recv_failure_reason(event_name: str, label: str, before: str | None) -> str:
@@ -71,6 +76,8 @@ class ConnectorWorker:
         self._aborted: set[str] = set()  # aborted, awaited, not reported yet: forgotten once reported
         self._notify_only: set[str] = set()  # requests nobody awaits: gone once their machines are
         self._fail_reason: dict[str, str] = {}
+        self._broken: set[str] = set()  # new requests that raised: their load fails, nothing is read
+        self._broken_failed: set[str] = set()  # of those, awaited: failed in the next report
         self._out_sending: set[str] = set()
         self.counters: Counter = Counter()
         self._chain = driver.plane.recorder
@@ -96,8 +103,16 @@ class ConnectorWorker:
         meta = check(meta, StepMeta)
         feed = self.driver.feed
         for new in meta.new_requests:
-            self._new_request(new.request_id, new.remote, new.push)
+            try:
+                self._new_request(new.request_id, new.remote, new.push)
+            except Exception as exc:  # the last line: one request's params never stop the engine
+                self._unplanned(new.request_id, exc)
         for load in meta.loads:
+            if load.request_id in self._broken:
+                self._broken.discard(load.request_id)
+                if load.awaiting:  # reported failed with the next report: vLLM recomputes it
+                    self._broken_failed.add(load.request_id)
+                continue
             subs = self._subs.get(load.request_id, ())
             if subs:
                 (self._awaited if load.awaiting else self._notify_only).add(load.request_id)
@@ -151,6 +166,10 @@ class ConnectorWorker:
         blocks, d.load_error_blocks = d.load_error_blocks, set()
         d.freed = []
         self._end_notify_only()
+        for rid in self._broken_failed:
+            failed.add(rid)
+            self._fail_reason[rid] = "internal error on its params"
+        self._broken_failed = set()
         reasons = tuple((rid, self._fail_reason.pop(rid, "failed")) for rid in failed)
         return WorkerReport(rank=self.rank, finished_sending=sending, finished_recving=recving,
                             failed_recving=failed, load_error_blocks=blocks, fail_reasons=reasons)
@@ -169,7 +188,7 @@ class ConnectorWorker:
         for src in sources:
             sub = rid if len(sources) == 1 else f"{rid}@tp{src.holder_rank}"
             engine = rank_engine_id(rk.remote_engine_id, src.holder_rank)
-            self.driver.learn_engine(engine, rk.rank_side_channel(src.holder_rank))
+            self.driver.learn_engine(engine, rk.rank_side_channel(src.holder_rank), rk.remote_public_key)
             if not (src.remote.whole and src.local.whole):
                 self.driver.parts[sub] = ((src.remote.index, src.remote.of), (src.local.index, src.local.of))
             self._parent[sub] = rid
@@ -180,6 +199,23 @@ class ConnectorWorker:
                 expected_consumers=rk.expected_consumers, remote_expiry=rk.remote_expiry,
                 remote_renewable=rk.remote_renewable, push=push))
         self._subs[rid] = tuple(subs)
+
+    def _unplanned(self, rid: str, exc: Exception) -> None:
+        """A new request whose set-up raised (a bug, or params no check
+        foresaw): counted and logged; if no machine was made for it, its
+        load fails without reading (else that machine reports as usual)."""
+        self.counters["new_request_errors"] += 1
+        if self.counters["new_request_errors"] <= 10:
+            log.exception("rank %d: request %s: unexpected %s setting up its recv; it fails, the engine goes on",
+                          self.rank, rid, type(exc).__name__)
+        made = tuple(s for s in [rid] + [f"{rid}@tp{r}" for r in range(MAX_HOLDER_RANKS_SCANNED)]
+                     if self.driver.plane.get("decode_request", s) is not None)
+        if made:
+            self._subs[rid] = made
+            for sub in made:
+                self._parent[sub] = rid
+        else:
+            self._broken.add(rid)
 
     def _finish(self, finish: Finish) -> None:
         rid = finish.request_id
@@ -204,7 +240,7 @@ class ConnectorWorker:
             self._parent.pop(sub, None)
             self.driver.parts.pop(sub, None)
         self._results.pop(rid, None)
-        for bookkeeping in (self._awaited, self._reported, self._aborted, self._notify_only):
+        for bookkeeping in (self._awaited, self._reported, self._aborted, self._notify_only, self._broken):
             bookkeeping.discard(rid)
 
     def _end_notify_only(self) -> None:

@@ -16,8 +16,11 @@ from vllm_support import Req, Status
 
 
 # ---------------------------------------------------------------- settings
+INSECURE = {"kvplane_insecure": True}
+
+
 def test_defaults_are_nixl_connectors():
-    s = settings_from({})
+    s = settings_from(INSECURE, environ={})
     assert s.plane.kv_lease_duration == 30 and s.plane.heartbeat_interval == 5 and s.plane.lease_extension == 20
     assert s.plane.decoder_kv_blocks_ttl == 480
     assert s.plane.engine_ttl == 3600
@@ -28,7 +31,7 @@ def test_defaults_are_nixl_connectors():
 
 def test_keys_are_read_and_checked():
     s = settings_from({"kv_lease_duration": 12, "bidirectional_kv_xfer": True, "engine_ttl": 60,
-                       "push_registration_timeout": 9, "kv_recompute_threshold": 64, "surprise": 1},
+                       "push_registration_timeout": 9, "kv_recompute_threshold": 64, "surprise": 1, **INSECURE},
                       kv_load_failure_policy="recompute")
     assert (s.plane.kv_lease_duration, s.plane.heartbeat_interval, s.plane.lease_extension) == (12, 2, 8)
     assert s.bidirectional and s.plane.engine_ttl == 60 and s.plane.push_registration_timeout == 9
@@ -43,17 +46,20 @@ def test_keys_are_read_and_checked():
     ({"kvplane_drop_notifications": 2.0}, "kvplane_drop_notifications"),
     ({"kvplane_side_channel_port": 70000}, "kvplane_side_channel_port"),
     ({"kvplane_trusted_peers": {"d": "key"}}, "kvplane_trusted_peers"),  # trust needs our own key
+    ({"kvplane_insecure": False}, "kvplane_secret_file"),  # neither a secret nor insecure: refused
+    ({"kvplane_insecure": "yes"}, "kvplane_insecure"),
     ({"kvplane_event_log": 5}, "kvplane_event_log"),
 ])
 def test_bad_values_name_their_key(extra, key):
     with pytest.raises(ConfigError) as info:
-        settings_from(extra)
+        settings_from({**INSECURE, **extra}, environ={})
     assert info.value.field == key
 
 
 # ---------------------------------------------------------------- params
+BLOCKS = list(range(3, 22))  # 19 blocks of 16: the 300 tokens of vllm_support.Req
 P_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
-            "remote_port": 5600, "remote_request_id": "r-abc", "remote_block_ids": [3, 4, 5],
+            "remote_port": 5600, "remote_request_id": "r-abc", "remote_block_ids": BLOCKS,
             "expected_consumers": 1, "remote_expiry": 100.0, "remote_renewable": True, "tp_size": 1,
             "remote_rank_ports": [5600], "remote_ranks": [0]}
 
@@ -61,11 +67,11 @@ P_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_
 def test_params_out_carry_vllm_keys_and_come_back():
     out = to_vllm(P_PARAMS, num_tokens=300)
     assert out["do_remote_prefill"] is True and out["do_remote_decode"] is False
-    assert out["remote_block_ids"] == [[3, 4, 5]]  # one list per KV cache group
+    assert out["remote_block_ids"] == [BLOCKS]  # one list per KV cache group
     assert out["remote_num_tokens"] == 300 and out["tp_size"] == 1
     assert out["remote_blocks_expiry_time"] is None  # a lease is renewed by heartbeats
     back = from_vllm(out)
-    assert back["remote_block_ids"] == [3, 4, 5]
+    assert back["remote_block_ids"] == BLOCKS
     hold = to_vllm(dict(P_PARAMS, remote_renewable=False), num_tokens=1)
     assert hold["remote_blocks_expiry_time"] == 100.0
 
@@ -88,7 +94,7 @@ def test_params_in_refuse_what_kvplane_cannot_move():
 
 
 def side(name="decode-0", **extra) -> VllmSchedulerSide:
-    s = VllmSchedulerSide(name, settings_from(extra))
+    s = VllmSchedulerSide(name, settings_from({**INSECURE, **extra}))
     s.add_ranks({0: RankInfo(rank=0, engine_id=f"{name}/tp0", side_channel_port=5700, public_key=None)})
     return s
 
@@ -152,7 +158,7 @@ def test_nothing_to_load_is_not_awaited():
 
 def test_bad_params_are_counted_and_computed_locally():
     warned = []
-    d = VllmSchedulerSide("decode-0", settings_from({}), warn=lambda *a: warned.append(a))
+    d = VllmSchedulerSide("decode-0", settings_from(INSECURE), warn=lambda *a: warned.append(a))
     r = Req("a", d_params(remote_block_ids=[[1], [2]]))
     d.on_new_request(r)
     assert d.get_num_new_matched_tokens(r, 0) == (0, False)

@@ -19,6 +19,7 @@ from kvplane.connector.vllm_settings import settings_from
 from kvplane.connector.vllm_worker import VllmWorkerSide
 from kvplane.statemachines.replay import replay
 from vllm_support import Req as VllmRequest
+from vllm_support import deployment_secret
 
 BLOCKS, BLOCK_TOKENS, WIDTH = 32, 16, 8
 
@@ -42,6 +43,8 @@ def kv_layers(seed: int) -> dict[str, torch.Tensor]:
 
 class Engine:
     def __init__(self, name: str, tmp, seed: int, **extra):
+        if "kvplane_keypair" not in extra and "kvplane_insecure" not in extra:
+            extra["kvplane_secret_file"] = deployment_secret(tmp)
         self.settings = settings_from({"kvplane_event_log": str(tmp / f"{name}.events.jsonl"),
                                        "kvplane_status_file": str(tmp / f"{name}.status.json"),
                                        "kvplane_kv_dump_dir": str(tmp), **extra},
@@ -174,7 +177,7 @@ def test_curve_keys_from_certificate_files(tmp_path):
     d = Engine("decode-0", tmp_path, seed=2, **keys("decode-0", "prefill-0"))
     try:
         assert not p.settings.insecure and p.worker.rank_info().public_key is not None
-        x = Req("x", {"do_remote_decode": True})
+        x = Req("x", {"do_remote_decode": True}, num_prompt_tokens=10, num_computed_tokens=10)
         p.sched.on_new_request(x)
         _, params = p.sched.request_finished(x, (3,))
         p.step()
@@ -191,7 +194,7 @@ def test_curve_keys_from_certificate_files(tmp_path):
 
 
 def test_layers_must_agree(tmp_path):
-    settings = settings_from({}, side_channel_port=free_port())
+    settings = settings_from({"kvplane_insecure": True}, side_channel_port=free_port())
     w = VllmWorkerSide("e", settings)
     try:
         with pytest.raises(ValueError, match="shaped alike"):

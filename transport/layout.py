@@ -12,10 +12,16 @@ from typing import Any, Iterable, Sequence
 
 import attrs
 
-from .errors import IncompatibleLayout, InvalidPart
+from .errors import IncompatibleLayout, InvalidPart, TransportError
 
 LAYOUT_VERSION = 1
 MEM_TYPES = ("DRAM", "VRAM")
+
+
+class BlockIdOutOfRange(TransportError, IndexError):
+    """A block id that is no block of the layout (e.g. a peer's params naming
+    a block past the holder's pool): a refused transfer, never a crash.  An
+    IndexError too, for callers that index the pool themselves."""
 
 
 def _addresses(addrs: Iterable[int]) -> tuple[int, ...]:
@@ -70,7 +76,7 @@ class CacheLayout:
     def check_block_ids(self, block_ids: Sequence[int], side: str) -> None:
         for b in block_ids:
             if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
-                raise IndexError(
+                raise BlockIdOutOfRange(
                     f"{side} block id {b!r} out of range [0, {self.num_blocks})"
                 )
 
