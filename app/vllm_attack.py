@@ -153,8 +153,9 @@ class Attacker:
 
     def kv_verdict(self, tag: str) -> str:
         deadline = time.monotonic() + 10
-        while not (self.dumps / f"{tag}.rank0.pt").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)  # the dump is written by the worker, after the answer
+        wanted = [self.dumps / f"{tag}{part}.rank0.pt" for part in ("", ".local")]
+        while not all(p.exists() for p in wanted) and time.monotonic() < deadline:
+            time.sleep(0.2)  # a dump is written by the worker, after the answer
         parts = [_load(self.dumps / f"{tag}{part}.rank0.pt") for part in ("", ".p", ".local", ".recv")]
         if parts[0] is None:
             return "no dump"
@@ -390,6 +391,7 @@ def run_attacks(connector: str, out: str, *, timeout: float = 120.0, startup_tim
         result["startup_s"] = run.start(p_spec, d_spec)
         attacker = Attacker(run, connector, timeout, say)
         status0 = _statuses(run)
+        metrics0 = {n: run.metrics(n) for n in ("P", "D")}
         for name in attacks:
             if not attacker.alive():
                 result["attacks"].append(attrs.asdict(Outcome(name, engines=attacker.engines(),
@@ -406,6 +408,10 @@ def run_attacks(connector: str, out: str, *, timeout: float = 120.0, startup_tim
         result["usage_end"] = run.settle(names, opts.lease + 20.0)
         status1 = _statuses(run)
         result["refusals"] = _refusals(status0, status1)
+        for n in names:  # the scheduler half's refusals reach vLLM's metrics, not the status files
+            m0, m1 = metrics0[n], run.metrics(n)
+            result["refusals"].update({f"{n}.{k}": m1[k] - m0.get(k, 0.0) for k in m1
+                                       if "refused" in k and not k.endswith("_created") and m1[k] != m0.get(k, 0.0)})
         result["connector_held"] = {role: (s or {}).get("gauges", {}) for role, s in status1.items()}
     finally:
         result["exit_codes"] = run.stop()

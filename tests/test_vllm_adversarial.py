@@ -30,7 +30,9 @@ def session(tmp_path_factory):
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
     try:
-        result = run_attacks("kvplane", str(tmp_path_factory.mktemp("attack")), timeout=60.0, say=lambda line: None)
+        # KVPLANE_ATTACK_OUT keeps the session's files (docs/security-tests.md's table).
+        out = os.environ.get("KVPLANE_ATTACK_OUT") or str(tmp_path_factory.mktemp("attack"))
+        result = run_attacks("kvplane", out, timeout=60.0, say=lambda line: None)
     finally:
         if old is None:
             del os.environ["PYTHONPATH"]
@@ -90,5 +92,7 @@ def test_a_strangers_completion_frees_nothing(session):
 
 
 def test_the_refusals_were_counted(session):
-    refused = {k: v for k, v in session["refusals"].items() if k.startswith("decode.") and "refused" in k}
-    assert sum(refused.values()) > 0, session["refusals"]
+    """D's scheduler half counts the params it refused, P's the dump tags."""
+    r = session["refusals"]
+    assert r.get("D.vllm:kvplane_refused_params_total", 0) >= 9, r
+    assert r.get("P.vllm:kvplane_refused_dump_tags_total", 0) >= 2, r
