@@ -371,8 +371,11 @@ def forge_completion(connector: str, params: dict) -> str:
     try:
         name = stranger.add_remote(metadata)
         stranger.send_notif(name, f"{params['remote_request_id']}:1".encode())
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:  # no progress thread: polling moves the send along
+            stranger.poll_notifs()
+            time.sleep(0.01)
     finally:
-        time.sleep(0.5)
         stranger.close()
     return "stranger got the metadata and sent a completion"
 
