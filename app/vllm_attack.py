@@ -355,11 +355,9 @@ def forge_completion(connector: str, params: dict) -> str:
     finally:
         sock.close()
     if connector == "nixl":
-        import msgspec
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata, NixlHandshakePayload
-
-        payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(frames[0])
-        metadata = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes).agent_metadata
+        # NixlConnector's NixlHandshakePayload and NixlAgentMetadata: dataclasses, msgpack maps on the wire.
+        payload = msgpack.unpackb(frames[0], raw=False)
+        metadata = msgpack.unpackb(payload["agent_metadata_bytes"], raw=False)["agent_metadata"]
     else:
         from kvplane.transport.wire import unframe_metadata
 
