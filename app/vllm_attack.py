@@ -244,9 +244,11 @@ class Attacker:
         if params is None:
             return attrs.evolve(out, note="P gave no params")
         first = self.decode(prompt, params, "c_first")  # the legitimate use: P frees the blocks
-        # P reuses its freed blocks for other prompts.
+        # P reuses its freed blocks for other prompts: three of 30 blocks fill
+        # its 96-block pool, the free list's tail (where the freed ones went) too.
         for _ in range(3):
-            self.p.complete({"prompt": self.prompt(), "max_tokens": 1})
+            filler = [self.rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(30 * BLOCK_TOKENS)]
+            self.p.complete({"prompt": filler, "max_tokens": 1})
         replay = dict(params)
         if "remote_expiry" in replay and isinstance(replay["remote_expiry"], (int, float)):
             replay["remote_expiry"] = replay["remote_expiry"] + 3600.0
