@@ -191,7 +191,8 @@ class Attacker:
         out = Outcome("a_out_of_range")
         if params is None:
             return attrs.evolve(out, note="P gave no params")
-        bad = dict(params, remote_block_ids=[4_000_000_000 + i for i in range(len(params["remote_block_ids"]))])
+        bad = dict(params, remote_block_ids=edit_blocks(params["remote_block_ids"], None,
+                                                         lambda own, _: [4_000_000_000 + i for i in range(len(own))]))
         out.statuses.append(self.decode(prompt, bad, "a"))
         time.sleep(2.0)  # an engine core that died takes a moment to take the server down
         out.engines = self.engines()
@@ -209,7 +210,7 @@ class Attacker:
         out = Outcome(name)
         if pv is None or pa is None:
             return attrs.evolve(out, note="P gave no params")
-        hostile = dict(pa, remote_block_ids=edit(list(pa["remote_block_ids"]), list(pv["remote_block_ids"])))
+        hostile = dict(pa, remote_block_ids=edit_blocks(pa["remote_block_ids"], pv["remote_block_ids"], edit))
         out.statuses.append(self.decode(mine, hostile, name))
         out.engines = self.engines()
         if not self.alive():
@@ -271,7 +272,10 @@ class Attacker:
                 prompt = self.prompt()
                 params = self.prefill(prompt, f"d{k}")
                 if params is not None:
-                    hostile.append((prompt, dict(params, remote_host="127.0.0.1", remote_port=listener.port)))
+                    bad = dict(params, remote_host="127.0.0.1", remote_port=listener.port)
+                    if "remote_rank_ports" in params:  # kvplane: each rank's side channel
+                        bad["remote_rank_ports"] = [listener.port] * len(params["remote_rank_ports"])
+                    hostile.append((prompt, bad))
             with ThreadPoolExecutor(max_workers=flood + 1) as pool:
                 futures = [pool.submit(self.decode, prompt, params, None) for prompt, params in hostile]
                 time.sleep(1.0)
@@ -332,6 +336,14 @@ class Attacker:
             self.reference(prompt, "f")
             out.kv = self.kv_verdict("f")
         return out
+
+
+def edit_blocks(own: list, theirs: list | None, edit: Callable[[list, list], list]) -> list:
+    """``edit(own ids, their ids)`` applied to a params' block list: one list
+    of ids, or (vLLM's hybrid KV cache manager) one per KV cache group."""
+    if own and isinstance(own[0], list):
+        return [edit(list(g), list(t) if theirs is not None else []) for g, t in zip(own, theirs or own)]
+    return edit(list(own), list(theirs or []))
 
 
 def forge_completion(connector: str, params: dict) -> str:
