@@ -19,7 +19,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed: run scripts/install-vllm to include these tests")
 
 ROOT = Path(__file__).resolve().parent.parent
-HANDSHAKE_TIMEOUT_S = 5.0  # PlaneConfig's default, which the engines run with
+# The normal request sent during the flood names the flood's engine: before the
+# params were signed it waited for the attempt at the attacker's address, one
+# whole handshake timeout (28.9 s of vLLM's 30 s here); now nothing is dialled.
+FLOOD_SLACK_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +83,7 @@ def test_dump_tags_are_names_never_paths(session):
 def test_an_attackers_address_is_never_dialled_and_stalls_nobody(session):
     f = attacks(session)["d_address"]["figures"]
     assert f["connections"] == 0
-    # The normal request sent during the flood answered within one handshake
-    # timeout of the same request sent after it.
-    assert f["legit_status"] == 200 and f["legit_s"] < f["after_s"] + HANDSHAKE_TIMEOUT_S, f
+    assert f["legit_status"] == 200 and f["legit_s"] < f["after_s"] + FLOOD_SLACK_S, f
 
 
 def test_a_strangers_completion_frees_nothing(session):
