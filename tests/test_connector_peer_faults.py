@@ -166,3 +166,19 @@ def test_a_second_attempt_for_an_engine_never_runs_beside_the_first(engines):
         time.sleep(0.01)
     assert [o.url for o in outcomes] == [url, other] and all(o.error is not None for o in outcomes)
     assert hs.in_flight() == {}
+
+
+def test_past_its_capacity_the_pool_fails_a_new_engine_at_once(engines):
+    """Every admitted attempt has its own thread; one more engine than that
+    is failed at once (its machine backs off), never queued."""
+    from kvplane.connector.handshaker import Handshaker, HandshakeBusy
+
+    hs = Handshaker("kvplane-v1", CFG.handshake_timeout, max_in_flight=2, insecure=True)
+    try:
+        for name in ("P_hung0", "P_hung1", "P_hung2"):
+            hs.submit(name, engines[name].driver.side_channel_url)
+        (busy,) = hs.completed()
+        assert busy.engine_id == "P_hung2" and isinstance(busy.error, HandshakeBusy)
+        assert set(hs.in_flight()) == {"P_hung0", "P_hung1"} and hs.counters["handshakes_refused_busy"] == 1
+    finally:
+        hs.close()
