@@ -216,6 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_arguments(px)
     px.set_defaults(fn=_proxy)
 
+    from kvplane.app.vllm_attack import add_attack_arguments, cmd_attack
+
+    at = sub.add_parser("attack", help="hostile requests straight to two vLLM engines' APIs (kvplane, nixl or both)",
+                        formatter_class=HelpFormatter,
+                        description="Start P and D (vLLM, tiny local model) and send each class of hostile "
+                                    "kv_transfer_params of docs/security-tests.md; report per attack.")
+    add_attack_arguments(at)
+    at.set_defaults(fn=cmd_attack)
+
     from kvplane.app.sequence import add_sequence_arguments
 
     sq = sub.add_parser("sequence", help="both sides' event logs as one Mermaid sequence diagram",

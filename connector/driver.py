@@ -378,14 +378,14 @@ class PlaneDriver:
         return E.HandshakeOk(engine_id=outcome.engine_id, samples=samples)
 
     def _retry_words(self, engine_id: str) -> str:
-        """Whether the remote_engine machine will retry the failed handshake
-        (its attempt count, before the failure is fed)."""
+        """What the remote_engine machine does with the failure: its
+        requesters recompute, and it backs off (before the failure is fed)."""
         engine = self.plane.get("remote_engine", engine_id)
-        n = self.config.handshake_max_attempts
         if engine is None:
             return "no handshake in progress"
-        k = engine.attempts
-        return f"retrying (attempt {k + 1} of {n})" if k < n else f"giving up (attempt {k} of {n})"
+        cfg = self.config
+        delay = cfg.handshake_backoff * 2 ** (min(engine.attempts, cfg.handshake_max_attempts) - 1)
+        return f"its requests recompute; no new attempt for {delay:g} s (consecutive failure {engine.attempts})"
 
     def _remove_agent(self, a: A.RemoveRemoteAgent, follow: list) -> None:
         self.counters["engines_evicted"] += 1
@@ -427,9 +427,31 @@ class PlaneDriver:
             follow.append(failed(request_id=a.request_id, reason=f"{type(exc).__name__}: {exc}"))
             if isinstance(exc, PeerGone):
                 follow.append(E.PeerDisconnected(engine_id=a.engine_id, reason=str(exc)))
+                if op == "READ":
+                    follow.extend(self._farewell(a.request_id))
             return
         self.counters[f"{op.lower()}s_posted"] += 1
         self.xfers[a.request_id] = (handle, op, a.engine_id)
+
+    def _farewell(self, request_id: str) -> list[E.Event]:
+        """Events that tell the holder of a lease we failed to READ (its agent
+        is gone) that we are done with it.  The agent we hold may be a past
+        incarnation of the engine (it restarted under the same engine id and
+        granted the lease since): a notify-only request on the same lease,
+        fed after the engine's eviction, handshakes afresh (the new agent's
+        metadata) and sends the completion, so the holder frees the blocks
+        now instead of at expiry.  If the engine is really gone, the
+        handshake fails and the request ends; either way it holds nothing."""
+        r = self.plane.get("decode_request", request_id)
+        if r is None:
+            return []
+        self.counters["farewells"] += 1
+        rid = f"{request_id}#farewell"
+        return [E.NewRequest(request_id=rid, engine_id=r.engine_id, remote_request_id=r.remote_request_id,
+                             remote_ranks=r.ranks, expected_consumers=r.expected_consumers,
+                             remote_expiry=r.remote_expiry, remote_renewable=r.remote_renewable),
+                E.BlocksAllocated(request_id=rid, num_remote_tokens=0, awaiting=False),
+                E.StartLoad(request_id=rid)]
 
     def _post_read(self, a: A.PostRead, follow: list) -> None:
         self._post(a, follow, "READ")
@@ -610,6 +632,8 @@ class PlaneDriver:
                 state = self.endpoint.poll_transfer(handle)
             except PeerGone as exc:
                 events += [failed(request_id=request_id, reason=str(exc)), E.PeerDisconnected(engine_id=engine, reason=str(exc))]
+                if op == "READ":
+                    events += self._farewell(request_id)
                 continue
             except TransportError as exc:
                 events.append(failed(request_id=request_id, reason=f"{type(exc).__name__}: {exc}"))

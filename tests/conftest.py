@@ -26,6 +26,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_config_kv_transfer.py": "core",
     "test_connector_facade.py": "core",
     "test_connector_loopback.py": None,
+    "test_connector_peer_faults.py": "core",
     "test_connector_split.py": "core",
     "test_core_nonfinite.py": "core",
     "test_core_plane.py": "core",
@@ -53,6 +54,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_netns.py": "e2e",
     "test_log_stream.py": "core",
     "test_monitors.py": "core",
+    "test_nixl_restart.py": "nixl",
     "test_param_auth.py": "core",
     "test_params.py": "core",
     "test_plane_reference.py": "core",
@@ -82,6 +84,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_tp_mapping.py": "core",
     "test_vllm_adapter.py": "core",
     "test_vllm_worker_side.py": "nixl",
+    "test_vllm_adversarial.py": "vllm",
     "test_vllm_engine.py": "vllm",
     "test_vllm_scheduler.py": "vllm",
 }

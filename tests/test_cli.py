@@ -278,7 +278,7 @@ def test_the_progress_count_names_its_unit():
     assert turn2 and progress_unit(opts, reqs) == f"48 turn-1 + {turn2} turn-2 requests"
 
 
-def test_a_failed_handshake_warning_says_whether_a_retry_follows():
+def test_a_failed_handshake_warning_says_how_long_the_engine_backs_off():
     from types import SimpleNamespace
 
     from kvplane.connector.driver import PlaneDriver
@@ -289,8 +289,13 @@ def test_a_failed_handshake_warning_says_whether_a_retry_follows():
     plane = ControlPlane(PlaneConfig(handshake_max_attempts=2))
     plane.handle(E.NewRequest(request_id="r1", engine_id="e", remote_request_id="x", remote_block_ids=[1]), 0.0)
     driver = SimpleNamespace(plane=plane, config=plane.config)
-    assert PlaneDriver._retry_words(driver, "e") == "retrying (attempt 2 of 2)"
+    assert PlaneDriver._retry_words(driver, "e") == "its requests recompute; no new attempt for 1 s (consecutive failure 1)"
     plane.handle(E.HandshakeFailed(engine_id="e", reason="timed out"), 0.1)
-    plane.fire_due(10.0)  # the backoff is over: the second attempt
-    assert PlaneDriver._retry_words(driver, "e") == "giving up (attempt 2 of 2)"
+    for attempt in (2, 3):  # the heartbeat tick acquires the engine again once the backoff is over
+        plane.fire_due(10.0 * attempt)
+        assert plane.get("remote_engine", "e").attempts == attempt
+        # Doubled once, then capped (handshake_max_attempts 2: one doubling).
+        assert PlaneDriver._retry_words(driver, "e") == \
+            f"its requests recompute; no new attempt for 2 s (consecutive failure {attempt})"
+        plane.handle(E.HandshakeFailed(engine_id="e", reason="timed out"), 10.0 * attempt + 0.1)
     assert PlaneDriver._retry_words(driver, "nobody") == "no handshake in progress"

@@ -71,10 +71,11 @@ class Side:
 @pytest.mark.parametrize("outcome", ["ready", "lost", "exhausted", "timer"])
 def test_full_prefix_hit_reported_exactly_when_awaited(awaiting, outcome):
     """ready: EngineReady; lost: the peer disconnects during the handshake;
-    exhausted: every handshake attempt fails; timer: the handshake keeps failing
-    with a long backoff, and the request's own deadline fires first."""
+    exhausted: the handshake attempt fails; timer: the peer never answers, and
+    the attempt times out (the request waits that long, no backoff, never
+    until its own deadline)."""
     cfg = PlaneConfig(recv_timeout=10.0, handshake_backoff=4.0) if outcome == "timer" else PlaneConfig()
-    handshake = {"ready": "ok", "lost": "silent", "exhausted": "fail", "timer": "fail"}[outcome]
+    handshake = {"ready": "ok", "lost": "silent", "exhausted": "fail", "timer": "silent"}[outcome]
     d = Side(plane(**attrs_of(cfg)), handshake=handshake)
     p = Side(plane())
     p.handle(E.LeaseGranted(request_id="p1", block_ids=(1, 2, 3)), 0.0)
@@ -85,11 +86,12 @@ def test_full_prefix_hit_reported_exactly_when_awaited(awaiting, outcome):
     if outcome == "lost":
         d.handle(E.PeerDisconnected(engine_id=P_ENGINE, reason="connection refused"), 0.7)
     if outcome == "timer":
-        deadline = 0.5 + cfg.recv_timeout
-        d.until(deadline - 0.001)
+        timeout = d.plane.get("remote_engine", P_ENGINE).retry_at  # the attempt's timeout
+        assert timeout <= 0.5 + cfg.handshake_timeout < 0.5 + cfg.recv_timeout
+        d.until(timeout - 0.001)
         assert d.plane.get("decode_request", "r1").state == ("HANDSHAKING" if awaiting else "NOTIFYING")
+        d.until(timeout)
         assert d.plane.get("remote_engine", P_ENGINE).state == "HANDSHAKE_FAILED"
-        d.until(deadline)
         assert held_by(d.plane, "r1") == []
     d.until(1000.0)
 
@@ -510,8 +512,8 @@ def test_engine_referenced_by_an_in_flight_read_is_never_evicted():
 
 @pytest.mark.parametrize("missing", ["prefill", "registration", "handshake"])
 def test_push_deadlines_fail_the_push(missing):
-    # A handshake that outlasts the push deadline (each attempt times out after 45 s).
-    p = Side(plane(kv_lease_duration=1000.0, handshake_timeout=45.0),
+    # A handshake that outlasts the push deadline (the attempt times out after 100 s).
+    p = Side(plane(kv_lease_duration=1000.0, handshake_timeout=100.0),
              handshake="silent" if missing == "handshake" else "ok")
     cfg = p.plane.config
     p.handle(E.LeaseGranted(request_id="p1", block_ids=(7, 8)), 0.0)

@@ -92,18 +92,15 @@ def lease_path(state, *, consumers=2, renewable=True, bind=()):
     return d
 
 
-def engine_path(state, *, exhausted=False, released=False):
+def engine_path(state, *, backoff_over=False, released=False):
     d = Drive("remote_engine")
     if state == "UNKNOWN":
         return d
     d(E.EngineAcquire(engine_id="P0", requester_kind="decode_request", requester_key="r1"))
-    if exhausted:
-        for _ in range(CFG.handshake_max_attempts - 1):
-            d(E.HandshakeFailed(engine_id="P0"))
-            d.timer()  # backoff over: next attempt
-        assert d.inst.state == "HANDSHAKING" and d.inst.attempts == CFG.handshake_max_attempts
     if state == "HANDSHAKE_FAILED":
         d(E.HandshakeFailed(engine_id="P0"))
+        if backoff_over:
+            d.now = d.inst.retry_at  # the event comes half a second after the backoff
     elif state in ("CONNECTED", "STALE"):
         d(E.HandshakeOk(engine_id="P0", samples=((0.25, 0.001),)))
         if state == "STALE":
@@ -254,9 +251,9 @@ def arrange(kind, row):
             event = default_event(kind, ev, d.inst)
     elif kind == "remote_engine":
         opts = {}
-        if src == "HANDSHAKING" and ev in (E.HandshakeFailed, TimerFired):
-            opts = {"retries_left": {}, None: dict(exhausted=True)}[g]
-        elif src in ("HANDSHAKE_FAILED", "STALE") and ev is TimerFired:
+        if src == "HANDSHAKE_FAILED" and ev is E.EngineAcquire:
+            opts = {"backing_off": {}, None: dict(backoff_over=True)}[g]
+        elif src == "STALE" and ev is TimerFired:
             opts = {"referenced": {}, None: dict(released=True)}[g]
         else:
             assert g is None, f"no recipe for guard {g}"

@@ -149,7 +149,10 @@ def test_bug_push_writes_from_a_lease_that_ended(route, tmp_path):
     under way.  write_hung_past_expiry: the WRITE hangs, D stalls (no
     heartbeats), the lease expires and the hung WRITE then executes.
     handshake_after_expiry: the issue's scenario: the handshake to D is lost
-    while D stalls, its retry completes after the lease expired."""
+    while D stalls, its retry completes after the lease expired.  That route
+    is closed since a failed attempt fails its requesters at once (the push
+    with it) instead of keeping them for the retry: even the mutated
+    push_write is safe on it."""
     kw = {
         "p_abort": dict(max_depth=10),
         "write_hung_past_expiry": dict(faults=frozenset({"write_hang", "stall"}), max_faults=2, max_aborts=0,
@@ -160,6 +163,9 @@ def test_bug_push_writes_from_a_lease_that_ended(route, tmp_path):
     assert explore(requests=("push",), **kw).ok
     machines = with_machine("push_write", _push_outliving_its_lease())
     r = explore(machines=machines, requests=("push",), **kw)
+    if route == "handshake_after_expiry":
+        assert r.ok, [v.kind for v in r.violations]
+        return
     v = assert_found(r, "write_from_unheld_lease")
     what = "executed" if route == "write_hung_past_expiry" else "posted"
     assert f"WRITE {what} from P lease p0" in v.message

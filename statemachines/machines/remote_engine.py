@@ -5,7 +5,17 @@ every path out; the engine is never evicted while a reference (an in-flight
 transfer, a pending push) exists.  Any activity refreshes liveness; silence
 for ``stale_after`` (half of ``engine_ttl``) makes it STALE and twice that
 evicts it: an idle engine is gone one TTL after its last activity, as vLLM's
-engine_ttl means.  The clock
+engine_ttl means.
+
+A failed handshake attempt (refused, or no answer in handshake_timeout)
+fails every requester at once (their recvs are reported failed: vLLM
+recomputes) and backs the engine off: handshake_backoff doubled per
+consecutive failure, at most handshake_max_attempts - 1 doublings.  While it
+backs off, a new requester is failed at once instead of waiting; the first
+one after it starts the next attempt.  So a dead or silent peer costs its own
+requests at most one handshake_timeout, never anyone else's, and is tried at
+most once per backoff however many requests name it; a failed engine nobody
+asks for is forgotten stale_after past its backoff.  The clock
 offset is the one from the lowest-RTT handshake sample; a sample that is not
 a pair of finite numbers is not taken, and an engine with samples but none
 usable has an unknown (NaN) offset, which every expiry gate declines.
@@ -96,8 +106,8 @@ def _requester(ev) -> tuple:
     return (ev.requester_kind, ev.requester_key)
 
 
-def _first_acquire(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> None:
-    """Add the first requester as a waiter and start the first handshake attempt."""
+def _wait_and_attempt(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> None:
+    """Add the requester as a waiter and start a handshake attempt."""
     _add_waiter(e, ev, cfg, now)
     _attempt(e, ev, cfg, now)
 
@@ -129,8 +139,10 @@ def _attempt(e: RemoteEngine, ev, cfg, now) -> None:
 
 
 def _backoff(e: RemoteEngine, ev, cfg, now) -> None:
-    """Retry at now + handshake_backoff, doubled per attempt so far."""
-    e.retry_at = now + cfg.handshake_backoff * (2 ** (e.attempts - 1))
+    """No waiters (all failed); no retry before now + handshake_backoff *
+    2**(k-1), k = consecutive failures, at most handshake_max_attempts."""
+    e.waiters = []
+    e.retry_at = now + cfg.handshake_backoff * (2 ** (min(e.attempts, cfg.handshake_max_attempts) - 1))
 
 
 def _connected(e: RemoteEngine, ev: HandshakeOk, cfg, now) -> None:
@@ -183,9 +195,9 @@ def _recheck_later(e: RemoteEngine, ev, cfg, now) -> None:
     e.last_activity = now - cfg.stale_after
 
 
-def retries_left(e: RemoteEngine, ev, cfg, now) -> bool:
-    """attempts < handshake_max_attempts"""
-    return e.attempts < cfg.handshake_max_attempts
+def backing_off(e: RemoteEngine, ev, cfg, now) -> bool:
+    """now < retry_at"""
+    return now < e.retry_at
 
 
 def referenced(e: RemoteEngine, ev, cfg, now) -> bool:
@@ -223,6 +235,12 @@ def fail_requesters(e: RemoteEngine, ev: HandshakeFailed | PeerDisconnected, cfg
 
 
 @emits(FailRequesters)
+def fail_acquirer(e: RemoteEngine, ev: EngineAcquire, cfg, now) -> FailRequesters:
+    """Backing off after a failed handshake: fail only the new requester, at once."""
+    return FailRequesters(e.key, (_requester(ev),), "backing off after a failed handshake")
+
+
+@emits(FailRequesters)
 def fail_requesters_timed_out(e: RemoteEngine, ev: TimerFired, cfg, now) -> FailRequesters:
     """The handshake timed out: the reason is the state it timed out in."""
     return FailRequesters(e.key, tuple(sorted(e.refs)), e.state.lower())
@@ -244,7 +262,8 @@ S = EngineState  # the short name the table rows use
 STATES = (
     State(S.UNKNOWN),
     State(S.HANDSHAKING, waits_on_remote=True, deadline=lambda e, cfg, now: e.retry_at),
-    State(S.HANDSHAKE_FAILED, deadline=lambda e, cfg, now: e.retry_at, doc="backing off before a retry"),
+    State(S.HANDSHAKE_FAILED, deadline=lambda e, cfg, now: e.retry_at + cfg.stale_after,
+          doc="backing off until retry_at (requesters fail at once); forgotten stale_after later"),
     State(S.CONNECTED, holds={"remote_agent"}, waits_on_remote=True,
           deadline=lambda e, cfg, now: e.last_activity + cfg.stale_after),
     State(S.STALE, holds={"remote_agent"}, waits_on_remote=True,
@@ -257,24 +276,26 @@ LIVE = [S.HANDSHAKING, S.HANDSHAKE_FAILED, S.CONNECTED, S.STALE]
 UP = [S.CONNECTED, S.STALE]
 
 TABLE = rows(
-    on(S.UNKNOWN, EngineAcquire, S.HANDSHAKING, start_handshake, do=_first_acquire),
+    on(S.UNKNOWN, EngineAcquire, S.HANDSHAKING, start_handshake, do=_wait_and_attempt),
     error(S.UNKNOWN, EVENTS[1:-1], "no engine event precedes the first acquire"),
 
     # Acquire and release keep the state; only the reference set changes.
-    *(on(s, EngineAcquire, s, do=_add_waiter) for s in (S.HANDSHAKING, S.HANDSHAKE_FAILED)),
+    on(S.HANDSHAKING, EngineAcquire, S.HANDSHAKING, do=_add_waiter),
+    # Backing off: the requester fails at once (recomputes), nothing queues
+    # behind a dead peer; once the backoff is over it starts the next attempt.
+    on(S.HANDSHAKE_FAILED, EngineAcquire, S.HANDSHAKE_FAILED, fail_acquirer, when=backing_off),
+    on(S.HANDSHAKE_FAILED, EngineAcquire, S.HANDSHAKING, start_handshake, do=_wait_and_attempt),
     *(on(s, EngineAcquire, s, wake_acquirer, do=_add_ref) for s in UP),
     *(on(s, EngineRelease, s, do=_drop_ref) for s in LIVE),
 
+    # A late success (after the attempt timed out) connects all the same.
     on([S.HANDSHAKING, S.HANDSHAKE_FAILED], HandshakeOk, S.CONNECTED, wake_waiters, do=_connected),
     # NIXL names an agent after its peer, so a repeated add is the same agent:
     # keep it and take the new clock samples.
     *(on(s, HandshakeOk, s, do=_resampled) for s in UP),
-    on(S.HANDSHAKING, HandshakeFailed, S.HANDSHAKE_FAILED, when=retries_left, do=_backoff),
-    on(S.HANDSHAKING, HandshakeFailed, S.EVICTED, fail_requesters),
-    on(S.HANDSHAKING, TimerFired, S.HANDSHAKE_FAILED, when=retries_left, do=_backoff),
-    on(S.HANDSHAKING, TimerFired, S.EVICTED, fail_requesters_timed_out),
+    on(S.HANDSHAKING, HandshakeFailed, S.HANDSHAKE_FAILED, fail_requesters, do=_backoff),
+    on(S.HANDSHAKING, TimerFired, S.HANDSHAKE_FAILED, fail_requesters_timed_out, do=_backoff),
     ignore([S.HANDSHAKE_FAILED] + UP, HandshakeFailed, "late failure of a superseded attempt"),
-    on(S.HANDSHAKE_FAILED, TimerFired, S.HANDSHAKING, start_handshake, when=referenced, do=_attempt),
     on(S.HANDSHAKE_FAILED, TimerFired, S.EVICTED),
 
     on(UP, EngineActivity, S.CONNECTED, do=_touch),
