@@ -61,6 +61,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_split_multiprocess.py": "nixl",
     "test_sequence.py": "core",
     "test_ticker.py": "core",
+    "test_turn2_params.py": "core",
     "test_transport_coalesce.py": "nixl",
     "test_transport_endpoint.py": "core",
     "test_transport_gpu_check.py": "nixl",
