@@ -257,7 +257,7 @@ class VllmSchedulerSide:
                     self.sched.abort(rid)
                     self.sched.request_finished(rid, block_ids)
                     return False, None
-                delay, out = self.sched.request_finished(rid, block_ids)
+                delay, out = self.sched.request_finished(rid, block_ids, reader_tp=self.settings.reader_tp)
                 if out is None:
                     return False, None
                 self._maybe_dump(request, block_ids, params, normal, holds_blocks=False, first_read_token=first,
@@ -265,7 +265,8 @@ class VllmSchedulerSide:
                 return delay, self._vouch(request, out)
             hold = self.settings.bidirectional and normal
             held = self._held_blocks(request, block_ids) if hold else block_ids
-            delay, out = self.sched.request_finished(rid, held, hold_for_next_turn=hold)
+            delay, out = self.sched.request_finished(rid, held, hold_for_next_turn=hold,
+                                                     reader_tp=self.settings.reader_tp)
             if out is not None:
                 self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok,
                                  holds_blocks=False)
@@ -276,7 +277,7 @@ class VllmSchedulerSide:
             if not normal or not block_ids:
                 self.sched.abort(rid)
                 return False, None
-            delay, out = self.sched.request_finished(rid, block_ids)
+            delay, out = self.sched.request_finished(rid, block_ids, reader_tp=self.settings.reader_tp)
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False)  # the lease holds them

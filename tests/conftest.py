@@ -75,6 +75,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_vllm_adapter.py": "core",
     "test_vllm_worker_side.py": "nixl",
     "test_vllm_engine.py": "vllm",
+    "test_vllm_parity.py": "vllm",
 }
 KINDS = ("core", "nixl", "e2e", "vllm")
 

@@ -13,6 +13,7 @@ from kvplane.connector.param_auth import AUTH_KEY
 from kvplane.connector.records import RankInfo
 from kvplane.connector.vllm_scheduler import VllmSchedulerSide
 from kvplane.connector.vllm_settings import settings_from
+from kvplane.statemachines.config import ConfigError
 from vllm_support import Req
 
 BLOCK = 16
@@ -129,3 +130,20 @@ def test_without_bidirectional_p_treats_the_params_as_a_plain_prefill(tmp_path):
     r.num_computed_tokens = r.num_prompt_tokens
     delay, back = p.request_finished(r, (1, 2, 3, 4))
     assert delay and back["do_remote_prefill"] is True
+
+
+def test_the_readers_tp_sets_every_lease_s_consumers(tmp_path):
+    # vLLM's P learns nothing of D's TP before D's completions: kvplane_reader_tp tells it.
+    path = tmp_path / "kvplane.secret"
+    path.write_text("c" * 64)
+    p = VllmSchedulerSide("prefill-0", settings_from({"kvplane_secret_file": str(path), "kvplane_reader_tp": 2},
+                                                     environ={}), block_size=BLOCK)
+    p.add_ranks({0: RankInfo(rank=0, engine_id="prefill-0/tp0", side_channel_port=5700, public_key=None)})
+    x = Req("x", {"do_remote_decode": True}, num_prompt_tokens=len(PROMPT), num_computed_tokens=len(PROMPT),
+            prompt_token_ids=list(PROMPT))
+    p.on_new_request(x)
+    _, lease = p.request_finished(x, (1, 2, 3))
+    assert lease["expected_consumers"] == 2
+    for bad in (0, True, "2", 2000):
+        with pytest.raises(ConfigError, match="kvplane_reader_tp"):
+            settings_from({"kvplane_insecure": True, "kvplane_reader_tp": bad}, environ={})
