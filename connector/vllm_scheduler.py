@@ -153,9 +153,9 @@ class VllmSchedulerSide:
             # turn, the held prefix's) tokens.
             tokens = translated.get("remote_num_tokens")
             blocks = translated.get("remote_block_ids")
-            fits = (isinstance(tokens, int) and not isinstance(tokens, bool) and 0 < tokens <= request.num_prompt_tokens
-                    if turn2 else tokens == request.num_prompt_tokens)
-            if not fits or not isinstance(blocks, list) or len(blocks) != -(-tokens // self.block_size) or \
+            count = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
+            fits = 0 < count <= request.num_prompt_tokens if turn2 else count == request.num_prompt_tokens > 0
+            if not fits or not isinstance(blocks, list) or len(blocks) != -(-count // self.block_size) or \
                     len(set(map(repr, blocks))) != len(blocks):
                 raise RefusedParams("blocks do not cover the tokens",
                                     f"{_count(blocks)} blocks for {tokens!r} tokens; the prompt has "
