@@ -34,7 +34,8 @@ def checks(s: dict) -> dict[str, bool | None]:
         c["turn2_p_read_right"] = reads["checked"] == t2["completed"] > 0 and (
             reads["ok"] == reads["checked"] if kvp else None)
         if o.get("late_turn2") and kvp:
-            c["late_turn2_declined"] = reads["late_declined"] >= t2["late"] > 0
+            c["late_turn2_declined"] = reads["late_declined"] >= t2["late"] > 0 and \
+                s.get("p_declined_reads", 0) >= t2["late"]
     if o.get("late_forward") and kvp:
         c["late_reads_declined"] = s.get("declined_reads", 0) >= s.get("late", 0) > 0
     if kvp:

@@ -562,6 +562,8 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["status_missing"] = [f"{role} rank {r}" for role, ss in status.items() for r, s in enumerate(ss) if s is None]
         out["bytes_moved"] = counts["decode"].get("bytes_transferred", 0)
         out["declined_reads"] = counts["decode"].get("kvplane_declined_reads", 0)
+        # P's own reads (bidirectional turn 2: D's holds) that its expiry gate declined.
+        out["p_declined_reads"] = counts["prefill"].get("kvplane_declined_reads", 0)
         out["failed_recvs"] = counts["decode"].get("kvplane_failed_recvs", 0)
         out["lease_extensions"] = counts["prefill"].get("kvplane_lease_extensions", 0)
         out["leases_expired"] = counts["prefill"].get("num_kv_expired_reqs", 0)

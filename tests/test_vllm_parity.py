@@ -43,4 +43,4 @@ def test_bidirectional_turn_2_reads_d_s_hold_and_a_late_one_is_declined(tmp_path
     assert t2["completed"] == 8 and t2["late"] == 2
     reads = t2["p_reads"]
     assert reads["ok"] == reads["checked"] == 8 and reads["tokens_compared"] > 0
-    assert reads["late_declined"] == 2 and reads["declined"] == 2
+    assert reads["late_declined"] == 2 and reads["declined"] == 2 and s["p_declined_reads"] == 2
