@@ -27,11 +27,10 @@ Measured on a normal run: P's KV and D's recompute are byte-identical for
 every prompt (the CPU kernels give the same bytes for the same prompt
 whatever the batch), so the check needs no tolerance.
 
-With tensor parallelism each rank dumps its own shard; D rank ``r``'s
+With tensor parallelism each rank dumps its own heads; D rank ``r``'s
 blocks are compared with P's blocks of the heads it holds, put together
-from P's rank dumps by the TP mapping (``statemachines.tp_mapping``): a
-head shard is a slice of each block's K row and V row (the rows are
-head-major), and D's recompute is per rank anyway.
+from P's rank dumps by the TP mapping (``statemachines.tp_mapping``), and
+D's recompute is per rank anyway.
 """
 from __future__ import annotations
 
@@ -102,8 +101,9 @@ def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: 
 
 def holder_view(p_dumps: list[dict | None], prefill_tp: int, decode_tp: int, rank: int) -> dict | None:
     """P's dump as D rank ``rank`` holds it: its heads of every block, from
-    the P ranks that hold them (each block row, K and V, is head-major: a
-    head shard is one contiguous slice of it)."""
+    the P ranks that hold them.  A block is head-major (vLLM's CPU layout:
+    [heads, block tokens, K and V]), so a TP part of a block is a range of
+    heads: dim 1 of a dump."""
     import torch
 
     from kvplane.statemachines.tp_mapping import TpMapping
@@ -115,22 +115,18 @@ def holder_view(p_dumps: list[dict | None], prefill_tp: int, decode_tp: int, ran
     mapping = TpMapping(holder_tp=prefill_tp, reader_tp=decode_tp)
     first = p_dumps[0]
     assert first is not None
-    block = int(first.get("block_tokens", 128))
-    layers, rows, tokens, width = first["kv"].shape
-    nb = tokens // block
-    local_width = width * prefill_tp // decode_tp
-    out = torch.zeros((layers, rows, nb, block * local_width), dtype=first["kv"].dtype)
+    layers, heads, tokens, width = first["kv"].shape
+    local_heads = heads * prefill_tp // decode_tp
+    out = torch.zeros((layers, local_heads, tokens, width), dtype=first["kv"].dtype)
     for src in mapping.sources(rank):
         theirs = p_dumps[src.holder_rank]
         assert theirs is not None
-        flat = theirs["kv"].reshape(layers, rows, nb, block * width)
-        rlen = block * width // src.remote.of
-        llen = block * local_width // src.local.of
-        if rlen != llen:
+        if theirs["kv"].shape != first["kv"].shape or heads % src.remote.of or local_heads % src.local.of:
             return None
-        out[..., src.local.index * llen:(src.local.index + 1) * llen] = \
-            flat[..., src.remote.index * rlen:(src.remote.index + 1) * rlen]
-    return dict(first, kv=out.reshape(layers, rows, nb * block, local_width))
+        rn, ln = heads // src.remote.of, local_heads // src.local.of
+        out[:, src.local.index * ln:(src.local.index + 1) * ln] = \
+            theirs["kv"][:, src.remote.index * rn:(src.remote.index + 1) * rn]
+    return dict(first, kv=out)
 
 
 def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: int = 1) -> list[KvVerdict]:
