@@ -89,14 +89,12 @@ class ConnectorWorker:
         return RankInfo(rank=self.rank, engine_id=d.engine_id, side_channel_port=d.side_channel_port,
                         public_key=d.public_key)
 
-    def register_kv_caches(self, kv_cache: Any, rows: int = 1) -> None:
+    def register_kv_caches(self, kv_cache: Any) -> None:
         """``kv_cache``: this rank's shard, one tensor [num_blocks, ...] or a
-        dict of them (one per layer); a block is ``rows`` equal rows, each
-        head-major (vLLM's [num_blocks, 2 (K, V), ...]: 2), so that a TP head
-        shard is a slice of each row."""
+        dict of them (one per layer)."""
         tensors = kv_cache.values() if isinstance(kv_cache, dict) else [kv_cache]
         for t in tensors:
-            self.driver.endpoint.register_kv_cache(t, t[0].numel() * t.element_size(), rows)
+            self.driver.endpoint.register_kv_cache(t, t[0].numel() * t.element_size())
 
     # ------------------------------------------------------------ per step
     def bind(self, meta: StepMeta) -> None:

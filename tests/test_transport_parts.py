@@ -37,7 +37,7 @@ class Net:
         self.fabric = LoopbackFabric() if kind == "loopback" else None
         self.endpoints = []
 
-    def endpoint(self, role, *regions, block_size, rows=1):
+    def endpoint(self, role, *regions, block_size):
         n = next(_names)
         if self.kind == "nixl":
             from kvplane.transport.nixl_agent import NixlEndpoint
@@ -47,7 +47,7 @@ class Net:
             ep = LoopbackEndpoint(self.fabric, f"{role}{n}")
         self.endpoints.append(ep)
         for t in regions:
-            ep.register_kv_cache(t, block_size, rows)
+            ep.register_kv_cache(t, block_size)
         for other in self.endpoints[:-1]:  # everyone knows everyone
             assert other.add_remote(ep.local_metadata()) == ep.name
             assert ep.add_remote(other.local_metadata()) == other.name
@@ -114,37 +114,6 @@ def test_whole_blocks_of_two_holders_fill_the_halves_of_local_blocks(net):
     assert torch.equal(d_cache[[1, 4], :half], p0_cache[[2, 3]])
     assert torch.equal(d_cache[[1, 4], half:], p1_cache[[6, 0]])
     assert not d_cache[[0, 2, 3, 5, 6, 7]].any()
-
-
-def test_a_head_shard_of_a_k_and_v_block_is_a_slice_of_each_row(net):
-    # vLLM's blocks are [2 (K, V), heads...]: P TP 2 -> D TP 1, P rank j's whole
-    # block is head shard j of 2 of D's K row and of its V row, not half j of the block.
-    half, quarter = BS // 2, BS // 4
-    p0_cache, p1_cache = pattern((NB, half), 4), pattern((NB, half), 5)
-    d_cache = torch.zeros(NB, BS, dtype=torch.uint8)
-    p0 = net.endpoint("P", p0_cache, block_size=half, rows=2)
-    p1 = net.endpoint("P", p1_cache, block_size=half, rows=2)
-    d = net.endpoint("D", d_cache, block_size=BS, rows=2)
-    h0 = d.post_read(p0.name, p0.describe_cache(), [2, 3], [1, 4], b"a:1", local_part=(0, 2))
-    h1 = d.post_read(p1.name, p1.describe_cache(), [6, 0], [1, 4], b"b:1", local_part=(1, 2))
-    assert h0.nbytes == h1.nbytes == 2 * half
-    finish(d, h0, p0, b"a:1")
-    finish(d, h1, p1, b"b:1")
-    for row in (0, 1):  # K, then V: each is [P0's heads, P1's heads]
-        assert torch.equal(d_cache[[1, 4], row * half:row * half + quarter],
-                           p0_cache[[2, 3], row * quarter:(row + 1) * quarter])
-        assert torch.equal(d_cache[[1, 4], row * half + quarter:(row + 1) * half],
-                           p1_cache[[6, 0], row * quarter:(row + 1) * quarter])
-    # And back: D TP 2 reads its head shard of each row of a TP 1 block.
-    e_cache = torch.zeros(NB, half, dtype=torch.uint8)
-    e = net.endpoint("E", e_cache, block_size=half, rows=2)
-    h = e.post_read(d.name, d.describe_cache(), [1], [5], remote_part=(1, 2))
-    finish(e, h, d)
-    assert torch.equal(e_cache[5], torch.cat([d_cache[1, quarter:half], d_cache[1, half + quarter:]]))
-    # Two layouts that do not agree on the rows do not pair for parts.
-    f = net.endpoint("F", torch.zeros(NB, half, dtype=torch.uint8), block_size=half)
-    with pytest.raises(IncompatibleLayout):
-        f.post_read(d.name, d.describe_cache(), [1], [5], remote_part=(1, 2))
 
 
 def test_parts_on_both_sides(net):

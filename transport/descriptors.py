@@ -7,8 +7,7 @@ contiguous in memory on both sides, so the run is one descriptor per region
 instead of one per block (measured over UCX here: the per-descriptor work is
 what a READ of small blocks pays for).  A part of a block (``of > 1``) is a
 strided slice: consecutive blocks' slices are not adjacent, so those stay one
-descriptor per block, one per row of the block (``CacheLayout.rows``: K
-and V).  The real NIXL endpoint builds its descriptor lists
+descriptor per block.  The real NIXL endpoint builds its descriptor lists
 from this plan; the loopback copies by it, so both move the same bytes.
 """
 from __future__ import annotations
@@ -65,23 +64,17 @@ def plan_transfer(local: CacheLayout, remote: CacheLayout, local_ids: Sequence[i
                   local_part: BlockPart, remote_part: BlockPart, slice_bytes: int) -> TransferPlan:
     """The spans moving ``local_part`` of ``local_ids`` to or from
     ``remote_part`` of ``remote_ids`` (checked by the caller: equal lengths,
-    ids in range, ``slice_bytes`` the parts' common size), region-major.  A
-    part of a block is its slice of each row (checked by the caller: both
-    layouts have the same rows)."""
+    ids in range, ``slice_bytes`` the parts' common size), region-major."""
     whole = local_part[1] == 1 and remote_part[1] == 1
     runs = block_runs(local_ids, remote_ids, coalesce=whole)
-    rows = 1 if whole else local.rows
     lskip, rskip = local_part[0] * slice_bytes, remote_part[0] * slice_bytes
     lspans: list[Span] = []
     rspans: list[Span] = []
     for region in range(len(local.base_addrs)):
         for lb, rb, n in runs:
             length = n * slice_bytes
-            for row in range(rows):
-                lrow = row * local.row_bytes if rows > 1 else 0
-                rrow = row * remote.row_bytes if rows > 1 else 0
-                lspans.append(Span(region, lb * local.block_size + lrow + lskip, length))
-                rspans.append(Span(region, rb * remote.block_size + rrow + rskip, length))
+            lspans.append(Span(region, lb * local.block_size + lskip, length))
+            rspans.append(Span(region, rb * remote.block_size + rskip, length))
     return TransferPlan(tuple(lspans), tuple(rspans))
 
 

@@ -24,9 +24,8 @@ from .layout import WHOLE_BLOCK, BlockPart
 @runtime_checkable
 class Endpoint(Protocol):
     # ------------------------------------------------------------ memory
-    def register_kv_cache(self, tensor: Any, block_size_bytes: int, rows: int = 1) -> Any:
-        """Register one more region of the KV cache ([num_blocks, ...] contiguous);
-        a block is ``rows`` equal rows (a TP part is a slice of each)."""
+    def register_kv_cache(self, tensor: Any, block_size_bytes: int) -> Any:
+        """Register one more region of the KV cache ([num_blocks, ...] contiguous)."""
 
     def describe_cache(self) -> dict:
         """The serializable layout a peer passes to post_read / post_write."""

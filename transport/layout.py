@@ -3,10 +3,7 @@
 A reader needs the peer's addresses to build remote descriptor lists.  A cache
 is one or more regions (e.g. one tensor per layer), each ``num_blocks`` blocks of
 ``block_size`` bytes; block id ``b`` of a transfer moves block ``b`` of every
-region (``descriptors`` turns block lists into byte spans).  A block is
-``rows`` equal rows (vLLM's CPU and flash layouts: K then V, each head-major),
-so a TP head shard, "part ``i`` of ``n``", is the ``i``-th of ``n`` slices of
-every row, not one slice of the whole block.
+region (``descriptors`` turns block lists into byte spans).
 """
 
 from __future__ import annotations
@@ -64,12 +61,6 @@ class CacheLayout:
     block_size: int = attrs.field(validator=_positive)
     num_blocks: int = attrs.field(validator=_positive)
     base_addrs: tuple[int, ...] = attrs.field(converter=_addresses)
-    rows: int = attrs.field(default=1, validator=_positive)
-
-    @rows.validator
-    def _check_rows(self, _attr: attrs.Attribute, value: int) -> None:
-        if self.block_size % value:
-            raise ValueError(f"block size {self.block_size} B does not split into {value} rows")
 
     @base_addrs.validator
     def _check_addrs(self, _attr: attrs.Attribute, value: tuple[int, ...]) -> None:
@@ -89,21 +80,15 @@ class CacheLayout:
                     f"{side} block id {b!r} out of range [0, {self.num_blocks})"
                 )
 
-    @property
-    def row_bytes(self) -> int:
-        return self.block_size // self.rows
-
     def part_size(self, of: int, side: str = "") -> int:
-        """Bytes of one of ``of`` equal slices of a block's row (a block of one
-        row: of the block); IncompatibleLayout when the row size does not
-        divide by ``of``."""
-        if self.row_bytes % of:
-            what = "block size" if self.rows == 1 else "block row of"
+        """Bytes of one of ``of`` equal slices of a block; IncompatibleLayout
+        when the block size does not divide by ``of``."""
+        if self.block_size % of:
             raise IncompatibleLayout(
-                f"{side + ' ' if side else ''}{what} {self.row_bytes} B does not divide "
+                f"{side + ' ' if side else ''}block size {self.block_size} B does not divide "
                 f"into {of} equal parts"
             )
-        return self.row_bytes // of
+        return self.block_size // of
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,7 +98,6 @@ class CacheLayout:
             "block_size": self.block_size,
             "num_blocks": self.num_blocks,
             "base_addrs": list(self.base_addrs),
-            "rows": self.rows,
         }
 
     @classmethod
@@ -130,7 +114,6 @@ class CacheLayout:
                 block_size=d["block_size"],
                 num_blocks=d["num_blocks"],
                 base_addrs=d["base_addrs"],
-                rows=d.get("rows", 1),  # a peer from before rows: one row
             )
         except KeyError as e:
             raise ValueError(f"cache description lacks field {e.args[0]!r}") from e
@@ -164,8 +147,6 @@ class CacheLayout:
                 f"region count mismatch: local {len(self.base_addrs)}, "
                 f"remote {len(remote.base_addrs)}"
             )
-        if remote.rows != self.rows:
-            raise IncompatibleLayout(f"row count mismatch: local {self.rows}, remote {remote.rows}")
         local_size = self.part_size(local_part[1], "local")
         remote_size = remote.part_size(remote_part[1], "remote")
         if local_size != remote_size:

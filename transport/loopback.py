@@ -226,7 +226,7 @@ class LoopbackEndpoint:
 
     # ------------------------------------------------------------ memory / peers
 
-    def register_kv_cache(self, tensor: torch.Tensor, block_size_bytes: int, rows: int = 1) -> CacheLayout:
+    def register_kv_cache(self, tensor: torch.Tensor, block_size_bytes: int) -> CacheLayout:
         self._check_alive()
         if not tensor.is_contiguous():
             raise ValueError("KV cache tensor must be contiguous")
@@ -239,11 +239,11 @@ class LoopbackEndpoint:
         mem_type = "VRAM" if tensor.is_cuda else "DRAM"
         device_id = tensor.get_device() if tensor.is_cuda else 0
         if self._layout is None:
-            layout = CacheLayout(mem_type, device_id, block_size_bytes, num_blocks, (tensor.data_ptr(),), rows)
+            layout = CacheLayout(mem_type, device_id, block_size_bytes, num_blocks, (tensor.data_ptr(),))
         else:
             old = self._layout
-            if (old.mem_type, old.device_id, old.block_size, old.num_blocks, old.rows) != (
-                mem_type, device_id, block_size_bytes, num_blocks, rows
+            if (old.mem_type, old.device_id, old.block_size, old.num_blocks) != (
+                mem_type, device_id, block_size_bytes, num_blocks
             ):
                 raise ValueError("region does not match the registered cache")
             layout = attrs.evolve(old, base_addrs=old.base_addrs + (tensor.data_ptr(),))

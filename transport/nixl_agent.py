@@ -125,7 +125,7 @@ class NixlEndpoint:
 
     # ------------------------------------------------------------ memory
 
-    def register_kv_cache(self, tensor: torch.Tensor, block_size_bytes: int, rows: int = 1) -> CacheLayout:
+    def register_kv_cache(self, tensor: torch.Tensor, block_size_bytes: int) -> CacheLayout:
         """Register ``tensor`` ([num_blocks, ...], contiguous) as one more region.
 
         Repeated calls add regions (e.g. one per layer); they must agree on
@@ -149,11 +149,11 @@ class NixlEndpoint:
         device_id = tensor.get_device() if tensor.is_cuda else 0
         base = tensor.data_ptr()
         if self._layout is None:
-            layout = CacheLayout(mem_type, device_id, block_size_bytes, num_blocks, (base,), rows)
+            layout = CacheLayout(mem_type, device_id, block_size_bytes, num_blocks, (base,))
         else:
             old = self._layout
-            if (old.mem_type, old.device_id, old.block_size, old.num_blocks, old.rows) != (
-                mem_type, device_id, block_size_bytes, num_blocks, rows
+            if (old.mem_type, old.device_id, old.block_size, old.num_blocks) != (
+                mem_type, device_id, block_size_bytes, num_blocks
             ):
                 raise ValueError(
                     f"region ({mem_type}, dev {device_id}, {block_size_bytes} B x {num_blocks}) "
