@@ -138,7 +138,13 @@ def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: i
         p_dumps = [_load(dump_dir / f"{t}.p.rank{r}.pt") for r in range(prefill_tp)]
         for rank in range(decode_tp):
             d, local, recv = (_load(dump_dir / f"{t}{part}.rank{rank}.pt") for part in ("", ".local", ".recv"))
-            per_rank.append(verdict(t, d, holder_view(p_dumps, prefill_tp, decode_tp, rank), local, recv))
+            theirs = holder_view(p_dumps, prefill_tp, decode_tp, rank)
+            if prefill_tp != decode_tp and d is not None and d.get("read_ok") is not False:
+                # Dummy weights are drawn per rank shard: engines of different TP run
+                # different models, so D's recompute is no reference for P's KV; what
+                # D kept must be what it read (P's heads).
+                local = theirs
+            per_rank.append(verdict(t, d, theirs, local, recv))
         if decode_tp == 1:
             out.append(per_rank[0])
             continue
