@@ -28,8 +28,9 @@ def assert_clean(proc, s, requests: int) -> None:
 
 
 def test_prefill_tp_2_each_decode_rank_reads_its_heads_from_both_prefill_ranks(tmp_path):
-    # P TP 2 -> D TP 1: D's one rank reads each P rank's heads into its slice of K and of V.
-    proc, s = run_job(tmp_path, "--prefill-tp", "2", "--requests", "6")
+    # P TP 2 -> D TP 1: D's one rank reads each P rank's heads into its half of every block.
+    # Four worker ranks on two cores are slow: a lease long enough that none expires waiting.
+    proc, s = run_job(tmp_path, "--prefill-tp", "2", "--requests", "6", "--lease", "120")
     assert_clean(proc, s, 6)
     assert s["kv_check"]["tokens_compared"] > 0 and s["declined_reads"] == 0
     assert set(s["replay"]) == {"prefill.rank0", "prefill.rank1", "decode"}
