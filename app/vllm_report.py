@@ -34,8 +34,10 @@ def checks(s: dict) -> dict[str, bool | None]:
         c["turn2_p_read_right"] = reads["checked"] == t2["completed"] > 0 and (
             reads["ok"] == reads["checked"] if kvp else None)
         if o.get("late_turn2") and kvp:
-            c["late_turn2_declined"] = reads["late_declined"] >= t2["late"] > 0 and \
-                s.get("p_declined_reads", 0) >= t2["late"]
+            # Every late turn 2 read nothing of D's expired hold: declined by P's gate
+            # (at least one here), or nothing to read (P had the whole prefix cached).
+            c["late_turn2_not_read"] = t2["late"] > 0 and reads["late_read"] == 0 and \
+                0 < reads["late_declined"] <= s.get("p_declined_reads", 0)
     if o.get("late_forward") and kvp:
         c["late_reads_declined"] = s.get("declined_reads", 0) >= s.get("late", 0) > 0
     if kvp:

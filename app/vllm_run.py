@@ -540,6 +540,8 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
             "checked": len(p_reads), "ok": sum(v.ok for v in p_reads),
             "tokens_compared": sum(v.read_tokens for v in p_reads), "declined": sum(v.declined for v in p_reads),
             "late_declined": sum(1 for v, t in zip(p_reads, ok2) if t.late and v.declined),
+            # A late turn 2 must read nothing: declined, or nothing to read (P had the prefix cached).
+            "late_read": sum(1 for v, t in zip(p_reads, ok2) if t.late and not v.declined and v.read_tokens),
             "late_read_wrong": sum(1 for v, t in zip(p_reads, ok2) if t.late and not v.ok),
             "bad": [(v.tag, v.why) for v in p_reads if not v.ok]}
         out["requests"] += len(t2)

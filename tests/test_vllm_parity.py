@@ -37,11 +37,12 @@ def test_prefill_tp_2_each_decode_rank_reads_its_heads_from_both_prefill_ranks(t
 
 
 def test_bidirectional_turn_2_reads_d_s_hold_and_a_late_one_is_declined(tmp_path):
-    # Turn 2 of every conversation goes to P with D's hold; every 4th arrives after the hold (15 s) ended.
+    # Turn 2 of every conversation goes to P with D's hold; every 4th arrives after the hold (15 s) ended
+    # and reads nothing: P's gate declines it (or P has the whole prefix cached).
     proc, s = run_job(tmp_path, "--late-turn2", "30", "--requests", "8")
     assert_clean(proc, s, 16)
     t2 = s["turn2"]
     assert t2["completed"] == 8 and t2["late"] == 2
     reads = t2["p_reads"]
     assert reads["ok"] == reads["checked"] == 8 and reads["tokens_compared"] > 0
-    assert reads["late_declined"] == 2 and reads["declined"] == 2 and s["p_declined_reads"] == 2
+    assert reads["late_read"] == 0 and reads["late_declined"] >= 1 and s["p_declined_reads"] >= 1
