@@ -135,7 +135,7 @@ def _run(args) -> int:
         from kvplane.app.vllm_run import cmd_run_vllm
 
         return cmd_run_vllm(args)
-    for flag in ("connector", "late_forward"):
+    for flag in ("connector", "late_forward", "bidirectional", "late_turn2"):
         if hasattr(args, flag):
             print(f"kvplane run: --{flag.replace('_', '-')} needs --engine vllm", file=sys.stderr)
             return 2

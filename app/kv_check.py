@@ -26,6 +26,11 @@ nothing: D recomputed it; its blocks are still compared with the recompute.
 Measured on a normal run: P's KV and D's recompute are byte-identical for
 every prompt (the CPU kernels give the same bytes for the same prompt
 whatever the batch), so the check needs no tolerance.
+
+With tensor parallelism each rank dumps its own heads; D rank ``r``'s
+blocks are compared with P's blocks of the heads it holds, put together
+from P's rank dumps by the TP mapping (``statemachines.tp_mapping``), and
+D's recompute is per rank anyway.
 """
 from __future__ import annotations
 
@@ -94,6 +99,68 @@ def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: 
     return KvVerdict(tag=tag, ok=not problems, read_tokens=read_tokens, declined=declined, why="; ".join(problems))
 
 
-def check_all(dump_dir: Path, tags: list[str], rank: int = 0) -> list[KvVerdict]:
-    return [verdict(t, *(_load(dump_dir / f"{t}{part}.rank{rank}.pt") for part in ("", ".p", ".local", ".recv")))
-            for t in tags]
+def holder_view(p_dumps: list[dict | None], prefill_tp: int, decode_tp: int, rank: int) -> dict | None:
+    """P's dump as D rank ``rank`` holds it: its heads of every block, from
+    the P ranks that hold them.  A block is head-major (vLLM's CPU layout:
+    [heads, block tokens, K and V]), so a TP part of a block is a range of
+    heads: dim 1 of a dump."""
+    import torch
+
+    from kvplane.statemachines.tp_mapping import TpMapping
+
+    if prefill_tp == decode_tp:
+        return p_dumps[rank]
+    if any(d is None for d in p_dumps):
+        return None
+    mapping = TpMapping(holder_tp=prefill_tp, reader_tp=decode_tp)
+    first = p_dumps[0]
+    assert first is not None
+    layers, heads, tokens, width = first["kv"].shape
+    local_heads = heads * prefill_tp // decode_tp
+    out = torch.zeros((layers, local_heads, tokens, width), dtype=first["kv"].dtype)
+    for src in mapping.sources(rank):
+        theirs = p_dumps[src.holder_rank]
+        assert theirs is not None
+        if theirs["kv"].shape != first["kv"].shape or heads % src.remote.of or local_heads % src.local.of:
+            return None
+        rn, ln = heads // src.remote.of, local_heads // src.local.of
+        out[:, src.local.index * ln:(src.local.index + 1) * ln] = \
+            theirs["kv"][:, src.remote.index * rn:(src.remote.index + 1) * rn]
+    return dict(first, kv=out)
+
+
+def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: int = 1) -> list[KvVerdict]:
+    """One verdict per tag: every D rank's checks hold (with TP, each rank
+    against P's blocks of its heads)."""
+    out = []
+    for t in tags:
+        per_rank = []
+        p_dumps = [_load(dump_dir / f"{t}.p.rank{r}.pt") for r in range(prefill_tp)]
+        for rank in range(decode_tp):
+            d, local, recv = (_load(dump_dir / f"{t}{part}.rank{rank}.pt") for part in ("", ".local", ".recv"))
+            theirs = holder_view(p_dumps, prefill_tp, decode_tp, rank)
+            if prefill_tp != decode_tp and d is not None and d.get("read_ok") is not False:
+                # Dummy weights are drawn per rank shard: engines of different TP run
+                # different models, so D's recompute is no reference for P's KV; what
+                # D kept must be what it read (P's heads).
+                local = theirs
+            per_rank.append(verdict(t, d, theirs, local, recv))
+        if decode_tp == 1:
+            out.append(per_rank[0])
+            continue
+        bad = [f"D rank {r}: {v.why}" for r, v in enumerate(per_rank) if not v.ok]
+        out.append(KvVerdict(tag=t, ok=not bad, read_tokens=min(v.read_tokens for v in per_rank),
+                             declined=any(v.declined for v in per_rank), why="; ".join(bad)))
+    return out
+
+
+def check_turn2_reads(dump_dir: Path, indexes: list[int]) -> list[KvVerdict]:
+    """P's read of D's hold on each conversation's turn 2: what P read (its
+    ``r<i>t2.p.recv``) is byte for byte the tail of D's held whole blocks
+    (``r<i>.hold``, saved when D's hold began), and P's KV of the turn-2
+    prompt from the first read block on is D's recompute of that prompt
+    (``r<i>t2.local``); a declined read (the expiry gate) read nothing and
+    P computed the prefix."""
+    return [verdict(f"r{i}t2.p", *(_load(dump_dir / f"r{i}{part}.rank0.pt")
+                                   for part in ("t2.p", ".hold", "t2.local", "t2.p.recv")))
+            for i in indexes]

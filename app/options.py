@@ -265,6 +265,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--late-forward", type=float, default=argparse.SUPPRESS, metavar="S",
                    help="with --engine vllm: the proxy hands every 4th request to D S seconds after P finished "
                         "it (beyond the lease: the blocks are gone); default: no late forward")
+    p.add_argument("--bidirectional", action="store_true", default=argparse.SUPPRESS,
+                   help="with --engine vllm: multi-turn conversations: D holds turn 1's blocks "
+                        "(decoder_kv_blocks_ttl 30 s for the run), turn 2 goes to P with D's params, P reads the "
+                        "shared prefix from D and D reads P's blocks back (default: one turn)")
+    p.add_argument("--late-turn2", type=float, default=argparse.SUPPRESS, metavar="S",
+                   help="with --engine vllm: --bidirectional, and every 4th turn 2 is sent S seconds after turn 1, "
+                        "past D's hold (the run's hold TTL is S / 2): kvplane declines the read and computes (default: "
+                        "every turn 2 on time)")
     p.add_argument("--requests", type=int, default=argparse.SUPPRESS, metavar="N",
                    help=f"synthetic requests to send (default {d.requests}, with --engine vllm 24; the multi-turn "
                         "ones of the sim engine also run a turn 2: P reads back what D held)")
@@ -287,7 +295,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="kill the last decode engine S seconds into the run and start it again: the same engine "
                         "id, a new process and NIXL agent (default: no restart)")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, metavar="N",
-                   help="P's tensor-parallel size: N worker processes, each its own NIXL agent and KV shard")
+                   help="P's tensor-parallel size: N worker processes, each its own NIXL agent and KV shard "
+                        "(--engine vllm: N must divide the tiny model's 2 KV heads; one OpenMP thread per rank)")
     p.add_argument("--decode-tp", type=int, default=d.decode_tp, metavar="M",
                    help="D's tensor-parallel size (P's and D's must divide each other)")
     p.add_argument("--drop-notifications", type=float, default=d.drop_notifications, metavar="RATE",

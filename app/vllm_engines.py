@@ -57,7 +57,8 @@ class EngineSpec:
     max_model_len: int = 4096
     seed: int = 0
     kv_load_failure_policy: str = "fail"
-    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on
+    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on ('|' between ranks)
+    tp: int = 1  # --tensor-parallel-size: one worker process per rank
 
     def kv_transfer_config(self) -> dict:
         cls, module = CONNECTORS[self.connector]
@@ -81,6 +82,8 @@ class EngineSpec:
                "--shutdown-timeout", str(SHUTDOWN_GRACE_S)]
         if self.num_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
+        if self.tp > 1:
+            cmd += ["--tensor-parallel-size", str(self.tp)]
         return cmd
 
     def env(self) -> dict[str, str]:
@@ -188,3 +191,12 @@ def split_cores() -> tuple[str, str]:
         return "0", "0"
     half = n // 2
     return (f"0-{half - 1}" if half > 1 else "0"), (f"{half}-{n - 1}" if n - half > 1 else str(half))
+
+
+def rank_cores(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of ``tp`` ranks: one OpenMP
+    thread per rank, the ranks spread over this machine's cores ('|' between
+    ranks); both engines share the cores (slow, but no rank spins alone on a
+    core another rank needs for long)."""
+    n = os.cpu_count() or 1
+    return "|".join(str(r % n) for r in range(tp))

@@ -78,6 +78,14 @@ class DumpingNixlConnector(NixlConnector):
             self._dumps.append(DumpKV(request_id=request.request_id, tag=tag, block_ids=tuple(block_ids[0]),
                                       num_tokens=request.num_prompt_tokens, holds_blocks=not delay,
                                       first_read_token=first))
+            block = int(self._vllm_config.cache_config.block_size)
+            held = -(-request.num_computed_tokens // block)
+            if delay and params and params.get("do_remote_decode") and held:
+                # D's hold for the next turn (bidirectional): every held block, the last
+                # one partly filled (NixlConnector's P reads it too; kvplane's reads whole ones).
+                self._dumps.append(DumpKV(request_id=request.request_id, tag=f"{tag}.hold",
+                                          block_ids=tuple(block_ids[0][:held]),
+                                          num_tokens=request.num_computed_tokens, holds_blocks=False))
             return True, params
         return delay, params
 

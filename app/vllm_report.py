@@ -27,10 +27,22 @@ def checks(s: dict) -> dict[str, bool | None]:
     inflight = s.get("connector_recvs_in_flight", {})
     c["d_holds_no_block"] = None if killed else (
         usage.get("D") == 0.0 and (not kvp or (held.get("decode") == 0 and inflight.get("decode") == 0)))
+    t2 = s.get("turn2")
+    if t2 is not None:
+        reads = t2["p_reads"]
+        # P's read of D's hold: right byte for byte (a declined one read nothing).
+        c["turn2_p_read_right"] = reads["checked"] == t2["completed"] > 0 and (
+            reads["ok"] == reads["checked"] if kvp else None)
+        if o.get("late_turn2") and kvp:
+            # Every late turn 2 read nothing of D's expired hold: declined by P's gate
+            # (at least one here), or nothing to read (P had the whole prefix cached).
+            c["late_turn2_not_read"] = t2["late"] > 0 and reads["late_read"] == 0 and \
+                0 < reads["late_declined"] <= s.get("p_declined_reads", 0)
     if o.get("late_forward") and kvp:
         c["late_reads_declined"] = s.get("declined_reads", 0) >= s.get("late", 0) > 0
     if kvp:
         c["no_protocol_error"] = s.get("protocol_errors", 0) == 0
+        c["every_rank_reported"] = not s.get("status_missing")
         rp = s.get("replay", {})
         c["event_logs_replay"] = all(r.get("ok") for r in rp.values()) if not killed else rp.get("prefill", {}).get("ok")
     if killed:
@@ -109,6 +121,14 @@ def print_report(s: dict, console: Console | None = None) -> bool:
         console.print(f"  {'ok  ' if passed else 'FAIL'} {name}", highlight=False)
     for idx, err in s.get("failed", [])[:5]:
         console.print(f"  request {idx}: {err}", markup=False, highlight=False)
+    t2 = s.get("turn2")
+    if t2 is not None:
+        r = t2["p_reads"]
+        console.print(f"turn 2: {t2['completed']} / {t2['sent']} completed ({t2['late']} late); P's reads of D's "
+                      f"hold: {r['ok']} / {r['checked']} right ({r['tokens_compared']:,} tokens), {r['declined']} "
+                      f"declined, late ones read wrong {r['late_read_wrong']}", highlight=False)
+        for tag, why in r["bad"][:5]:
+            console.print(f"  {tag}: {why}", highlight=False)
     for tag, why in s["kv_check"]["bad"][:5]:
         console.print(f"  KV of {tag}: {why}", markup=False, highlight=False)
     console.print(held_line(s), highlight=False)

@@ -38,14 +38,21 @@ import attrs
 
 from kvplane.connector.kv_dump import DUMP_KEY
 
-from .kv_check import check_all
-from .vllm_engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, split_cores,
-                           wait_healthy)
+from .kv_check import check_all, check_turn2_reads
+from .vllm_engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
+                           split_cores, wait_healthy)
+from .vllm_model import CONFIG as TINY_CONFIG
 from .vllm_model import write_tiny_model
 from .vllm_proxy import ProxyError, disaggregated, post_json
 from .vllm_workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
+# decoder_kv_blocks_ttl of a --bidirectional run (vLLM's default, 480 s, would hold
+# the last turn's blocks past the job's end).
+HOLD_TTL_S = 30.0
+# The smallest --late-turn2: its hold TTL (half of it) must exceed the 5 s turn-2
+# safety margin plus an on-time turn 2's trip on a loaded 2-core box.
+MIN_LATE_TURN2_S = 30.0
 
 
 @attrs.frozen(kw_only=True)
@@ -63,6 +70,34 @@ class VllmRunOptions:
     quiet: bool = False
     d_max_num_seqs: int = 2  # small, so the burst waits in D's queue
     p_num_blocks: int = 96  # small, so a busy P reuses freed blocks soon
+    prefill_tp: int = 1  # P's tensor-parallel size (one worker process, one OpenMP thread per rank)
+    decode_tp: int = 1
+    bidirectional: bool = False  # multi-turn: D holds turn 1's blocks, turn 2 goes to P with D's params
+    late_turn2: float | None = None  # seconds every 4th turn 2 waits (beyond D's hold: a short TTL for the run)
+
+    @property
+    def hold_ttl(self) -> float:
+        """decoder_kv_blocks_ttl for the run: short, so the last turn's holds end
+        before the job's final check; with --late-turn2 S, S / 2 (S is past it)."""
+        return self.late_turn2 / 2 if self.late_turn2 else HOLD_TTL_S
+
+    @property
+    def settle_s(self) -> float:
+        return max(self.lease, self.hold_ttl if self.bidirectional else 0.0) + 20.0
+
+
+@attrs.define
+class Turn2Result:
+    """A conversation's turn 2: P read turn 1's held prefix from D (or
+    declined), D read P's blocks back."""
+
+    index: int
+    ok: bool = False
+    error: str = ""
+    late: bool = False
+    prompt: tuple[int, ...] = ()
+    p_seconds: float | None = None
+    latency: float | None = None
 
 
 @attrs.define
@@ -95,6 +130,7 @@ class VllmRun:
         self._late_lock = threading.Lock()
         self.filler_sent = 0
         self.p_done_at: list[float] = []  # when P answered each request (its lease starts then)
+        self.turn2: dict[int, Turn2Result] = {}
 
     # ------------------------------------------------------------ set-up
     def prepare(self) -> tuple[EngineSpec, EngineSpec]:
@@ -104,12 +140,18 @@ class VllmRun:
         self.dumps.mkdir(parents=True)
         model = write_tiny_model(self.out / "model")
         self.model = model
-        http_p, http_d, side_p, side_d = _free_ports(4)
+        # A side channel per rank: port + rank (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT rule).
+        http_p, http_d, side_p, side_d = _free_ports(4, span=max(o.prefill_tp, o.decode_tp))
+        tps = {"P": o.prefill_tp, "D": o.decode_tp}
         cores = dict(zip(("P", "D"), split_cores()))
+        if max(tps.values()) > 1:
+            cores = {n: rank_cores(tp) for n, tp in tps.items()}
         specs = {}
         for name, http, side in (("P", http_p, side_p), ("D", http_d, side_d)):
             role = "prefill" if name == "P" else "decode"
             extra: dict[str, Any] = {"kv_lease_duration": o.lease, "kvplane_kv_dump_dir": str(self.dumps)}
+            if o.bidirectional:
+                extra.update({"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": o.hold_ttl})
             if o.connector == "nixl":
                 # One UCX worker thread, as kvplane's agent has: NixlConnector's 4
                 # spin on the one core each engine gets here (see split_cores).
@@ -117,18 +159,20 @@ class VllmRun:
                               "kvplane_fault_seed": _fault_seed(o.seed, name)})
             if o.connector == "kvplane":
                 extra.update({
-                    "kvplane_event_log": str(self.out / f"{role}.events.jsonl"),
-                    "kvplane_status_file": str(self.out / f"{role}.status.json"),
+                    "kvplane_event_log": str(self.out / log_name(role, "events.jsonl", tps[name])),
+                    "kvplane_status_file": str(self.out / log_name(role, "status.json", tps[name])),
                     "kvplane_drop_notifications": o.drop_notifications,
                     "kvplane_fault_seed": _fault_seed(o.seed, name),
                 })
                 extra.update(self._keys(name))
+                # The other engine's TP: P's lease awaits every D rank that reads it.
+                extra["kvplane_reader_tp"] = tps["D" if name == "P" else "P"]
             specs[name] = EngineSpec(
                 name=name, engine_id=ENGINE_IDS[name], http_port=http, side_channel_port=side,
                 connector=o.connector, extra_config=extra, seed=o.seed,
                 max_num_seqs=o.d_max_num_seqs if name == "D" else 8,
                 num_blocks=o.p_num_blocks if name == "P" else None,
-                kv_load_failure_policy="recompute", cpus=cores[name])
+                kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name])
         return specs["P"], specs["D"]
 
     def _keys(self, name: str) -> dict[str, Any]:
@@ -181,6 +225,8 @@ class VllmRun:
         return time.monotonic() - t0
 
     def _one(self, p: str, d: str, r: VllmRequest) -> None:
+        if self.opts.bidirectional:
+            return self._conversation(p, d, r)
         res = self.results[r.index] = RequestResult(index=r.index, late=r.late, burst=r.burst,
                                                     repeat_of=r.repeat_of, prompt_tokens=len(r.prompt))
         body = {"model": str(self.model), "prompt": list(r.prompt), "max_tokens": r.max_tokens,
@@ -213,6 +259,63 @@ class VllmRun:
         res.ttft = got.p_seconds + got.d_ttft_seconds  # the late fault's wait is the proxy's, not a TTFT
         res.latency = time.perf_counter() - t0 - late_wait
         res.tokens = len(got.text_tokens)
+
+    def _conversation(self, p: str, d: str, r: VllmRequest) -> None:
+        """Two turns, as a multi-turn client of a bidirectional deployment
+        drives them (vLLM's keys; the proxy protocol's legs sent here):
+        turn 1 P -> D; D answers with the params of the blocks it holds
+        (``do_remote_decode``); turn 2 (turn 1's prompt + answer + new text)
+        goes to P with those params, P reads the held prefix from D and
+        prefills the rest, and D reads P's blocks back."""
+        res = self.results[r.index] = RequestResult(index=r.index, late=r.late, burst=r.burst,
+                                                    repeat_of=r.repeat_of, prompt_tokens=len(r.prompt))
+        model = str(self.model)
+        body = {"model": model, "prompt": list(r.prompt), "max_tokens": r.max_tokens, "temperature": 0.0,
+                "return_token_ids": True, "ignore_eos": True}
+        t0 = time.perf_counter()
+        try:
+            p1 = post_json(f"{p}/v1/completions", dict(body, max_tokens=1, kv_transfer_params={
+                "do_remote_decode": True, DUMP_KEY: f"{r.tag}.p"}), timeout=self.opts.timeout, leg="prefill")
+            res.p_seconds = time.perf_counter() - t0
+            self.p_done_at.append(time.monotonic())
+            d1 = post_json(f"{d}/v1/completions", dict(body, kv_transfer_params=dict(
+                p1.get("kv_transfer_params") or {}, **{DUMP_KEY: r.tag})), timeout=self.opts.timeout, leg="decode")
+        except ProxyError as exc:
+            res.error = str(exc)[:300]
+            return
+        answer = tuple((d1.get("choices") or [{}])[0].get("token_ids") or ())
+        res.ok = bool(answer)
+        res.error = "" if res.ok else "no tokens from D"
+        res.latency = time.perf_counter() - t0
+        res.tokens = len(answer)
+        hold = d1.get("kv_transfer_params")
+        late = bool(self.opts.late_turn2) and r.index % 4 == 3
+        rng = random.Random(self.opts.seed * 7919 + r.index)
+        prompt2 = r.prompt + answer + tuple(rng.randrange(VOCAB_LO, VOCAB_HI)
+                                            for _ in range(rng.randrange(8, BLOCK_TOKENS)))
+        t2 = self.turn2[r.index] = Turn2Result(index=r.index, late=late, prompt=prompt2)
+        if not res.ok:
+            t2.error = "turn 1 failed"
+            return
+        if late:
+            time.sleep(float(self.opts.late_turn2 or 0.0))
+        body2 = dict(body, prompt=list(prompt2), max_tokens=8)
+        t1 = time.perf_counter()
+        try:
+            p2 = post_json(f"{p}/v1/completions", dict(body2, max_tokens=1, kv_transfer_params=dict(
+                hold or {}, do_remote_decode=True, **{DUMP_KEY: f"{r.tag}t2.p"})), timeout=self.opts.timeout,
+                leg="turn 2 prefill")
+            t2.p_seconds = time.perf_counter() - t1
+            self.p_done_at.append(time.monotonic())
+            d2 = post_json(f"{d}/v1/completions", dict(body2, kv_transfer_params=dict(
+                p2.get("kv_transfer_params") or {}, **{DUMP_KEY: f"{r.tag}t2"})), timeout=self.opts.timeout,
+                leg="turn 2 decode")
+        except ProxyError as exc:
+            t2.error = str(exc)[:300]
+            return
+        t2.ok = bool((d2.get("choices") or [{}])[0].get("token_ids"))
+        t2.error = "" if t2.ok else "no tokens from D on turn 2"
+        t2.latency = time.perf_counter() - t1
 
     def _fill_p(self, p: str, stop: threading.Event) -> None:
         """While a late request waits, keep P busy with other prompts, as a
@@ -247,7 +350,7 @@ class VllmRun:
 
         def one(r: VllmRequest) -> None:
             body = {"model": str(self.model), "prompt": list(r.prompt), "max_tokens": 1, "temperature": 0.0,
-                    "cache_salt": f"kvplane-reference-{r.index}", "kv_transfer_params": {DUMP_KEY: f"{r.tag}.local"}}
+                    "cache_salt": f"kvplane-reference-{r.tag}", "kv_transfer_params": {DUMP_KEY: f"{r.tag}.local"}}
             try:
                 post_json(f"{d}/v1/completions", body, timeout=self.opts.timeout, leg="reference")
             except ProxyError as exc:
@@ -255,6 +358,12 @@ class VllmRun:
 
         with ThreadPoolExecutor(max_workers=4) as pool:
             list(pool.map(one, todo))
+            done2 = [t for t in self.turn2.values() if t.ok]
+            if done2:
+                self.say(f"KV check: computing {len(done2)} turn-2 prompts on D locally for reference")
+                list(pool.map(lambda t: one(VllmRequest(index=t.index, prompt=t.prompt, max_tokens=1, arrival=0.0,
+                                                        family=0, repeat_of=None, late=False, burst=False,
+                                                        tag_suffix="t2")), done2))
 
     # ------------------------------------------------------------ settle and collect
     def settle(self, names: list[str], timeout: float) -> dict[str, float]:
@@ -282,23 +391,41 @@ def _fault_seed(seed: int, engine: str) -> int:
     return zlib.crc32(f"{seed}/{engine}".encode())
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free now, below Linux's ephemeral range (32768+): a
-    port the kernel handed out and took back may go to the next outgoing
-    connection before the engine binds it (seen: "Address already in use")."""
+def _free_ports(n: int, span: int = 1) -> list[int]:
+    """``n`` ports, each the first of ``span`` consecutive ones, all free now
+    and distinct, below Linux's ephemeral range (32768+): a port the kernel
+    handed out and took back may go to the next outgoing connection before
+    the engine binds it (seen: "Address already in use")."""
     rng = random.Random()
     ports: list[int] = []
+    taken: set[int] = set()
     while len(ports) < n:
-        port = rng.randrange(20000, 32000)
-        if port in ports:
+        port = rng.randrange(20000, 32000 - span)
+        block = range(port, port + span)
+        if taken.intersection(block) or not all(_port_free(p) for p in block):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
         ports.append(port)
+        taken.update(block)
     return ports
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def log_name(role: str, suffix: str, tp: int) -> str:
+    """An engine's event log or status file name; with TP > 1 one per rank
+    (the connector replaces ``{rank}``)."""
+    return f"{role}.{suffix}" if tp == 1 else f"{role}.rank{{rank}}.{suffix}"
+
+
+def rank_files(out: Path, role: str, suffix: str, tp: int) -> list[Path]:
+    return [out / log_name(role, suffix, tp).replace("{rank}", str(r)) for r in range(tp)]
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -358,7 +485,7 @@ def run_vllm(opts: VllmRunOptions, say: Callable[[str], None] = print) -> dict:
         if d_alive:
             run.reference(stream)
         names = ["P", "D"] if d_alive else ["P"]
-        settle_timeout = opts.lease + 20.0
+        settle_timeout = opts.settle_s
         say(f"waiting for every block to come back (up to {settle_timeout:.0f} s)")
         summary["usage_end"] = run.settle(names, settle_timeout)
         settled = time.monotonic()
@@ -400,7 +527,26 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
     }
     stream_s = summary.get("stream_s")
     out["requests_per_s"] = len(ok) / stream_s if ok and stream_s else 0.0
-    verdicts = check_all(run.dumps, [f"r{r.index}" for r in res if r.ok])
+    verdicts = check_all(run.dumps, [f"r{r.index}" for r in res if r.ok], opts.prefill_tp, opts.decode_tp)
+    if opts.bidirectional:
+        t2 = [run.turn2.get(r.index, Turn2Result(index=r.index, error="never sent")) for r in stream]
+        ok2 = [t for t in t2 if t.ok]
+        out["turn2"] = {"sent": sum(1 for t in t2 if t.error != "turn 1 failed"), "completed": len(ok2),
+                        "late": sum(t.late for t in t2), "failed": [(t.index, t.error) for t in t2 if not t.ok]}
+        # D's read-back of each turn 2 (checked like a turn 1), and P's read of D's hold.
+        verdicts += check_all(run.dumps, [f"r{t.index}t2" for t in ok2])
+        p_reads = check_turn2_reads(run.dumps, [t.index for t in ok2])
+        out["turn2"]["p_reads"] = {
+            "checked": len(p_reads), "ok": sum(v.ok for v in p_reads),
+            "tokens_compared": sum(v.read_tokens for v in p_reads), "declined": sum(v.declined for v in p_reads),
+            "late_declined": sum(1 for v, t in zip(p_reads, ok2) if t.late and v.declined),
+            # A late turn 2 must read nothing: declined, or nothing to read (P had the prefix cached).
+            "late_read": sum(1 for v, t in zip(p_reads, ok2) if t.late and not v.declined and v.read_tokens),
+            "late_read_wrong": sum(1 for v, t in zip(p_reads, ok2) if t.late and not v.ok),
+            "bad": [(v.tag, v.why) for v in p_reads if not v.ok]}
+        out["requests"] += len(t2)
+        out["completed"] += len(ok2)
+        out["failed"] += [(f"{t.index}t2", t.error) for t in t2 if not t.ok]
     out["kv_check"] = {"checked": len(verdicts), "ok": sum(v.ok for v in verdicts),
                        "tokens_compared": sum(v.read_tokens for v in verdicts),
                        "declined": sum(v.declined for v in verdicts),
@@ -409,12 +555,17 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
     late_tags = {f"r{r.index}" for r in res if r.late and r.ok}
     out["kv_check"]["late_bad"] = sum(1 for v in verdicts if v.tag in late_tags and not v.ok)
     if opts.connector == "kvplane":
-        status = {role: _status(run.out / f"{role}.status.json") for role in ("prefill", "decode")}
+        tps = {"prefill": opts.prefill_tp, "decode": opts.decode_tp}
+        # One status file and event log per rank: counts and gauges add up over the ranks.
+        status = {role: [_status(f) for f in rank_files(run.out, role, "status.json", tp)] for role, tp in tps.items()}
         out["status"] = status
-        counts = {role: (s or {}).get("counts", {}) for role, s in status.items()}
-        gauges = {role: (s or {}).get("gauges", {}) for role, s in status.items()}
+        counts = {role: _summed([(s or {}).get("counts", {}) for s in ss]) for role, ss in status.items()}
+        gauges = {role: _summed([(s or {}).get("gauges", {}) for s in ss]) for role, ss in status.items()}
+        out["status_missing"] = [f"{role} rank {r}" for role, ss in status.items() for r, s in enumerate(ss) if s is None]
         out["bytes_moved"] = counts["decode"].get("bytes_transferred", 0)
         out["declined_reads"] = counts["decode"].get("kvplane_declined_reads", 0)
+        # P's own reads (bidirectional turn 2: D's holds) that its expiry gate declined.
+        out["p_declined_reads"] = counts["prefill"].get("kvplane_declined_reads", 0)
         out["failed_recvs"] = counts["decode"].get("kvplane_failed_recvs", 0)
         out["lease_extensions"] = counts["prefill"].get("kvplane_lease_extensions", 0)
         out["leases_expired"] = counts["prefill"].get("num_kv_expired_reqs", 0)
@@ -422,12 +573,25 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["protocol_errors"] = sum(c.get("kvplane_protocol_errors", 0) for c in counts.values())
         out["connector_blocks_held"] = {role: g.get("kvplane_blocks_held") for role, g in gauges.items()}
         out["connector_recvs_in_flight"] = {role: g.get("kvplane_recvs_in_flight") for role, g in gauges.items()}
-        out["replay"] = {role: _replay(run.out / f"{role}.events.jsonl") for role in ("prefill", "decode")}
+        out["replay"] = {f"{role}.rank{r}" if tp > 1 else role: _replay(f) for role, tp in tps.items()
+                         for r, f in enumerate(rank_files(run.out, role, "events.jsonl", tp))}
     else:
         d_metrics = summary.get("metrics", {}).get("D", {})
         out["bytes_moved"] = int(d_metrics.get("vllm:nixl_bytes_transferred_sum", 0))
         out["declined_reads"] = 0  # NixlConnector has no such decision
         out["failed_transfers"] = int(d_metrics.get("vllm:nixl_num_failed_transfers_total", 0))
+    return out
+
+
+def _summed(dicts: list[dict]) -> dict:
+    """Numbers added up key by key (None where every rank's is None)."""
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = (out.get(k) or 0) + v
+            else:
+                out.setdefault(k, v)
     return out
 
 
@@ -446,15 +610,15 @@ def _replay(path: Path) -> dict:
 
 
 # The sim job's flags this job does not have: each refused by name.
-_SIM_ONLY = ("push", "hang_decode_at", "rank", "prefill_tp", "decode_tp", "clock_skew", "overload", "hold_ttl")
+_SIM_ONLY = ("push", "hang_decode_at", "rank", "clock_skew", "overload", "hold_ttl")
 
 
 def options_from_args(args: Any) -> VllmRunOptions:
-    sim_defaults = {"push": False, "hang_decode_at": None, "rank": None, "prefill_tp": 1, "decode_tp": 1,
+    sim_defaults = {"push": False, "hang_decode_at": None, "rank": None,
                     "clock_skew": 0.0, "overload": 2.0, "hold_ttl": 4.0}
     for name in _SIM_ONLY:
         if getattr(args, name, sim_defaults[name]) != sim_defaults[name]:
-            raise ValueError(f"--{name.replace('_', '-')} is not available with --engine vllm (TP 1, pull mode)")
+            raise ValueError(f"--{name.replace('_', '-')} is not available with --engine vllm (pull mode)")
     kw = {f.name: getattr(args, f.name) for f in attrs.fields(VllmRunOptions)
           if getattr(args, f.name, None) is not None}
     opts = VllmRunOptions(**kw)
@@ -472,6 +636,21 @@ def options_from_args(args: Any) -> VllmRunOptions:
         v = getattr(opts, name)
         if v is not None and (not isinstance(v, (int, float)) or v != v or v < 0 or v == float("inf")):
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v!r}")
+    kv_heads = TINY_CONFIG["num_key_value_heads"]
+    for name in ("prefill_tp", "decode_tp"):
+        tp = getattr(opts, name)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or kv_heads % tp:
+            raise ValueError(f"--{name.replace('_', '-')} must divide the job's model's {kv_heads} KV heads, got {tp!r}")
+    if opts.late_turn2 is not None:
+        v = opts.late_turn2
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or not MIN_LATE_TURN2_S <= v <= 3600:
+            raise ValueError(f"--late-turn2 must be a number of seconds in {MIN_LATE_TURN2_S:g}..3600 (its hold TTL, "
+                             f"half of it, must outlast an on-time turn 2), got {v!r}")
+        opts = attrs.evolve(opts, bidirectional=True)
+    if opts.bidirectional and (opts.prefill_tp, opts.decode_tp) != (1, 1):
+        raise ValueError("--bidirectional runs with --prefill-tp 1 and --decode-tp 1")
+    if opts.bidirectional and (opts.late_forward is not None or opts.kill_decode_at is not None):
+        raise ValueError("--bidirectional and --late-turn2 run without --late-forward or --kill-decode-at")
     if opts.late_forward is not None and opts.kill_decode_at is not None:
         raise ValueError("--late-forward and --kill-decode-at are one fault each: pick one")
     return opts
@@ -507,8 +686,9 @@ def cmd_run_vllm(args: Any) -> int:
             passed = print_report(summary, console)
             console.print(f"summary: {Path(one.out) / 'summary.json'}", highlight=False)
             if name == "kvplane":
-                for role in ("prefill", "decode"):
-                    console.print(f"{role} event log: {Path(one.out) / f'{role}.events.jsonl'}", highlight=False)
+                for role, tp in (("prefill", one.prefill_tp), ("decode", one.decode_tp)):
+                    for f in rank_files(Path(one.out), role, "events.jsonl", tp):
+                        console.print(f"{role} event log: {f}", highlight=False)
             # Side by side, NixlConnector's outcome is a finding, not our failure.
             ok &= passed or (len(names) > 1 and name == "nixl")
     except KeyboardInterrupt:

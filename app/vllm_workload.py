@@ -30,10 +30,11 @@ class VllmRequest:
     repeat_of: int | None  # an exact repeat of request N's prompt
     late: bool  # the proxy forwards it to D late (--late-forward)
     burst: bool  # one of the opening burst (queued on D); the others are the steady stream
+    tag_suffix: str = ""  # "t2": a conversation's second turn
 
     @property
     def tag(self) -> str:
-        return f"r{self.index}"
+        return f"r{self.index}{self.tag_suffix}"
 
 
 def make_stream(n: int, *, seed: int = 0, burst: int = 8, spacing: float = 0.5,

@@ -63,7 +63,7 @@ def dump_path(directory: str, tag: str, rank: int) -> str:
 
 
 def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
-    """Write ``{"kv": [layers, dim 1, whole blocks' rows, width], "num_tokens",
+    """Write ``{"kv": [layers, heads, whole blocks' rows, width], "num_tokens",
     "first_read_token", "read_ok", "block_tokens", "when"}`` to ``path``
     (atomically: a reader never sees half a file).  ValueError when the
     blocks cannot hold the tokens."""
@@ -72,8 +72,8 @@ def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
     if not layers:
         raise ValueError("no KV cache registered")
     first = layers[0]
-    if first.dim() != 4 or first.shape[1] != 2:
-        raise ValueError(f"KV cache layer shaped {tuple(first.shape)}, not [blocks, 2, block_size, width]")
+    if first.dim() != 4:
+        raise ValueError(f"KV cache layer shaped {tuple(first.shape)}, not [blocks, heads, block_size, width]")
     block_ids, num_tokens = dump.block_ids, dump.num_tokens
     block_tokens = first.shape[2]
     need = len(block_ids) if dump.when == "recv" else -(-num_tokens // block_tokens)

@@ -153,17 +153,23 @@ def verify(params: dict[str, Any], keys: DeploymentKeys) -> Vouched:
     return Vouched(fields=fields, key=key, prompt_sha256=prompt, issued=float(issued))
 
 
-def check_for_request(v: Vouched, *, prompt_token_ids: Any, num_prompt_tokens: int, block_size: int) -> None:
+def check_for_request(v: Vouched, *, prompt_token_ids: Any, num_prompt_tokens: int, block_size: int,
+                      prefix: bool = False) -> None:
     """The vouched params are for this request's prompt and name exactly
     its blocks; RefusedParams otherwise.  Signed values were made by P, but
-    a P bug must not become wrong KV either, so their types are checked."""
+    a P bug must not become wrong KV either, so their types are checked.
+    ``prefix`` (a decoder's held blocks read by the next turn): the signed
+    tokens need only begin the prompt (the next turn's prompt is the held
+    tokens plus the answer's last token and new text); the hash still covers
+    every signed token and the blocks exactly them."""
     f = v.fields
     tokens, blocks, expiry = f["remote_num_tokens"], f["remote_block_ids"], f["remote_expiry"]
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
         raise RefusedParams("bad token count")
     if isinstance(expiry, bool) or not isinstance(expiry, float) or not math.isfinite(expiry) or v.term <= 0:
         raise RefusedParams("bad expiry")
-    if tokens != num_prompt_tokens:
+    fits = tokens <= num_prompt_tokens if prefix else tokens == num_prompt_tokens
+    if not fits:
         raise RefusedParams("token count is not the prompt's", f"{tokens} vs {num_prompt_tokens}")
     if prompt_token_ids is None:
         raise RefusedParams("prompt has no token ids")

@@ -67,11 +67,15 @@ class ConnectorScheduler:
 
     # ------------------------------------------------------------ requests
     def on_new_request(self, request_id: str, kv_transfer_params: dict | None, *,
-                       server_public_key: bytes | None = None) -> None:
+                       server_public_key: bytes | None = None, serve: bool = False) -> None:
         """Register a request.  One with remote KV is sent to every rank in
         the next metadata, and its heartbeats start there (at the side
-        channel that proves ``server_public_key``, when given)."""
+        channel that proves ``server_public_key``, when given).  ``serve``:
+        it also serves a remote decode once finished (P's turn 2: it reads
+        D's held prefix, then leases its blocks for D's read-back)."""
         params = kv_transfer_params or {}
+        if serve:
+            self._serve[request_id] = False
         if not params.get("do_remote_prefill"):
             if params.get("do_remote_decode"):
                 self._serve[request_id] = bool(params.get("push"))
@@ -143,16 +147,18 @@ class ConnectorScheduler:
         if rk is not None:
             awaited = request_id in self._awaited
             self._awaited.discard(request_id)
-            if not awaited:
-                # Notify-only: the rank's machine ends on its own after the notify.
-                return False, None
-            if not hold_for_next_turn:
+            if awaited and hold_for_next_turn:
+                self._serve.pop(request_id, None)
+                grant = self._grant(request_id, block_ids, expected_consumers, reader_tp, push=False)
+                self._meta["finished"].append(Finish(request_id=request_id, block_ids=block_ids, hold=grant))
+                expiry = self.clock() + self.config.decoder_kv_blocks_ttl
+                return True, self._params(grant, block_ids, expiry, renewable=False)
+            if awaited:
                 self._meta["finished"].append(Finish(request_id=request_id, block_ids=block_ids))
+            # else notify-only: the rank's machine ends on its own after the notify.
+            if request_id not in self._serve:
                 return False, None
-            grant = self._grant(request_id, block_ids, expected_consumers, reader_tp, push=False)
-            self._meta["finished"].append(Finish(request_id=request_id, block_ids=block_ids, hold=grant))
-            expiry = self.clock() + self.config.decoder_kv_blocks_ttl
-            return True, self._params(grant, block_ids, expiry, renewable=False)
+            # A turn 2 that read (or was declined) now serves its own reader.
         if request_id in self._serve:
             push = self._serve.pop(request_id)
             grant = self._grant(request_id, block_ids, expected_consumers, reader_tp, push=push)

@@ -165,7 +165,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side = VllmWorkerSide(
                 self.engine_id, self.settings, rank=get_tensor_model_parallel_rank(), tp_size=self.tp_size,
                 dp_index=getattr(parallel, "data_parallel_index", 0) or 0,
-                compat_hash=_compat_hash(vllm_config, kv_cache_config, self.settings.enforce_handshake_compat))
+                compat_hash=_compat_hash(vllm_config, kv_cache_config, self.settings.enforce_handshake_compat,
+                                         tp_size=self.tp_size))
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -297,16 +298,17 @@ def _block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(vllm_config.cache_config.block_size)
 
 
-def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool) -> str:
+def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size: int = 1) -> str:
     """What both sides must agree on for their blocks to mean the same: with
     ``enforce_handshake_compat`` (default) the model's KV shape, dtype and
-    block size; without it only the protocol version."""
+    block size; without it only the protocol version.  The KV heads are the
+    model's (a rank's heads times TP): P and D may shard them differently."""
     if not enforce or kv_cache_config is None:
         return COMPAT_HASH
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
     model = vllm_config.model_config
     parts = [COMPAT_HASH, str(getattr(model, "architecture", "")), str(len(group.layer_names)),
-             str(getattr(spec, "block_size", "")), str(getattr(spec, "num_kv_heads", "")),
+             str(getattr(spec, "block_size", "")), str(int(getattr(spec, "num_kv_heads", 0) or 0) * tp_size),
              str(getattr(spec, "head_size", "")), str(getattr(spec, "dtype", ""))]
     return f"{COMPAT_HASH}:{hashlib.sha256(':'.join(parts).encode()).hexdigest()[:24]}"

@@ -22,8 +22,11 @@ def to_vllm(params: dict[str, Any], *, num_tokens: int) -> dict[str, Any]:
     """ConnectorScheduler's params (flat block ids) -> what vLLM returns in
     the request output."""
     out = dict(params)
-    out["do_remote_prefill"] = True
-    out["do_remote_decode"] = False
+    # A decoder's hold (not renewable) in NixlConnector's keys: the next turn
+    # goes to P with do_remote_decode (P reads this prefix, then serves).
+    hold = params.get("remote_renewable") is False
+    out["do_remote_prefill"] = not hold
+    out["do_remote_decode"] = hold
     out["remote_block_ids"] = [list(params["remote_block_ids"])]
     out["dcp_size"] = 1
     out["pp_size"] = 1

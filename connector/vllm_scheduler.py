@@ -19,6 +19,12 @@ request lifecycle means for the plane, path by path:
 - P, finished normally: the blocks go under a lease, freed when every
   reader is done or the lease expires (``finished_sending``); finished any
   other way (aborted, error): freed now.
+- Bidirectional (``bidirectional_kv_xfer``): D holds a read request's
+  blocks for ``decoder_kv_blocks_ttl`` and returns NixlConnector's
+  ``do_remote_decode`` params for them; the next turn goes to P with those
+  params: P reads the whole blocks of the held prefix (the expiry gate
+  decides; declined or refused: P computes it), computes the rest and
+  serves D's read-back like any prefill.
 
 Bad params from a proxy never reach the plane: the request is counted,
 logged (rate-limited), and computed locally.  With a deployment secret
@@ -77,6 +83,7 @@ class VllmSchedulerSide:
         self._dumps: list[DumpKV] = []
         self._local_hit: dict[str, int] = {}  # D: tokens of the prompt D had cached (the read starts there)
         self._recv_failed: set[str] = set()
+        self._turn2: dict[str, int] = {}  # P: next-turn requests reading a decoder's hold -> tokens to read
         self.counters: Counter = Counter()
 
     # ------------------------------------------------------------ start-up
@@ -90,54 +97,90 @@ class VllmSchedulerSide:
         if not params or not isinstance(params, dict):
             return
         remote = bool(params.get("do_remote_prefill"))
+        # NixlConnector's turn 2: do_remote_decode with a decoder's held blocks.
+        turn2 = (not remote and self.settings.bidirectional and bool(params.get("do_remote_decode"))
+                 and bool(params.get("remote_block_ids")))
         try:
-            if remote:
-                translated, server_key = self._accept(request, params)
-                self.sched.on_new_request(request.request_id, translated, server_public_key=server_key)
+            if remote or turn2:
+                translated, server_key = self._accept(request, params, turn2=turn2)
+                self.sched.on_new_request(request.request_id, translated, server_public_key=server_key,
+                                          serve=turn2)
             else:
                 self.sched.on_new_request(request.request_id, params)
         except BadTransferParams as exc:
-            self.counters["bad_transfer_params"] += 1
-            if isinstance(exc, RefusedParams):
-                self.counters[f"refused_params: {exc.reason}"] += 1
-            self._refuse("kvplane_refused_params", "kvplane: request %s: %s; its prompt is computed locally",
-                         request.request_id, exc)
+            self._refused(request, exc, turn2)
             return
         except Exception as exc:  # the last line: one request's params never stop the engine
             self.counters["bad_transfer_params"] += 1
             self._refuse("kvplane_refused_params", "kvplane: request %s: unexpected %s on its kv_transfer_params "
                          "(%s); its prompt is computed locally", request.request_id, type(exc).__name__, exc)
+            self._serve_anyway(request, turn2)
             return
-        if remote:
+        if remote or turn2:
             self._remote.add(request.request_id)
+        if turn2:
+            self._turn2[request.request_id] = int(translated["remote_num_tokens"])
 
-    def _accept(self, request: Any, params: dict) -> tuple[dict, bytes | None]:
+    def _refused(self, request: Any, exc: BadTransferParams, turn2: bool) -> None:
+        self.counters["bad_transfer_params"] += 1
+        if isinstance(exc, RefusedParams):
+            self.counters[f"refused_params: {exc.reason}"] += 1
+        self._refuse("kvplane_refused_params", "kvplane: request %s: %s; its prompt is computed locally",
+                     request.request_id, exc)
+        self._serve_anyway(request, turn2)
+
+    def _serve_anyway(self, request: Any, turn2: bool) -> None:
+        """A next turn whose read was refused is still a prefill for a
+        remote decode: P computes the whole prompt and serves D's read-back."""
+        if turn2:
+            self.counters["turn2_refused_computed"] += 1
+            self.sched.on_new_request(request.request_id, {"do_remote_decode": True})
+
+    def _accept(self, request: Any, params: dict, *, turn2: bool = False) -> tuple[dict, bytes | None]:
         """(the params to register, the CURVE key P's side channel must
-        prove) for D's remote prefill; BadTransferParams when refused.
-        With a deployment secret only P's signed fields are read."""
-        if params.get("do_remote_decode"):
+        prove) for D's remote prefill, or P's read of a decoder's hold
+        (``turn2``); BadTransferParams when refused.  With a deployment
+        secret only P's signed fields are read."""
+        if params.get("do_remote_decode") and not turn2:
             raise BadTransferParams("kv_transfer_params: do_remote_prefill and do_remote_decode both set")
         translated = from_vllm(params)
+        if turn2 and translated.get("remote_renewable") is not False:
+            raise RefusedParams("not a decoder's hold", "do_remote_decode params name a renewable lease")
         keys = self.settings.keys
         if keys is None:
             # Unauthenticated (kvplane_insecure or per-engine keypairs): still
-            # the block list must cover exactly the prompt's tokens.
+            # the block list must cover exactly the prompt's (or, on a next
+            # turn, the held prefix's) tokens.
             tokens = translated.get("remote_num_tokens")
             blocks = translated.get("remote_block_ids")
-            if tokens != request.num_prompt_tokens or not isinstance(blocks, list) or \
-                    len(blocks) != -(-request.num_prompt_tokens // self.block_size) or \
+            count = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
+            fits = 0 < count <= request.num_prompt_tokens if turn2 else count == request.num_prompt_tokens > 0
+            if not fits or not isinstance(blocks, list) or len(blocks) != -(-count // self.block_size) or \
                     len(set(map(repr, blocks))) != len(blocks):
                 raise RefusedParams("blocks do not cover the tokens",
                                     f"{_count(blocks)} blocks for {tokens!r} tokens; the prompt has "
                                     f"{request.num_prompt_tokens} of {self.block_size} a block")
+            if turn2:  # read as a remote prefill of the held prefix
+                translated = self._whole_blocks(dict(translated, do_remote_prefill=True, do_remote_decode=False))
             return translated, None
         vouched = verify(translated, keys)
         check_for_request(vouched, prompt_token_ids=getattr(request, "prompt_token_ids", None),
-                          num_prompt_tokens=request.num_prompt_tokens, block_size=self.block_size)
+                          num_prompt_tokens=request.num_prompt_tokens, block_size=self.block_size, prefix=turn2)
         registered = _registered(vouched)
+        if turn2:
+            registered = self._whole_blocks(registered)
         RemoteKV.from_dict(registered)  # well formed before its lease name is spent
         self.consumed.consume(vouched.lease_name, vouched.term, self.sched.clock())
         return registered, vouched.key.curve_public
+
+    def _whole_blocks(self, registered: dict) -> dict:
+        """A held prefix as P reads it: its whole blocks only (the last held
+        block may be partly filled; P computes those tokens itself)."""
+        whole = registered["remote_num_tokens"] // self.block_size
+        if whole == 0:
+            raise RefusedParams("held prefix shorter than a block")
+        return dict(registered, remote_num_tokens=whole * self.block_size,
+                    remote_block_ids=list(registered["remote_block_ids"])[:whole])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
@@ -146,7 +189,9 @@ class VllmSchedulerSide:
         if num_computed_tokens:
             self.counters["prefix_hits"] += 1
         self._local_hit[rid] = num_computed_tokens
-        return self.sched.get_num_new_matched_tokens(rid, request.num_prompt_tokens, num_computed_tokens)
+        # A next turn reads the held prefix only; vLLM computes the rest.
+        tokens = min(self._turn2.get(rid, request.num_prompt_tokens), request.num_prompt_tokens)
+        return self.sched.get_num_new_matched_tokens(rid, tokens, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
         """``block_ids``: the newly allocated blocks the remote tokens go into
@@ -182,6 +227,7 @@ class VllmSchedulerSide:
         normal = getattr(request.status, "name", str(request.status)) in FINISHED_NORMALLY
         if rid in self._remote:
             self._remote.discard(rid)
+            turn2 = self._turn2.pop(rid, None) is not None
             awaited = rid in self._awaited
             self._awaited.discard(rid)
             if rid not in self._allocated:
@@ -189,6 +235,8 @@ class VllmSchedulerSide:
                 # worker tells P to free now; vLLM awaits nothing.
                 self.counters["aborted_before_alloc"] += 1
                 self.sched.update_state_after_alloc(rid, (), 0)
+                if turn2:
+                    self.sched.abort(rid)  # serves nobody
                 self.sched.request_finished(rid, ())
                 return False, None
             self._allocated.discard(rid)
@@ -200,24 +248,56 @@ class VllmSchedulerSide:
                 return False, None
             self._recv_reported.discard(rid)
             self._running.discard(rid)
-            delay, out = self.sched.request_finished(rid, block_ids,
-                                                     hold_for_next_turn=self.settings.bidirectional and normal)
             read_ok = rid not in self._recv_failed
             self._recv_failed.discard(rid)
             first = self._local_hit.pop(rid, 0)
+            if turn2:
+                # P's next turn: its read is over; it serves D's read-back like a prefill.
+                if not normal or not block_ids:
+                    self.sched.abort(rid)
+                    self.sched.request_finished(rid, block_ids)
+                    return False, None
+                delay, out = self.sched.request_finished(rid, block_ids, reader_tp=self.settings.reader_tp)
+                if out is None:
+                    return False, None
+                self._maybe_dump(request, block_ids, params, normal, holds_blocks=False, first_read_token=first,
+                                 read_ok=read_ok)
+                return delay, self._vouch(request, out)
+            hold = self.settings.bidirectional and normal
+            held = self._held_blocks(request, block_ids) if hold else block_ids
+            delay, out = self.sched.request_finished(rid, held, hold_for_next_turn=hold,
+                                                     reader_tp=self.settings.reader_tp)
             if out is not None:
+                self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok,
+                                 holds_blocks=False)
+                self._dump_hold(request, held, params)
                 return delay, self._vouch(request, out)
             return self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok)
         if params.get("do_remote_decode"):
             if not normal or not block_ids:
                 self.sched.abort(rid)
                 return False, None
-            delay, out = self.sched.request_finished(rid, block_ids)
+            delay, out = self.sched.request_finished(rid, block_ids, reader_tp=self.settings.reader_tp)
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False)  # the lease holds them
             return delay, self._vouch(request, out)
         return self._maybe_dump(request, block_ids, params, normal)
+
+    def _held_blocks(self, request: Any, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The blocks of the tokens D computed (the ones its hold vouches for):
+        exactly ``ceil(num_computed_tokens / block_size)``."""
+        return tuple(block_ids[:-(-request.num_computed_tokens // self.block_size)])
+
+    def _dump_hold(self, request: Any, held: tuple[int, ...], params: dict) -> None:
+        """With a dump tag: the held whole blocks' KV as ``<tag>.hold`` (what
+        the next turn's reader reads, for the KV check)."""
+        tag = self._dump_tag(request, params)
+        whole = request.num_computed_tokens // self.block_size
+        if tag is None or whole == 0:
+            return
+        self._dumps.append(DumpKV(request_id=request.request_id, tag=f"{tag}.hold", block_ids=held[:whole],
+                                  num_tokens=whole * self.block_size, holds_blocks=False))
 
     def _maybe_dump(self, request: Any, block_ids: tuple[int, ...], params: dict, normal: bool, *,
                     holds_blocks: bool = True, first_read_token: int = 0,

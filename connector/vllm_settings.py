@@ -25,6 +25,7 @@ import attrs
 
 from kvplane.statemachines.config import ConfigError, PlaneConfig
 from kvplane.transport.wire import host_problem
+from kvplane.statemachines.tp_mapping import MAX_TP
 
 from .secret import SECRET_ENV, SECRET_KEY, DeploymentKeys, load_keys
 
@@ -72,6 +73,11 @@ class VllmSettings:
     event_log: str | None = None  # kvplane_event_log: JSONL path ("{rank}" is replaced)
     status_file: str | None = None  # kvplane_status_file: JSON written every step ("{rank}" is replaced)
     kv_dump_dir: str | None = None  # kvplane_kv_dump_dir: where requests tagged kvplane_dump_kv save their KV
+    # kvplane_reader_tp: the TP of the engines that read this engine's blocks
+    # (D's for a prefill engine, P's for a decoder's holds); None: this
+    # engine's own.  A lease awaits every reader rank that reads it, and vLLM's
+    # P learns nothing of D's TP before D's completions arrive.
+    reader_tp: int | None = None
     drop_notifications: float = 0.0  # kvplane_drop_notifications: fault injection, fraction dropped
     fault_seed: int = 0
     unknown_keys: tuple[str, ...] = ()
@@ -102,6 +108,7 @@ _OWN = {
     "kvplane_status_file": "status_file",
     "kvplane_kv_dump_dir": "kv_dump_dir",
     "kvplane_drop_notifications": "drop_notifications",
+    "kvplane_reader_tp": "reader_tp",
     "kvplane_fault_seed": "fault_seed",
 }
 
@@ -158,6 +165,10 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
     rate = own.get("drop_notifications", 0.0)
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or not 0 <= rate <= 1:
         raise ConfigError("kvplane_drop_notifications", f"must be a fraction in 0..1, got {rate!r}")
+    reader_tp = own.get("reader_tp")
+    if reader_tp is not None and (isinstance(reader_tp, bool) or not isinstance(reader_tp, int)
+                                  or not 1 <= reader_tp <= MAX_TP):
+        raise ConfigError("kvplane_reader_tp", f"must be a TP size in 1..{MAX_TP}, got {reader_tp!r}")
     seed = own.get("fault_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError("kvplane_fault_seed", f"must be an int, got {seed!r}")

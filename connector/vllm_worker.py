@@ -111,6 +111,9 @@ class VllmWorkerSide:
                 raise ValueError(f"KV cache layer {name}: {tuple(t.shape)} {t.dtype} (contiguous: "
                                  f"{t.is_contiguous()}); kvplane needs every layer contiguous and shaped alike "
                                  f"({tuple(first.shape)} {first.dtype})")
+        # vLLM's CPU layout (LBHNC) is [num_blocks, kv_heads, block_size, K and V of
+        # a head]: a block is head-major as a whole, so a TP head shard is one
+        # contiguous slice of it (one row).
         with self.lock:
             self.worker.register_kv_caches(kv_caches)
         self._kv = tensors

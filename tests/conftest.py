@@ -72,6 +72,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_split_multiprocess.py": "nixl",
     "test_sequence.py": "core",
     "test_ticker.py": "core",
+    "test_turn2_params.py": "core",
     "test_transport_coalesce.py": "nixl",
     "test_transport_endpoint.py": "core",
     "test_transport_gpu_check.py": "nixl",
@@ -87,6 +88,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_vllm_adversarial.py": "vllm",
     "test_vllm_engine.py": "vllm",
     "test_vllm_scheduler.py": "vllm",
+    "test_vllm_parity.py": "vllm",
 }
 KINDS = ("core", "nixl", "e2e", "vllm")
 

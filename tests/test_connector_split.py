@@ -154,6 +154,47 @@ def test_turn_two_reads_every_decode_rank_hold(engines, clock):
     assert p.held() == [] and d.held() == []
 
 
+def test_turn_two_on_p_reads_the_held_prefix_then_serves_the_read_back(engines, clock):
+    # vLLM's turn 2: one request on P reads D's held blocks, computes the
+    # rest, and leases all of its blocks for D's read-back.
+    _, p, d = engines(1, 1)
+    pull(p, d)
+    assert settle(clock, p, d, 5, lambda: "d1" in d.recving)
+    d.sched.request_running("d1")
+    _, hold = d.sched.request_finished("d1", (5, 6, 7), hold_for_next_turn=True)
+    p.sched.on_new_request("p2", hold, serve=True)
+    n, _ = p.sched.get_num_new_matched_tokens("p2", 48, 0)
+    p.sched.update_state_after_alloc("p2", (9, 10, 11), n)
+    assert settle(clock, p, d, 5, lambda: "p2" in p.recving and "d1" in d.sending)
+    for src, dst in zip((1, 2, 3), (9, 10, 11)):
+        assert torch.equal(p.whole_block(dst), block_value(7, src))
+    p.sched.request_running("p2")
+    p.fill(8, (12,))  # the turn's new tokens, computed on P
+    delay, back = p.sched.request_finished("p2", (9, 10, 11, 12))
+    assert delay and back["remote_renewable"] is True and back["remote_block_ids"] == [9, 10, 11, 12]
+    d.sched.on_new_request("d2", back)
+    n, _ = d.sched.get_num_new_matched_tokens("d2", 64, 48)  # D has the first three blocks cached
+    d.sched.update_state_after_alloc("d2", (8,), n)
+    assert settle(clock, p, d, 5, lambda: "d2" in d.recving and "p2" in p.sending)
+    assert torch.equal(d.whole_block(8), block_value(8, 12))
+    d.sched.request_running("d2")
+    d.sched.request_finished("d2", (5, 6, 7, 8))
+    p.step()
+    d.step()
+    assert p.held() == [] and d.held() == []
+
+
+def test_a_turn_two_aborted_on_p_serves_nobody(engines, clock):
+    _, p, d = engines(1, 1)
+    pull(p, d)
+    assert settle(clock, p, d, 5, lambda: "d1" in d.recving)
+    d.sched.request_running("d1")
+    _, hold = d.sched.request_finished("d1", (5, 6, 7), hold_for_next_turn=True)
+    p.sched.on_new_request("p2", hold, serve=True)
+    p.sched.abort("p2")  # before its blocks were allocated
+    assert p.sched.request_finished("p2", (9,)) == (False, None)
+
+
 def test_reports_are_counted_once_per_rank(engines):
     _, p, d = engines(2, 2)
     p.sched.on_new_request("r1", {"do_remote_decode": True})
