@@ -56,6 +56,15 @@ PLANE = dict(kv_lease_duration=6.0, transfer_timeout=2.0, recv_timeout=60.0, han
 
 
 @functools.cache
+def secret_file() -> str:
+    """One deployment secret for every engine these tests build: P signs its
+    params with it and D verifies them, as in a real deployment."""
+    from tests.vllm_support import deployment_secret
+
+    return deployment_secret(tempfile.mkdtemp(prefix="kvplane-secret-"))
+
+
+@functools.cache
 def model_config() -> ModelConfig:
     from kvplane.app.vllm_model import write_tiny_model
 
@@ -74,7 +83,7 @@ def vllm_config(engine_id: str, *, tp: int = 1, policy: str = "fail", extra: dic
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVPlaneConnector", kv_connector_module_path="kvplane.connector.vllm", kv_role="kv_both",
             engine_id=engine_id, kv_load_failure_policy=policy,
-            kv_connector_extra_config={**PLANE, **(extra or {})}),
+            kv_connector_extra_config={**PLANE, "kvplane_secret_file": secret_file(), **(extra or {})}),
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
     )
@@ -137,9 +146,13 @@ class Engine:
         self.kv: list[torch.Tensor] = []
         for r in range(tp):
             rank_id = rank_engine_id(name, r)
+            # The ranks serve and connect with the deployment's keypair, as vllm_worker's do.
+            keys = connector.settings.keys
             driver = PlaneDriver(engine_id=rank_id, endpoint=LoopbackEndpoint(fabric, rank_id),
-                                 config=connector.settings.plane, clock=clock,
-                                 tp_rank=r, curve_keypair=keypair, trusted_peers=peers)
+                                 config=connector.settings.plane, clock=clock, tp_rank=r,
+                                 curve_keypair=keys.signing.curve_keypair if keys else keypair,
+                                 trusted_peers=None if keys else peers,
+                                 deployment_keys=keys.public_keys if keys else ())
             worker = ConnectorWorker(driver, rank=r, tp_size=tp)
             kv = torch.zeros(NUM_BLOCKS, KV_ELEMS)
             worker.register_kv_caches(kv)
