@@ -211,6 +211,7 @@ class RankModel(Model):
         w.phase, w.phase2 = [NEW] * self.n, [NEW] * self.n
         w.faults = w.aborts = 0
         w.crashed = False
+        w.restarted = None  # the rank world models no engine restart
         w.awaited = w.reported = w.freed = frozenset()
         w.activity = {}
         w.hold_expiry, w.p_expiry = [None] * self.n, [None] * self.n
