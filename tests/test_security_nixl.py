@@ -168,9 +168,10 @@ def forged_heartbeat(p, d, mallory) -> dict:
     d.sched.on_new_request("d2", params)
     lease = p.driver.plane.get("lease", "r2")
     assert spin(lambda: lease.bound, d.step, p.step, timeout=10)
-    # D goes away (aborts: its heartbeats stop); a trusted stranger beats on.
+    # D goes away: it aborts and stops stepping, so its heartbeats stop and its
+    # notify-only completion (an abort before allocation tells P to free) is not
+    # sent before the lease is over; a trusted stranger beats on.
     d.sched.abort("d2")
-    d.step()
     last_real = time.monotonic()
     expiry = lease.expiry
     mallory.add_remote(p.ep.local_metadata())
@@ -181,9 +182,9 @@ def forged_heartbeat(p, d, mallory) -> dict:
             mallory.send_notif(p.ep.name, f"HB:{name}".encode())
             forged, next_beat = forged + 1, time.monotonic() + CFG.heartbeat_interval / 4
         p.step()
-        d.step()
         mallory.poll_notifs()
         time.sleep(0.001)
+    spin(lambda: d.held() == [], d.step, p.step, timeout=10)  # D back: its late notify frees nothing more
     return {"forged": forged, "refused": p.driver.counters["refused_foreign_sender"],
             "freed": list(p.driver.freed), "expired_after_s": round(time.monotonic() - last_real, 3),
             "expiry_due_after_s": round(expiry - p.driver.clock(), 3) + round(time.monotonic() - last_real, 3)}
