@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import time
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from kvplane.connector.vllm_settings import settings_from
 from kvplane.connector.vllm_worker import VllmWorkerSide
 from kvplane.transport.wire import encode_completion, encode_heartbeats
 from vllm_support import Req as VllmRequest
-from vllm_support import deployment_secret
+from vllm_support import deployment_secret, run_until
 
 BLOCKS, BLOCK_TOKENS, WIDTH, TOKENS = 32, 16, 8, 40
 P_BLOCKS, D_BLOCKS = (3, 4, 5), (10, 11, 12)
@@ -71,15 +70,6 @@ class Engine:
     @property
     def driver(self):
         return self.worker.driver
-
-
-def run_until(cond, *engines: Engine, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        for e in engines:
-            e.step()
-        time.sleep(0.002)
 
 
 class Deployment:

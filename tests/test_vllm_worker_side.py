@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from kvplane.connector.vllm_settings import settings_from
 from kvplane.connector.vllm_worker import VllmWorkerSide
 from kvplane.statemachines.replay import replay
 from vllm_support import Req as VllmRequest
-from vllm_support import deployment_secret
+from vllm_support import deployment_secret, run_until
 
 BLOCKS, BLOCK_TOKENS, WIDTH = 32, 16, 8
 
@@ -65,15 +64,6 @@ class Engine:
         self.finished["failed"] |= failed
         report = self.worker.take_report()
         self.sched.update_from_workers([report] if report else [], recving)
-
-
-def run_until(cond, *engines: Engine, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        for e in engines:
-            e.step()
-        time.sleep(0.002)
 
 
 @pytest.fixture

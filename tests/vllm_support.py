@@ -1,7 +1,9 @@
 """Stand-ins for what the vLLM connector reads of vLLM's objects (no vLLM needed)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 import attrs
 
@@ -15,6 +17,16 @@ def deployment_secret(folder) -> str:
     if not path.exists():
         write_secret_file(path)
     return str(path)
+
+
+def run_until(cond: Callable[[], bool], *engines: Any, timeout: float = 30.0) -> None:
+    """Step ``engines`` (anything with ``step()``) until ``cond()``; fail the test past ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        for e in engines:
+            e.step()
+        time.sleep(0.002)
 
 
 @attrs.define
