@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvplane.statemachines.eventlog import EventLogError, lines_before, read_log, torn_last_line
-from kvplane.statemachines.explorer import PROFILES, RANK_FAULTS, STALL_FAULTS, ExploreConfig, ExploreResult, Violation, explore
+from kvplane.statemachines.explorer import ENGINE_FAULTS, PROFILES, RANK_FAULTS, STALL_FAULTS, ExploreConfig, ExploreResult, Violation, explore
 from kvplane.statemachines.monitors import DEFAULT_GRACE, check_log
 from kvplane.statemachines.replay import Divergence, replay
 
@@ -219,6 +219,12 @@ def add_explore_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--ranks", default=None, metavar="PxD",
                         help="one plane per worker rank: P's TP x D's TP (e.g. 2x2, 1x2), with the rank faults "
                              "(a heartbeat lost to one rank, one rank's notification lost, a rank crash)")
+    parser.add_argument("--engine", action="store_true",
+                        help="the engine world: vLLM's scheduler (aborts, preemption, repeated calls, worker output "
+                             "in any step) drives the engine_request machine of each side over the ranks (default "
+                             "2x2); profiles read, hit, notify")
+    parser.add_argument("--preemptions", type=int_at_least(0), default=d.max_preemptions, metavar="N",
+                        help="the engine world's preemptions")
     parser.add_argument("--max-states", type=int_at_least(1), default=d.max_states, metavar="N",
                         help="stop (truncated) after this many distinct states")
     parser.add_argument("--no-symmetry", action="store_true", help="do not merge states that differ only in "
@@ -324,6 +330,14 @@ def cmd_explore(args: Any = None) -> int:
             if p_tp < 1 or d_tp < 1:
                 raise ValueError(f"--ranks: each TP size must be >= 1, got {a.ranks!r}")
             cfg = attrs.evolve(cfg, ranks=(p_tp, d_tp), faults=RANK_FAULTS)
+        if a.engine:
+            if a.stall is not None:
+                raise ValueError("--engine models no D stalls")
+            bad = [r for r in requests if r not in ("read", "hit", "notify")]
+            if bad:
+                raise ValueError(f"--engine models the profiles read, hit and notify, not {', '.join(bad)}")
+            cfg = attrs.evolve(cfg, engine=True, ranks=cfg.ranks or (2, 2), faults=ENGINE_FAULTS,
+                               max_preemptions=a.preemptions)
         if a.out:
             try:  # before the search: its counterexamples must have somewhere to go
                 os.makedirs(a.out, exist_ok=True)
@@ -356,7 +370,8 @@ def cmd_explore(args: Any = None) -> int:
                        "max_aborts": cfg.max_aborts, "skew_s": cfg.skew,
                        "stall_s": cfg.stall if "stall" in cfg.faults else None, "symmetry": cfg.symmetry,
                        "liveness": cfg.liveness, "max_states": cfg.max_states, "stop_at_first": cfg.stop_at_first,
-                       "ranks": list(cfg.ranks) if cfg.ranks is not None else None},
+                       "ranks": list(cfg.ranks) if cfg.ranks is not None else None, "engine": cfg.engine,
+                       "max_preemptions": cfg.max_preemptions if cfg.engine else None},
             "states": result.states, "transitions": result.transitions,
             "max_depth_reached": result.max_depth_reached, "states_cut_at_max_depth": result.frontier_cut,
             "drains": result.drained, "elapsed_s": round(result.elapsed, 3),
@@ -373,6 +388,8 @@ def cmd_explore(args: Any = None) -> int:
     t.add_row("depth / faults / aborts / skew", f"{cfg.max_depth} / {cfg.max_faults} / {cfg.max_aborts} / {cfg.skew:g}")
     if cfg.ranks is not None:
         t.add_row("ranks (P x D)", f"{cfg.ranks[0]} x {cfg.ranks[1]}")
+    if cfg.engine:
+        t.add_row("engine world (vLLM's scheduler)", f"on, {cfg.max_preemptions} preemption(s)")
     t.add_row("D stalls", f"up to {cfg.stall:g} s" if "stall" in cfg.faults else "off (--stall)")
     t.add_row("symmetry reduction", "on" if cfg.symmetry else "off")
     t.add_row("states", str(result.states))

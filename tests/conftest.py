@@ -43,6 +43,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_eventlog.py": "core",
     "test_eventlog_batches.py": "core",
     "test_explorer.py": None,
+    "test_explorer_engine.py": "core",
     "test_explorer_ranks.py": None,
     "test_explorer_restart.py": None,
     "test_fuzz_decoders.py": None,

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 from .canonical import GATE_STATES
 from .checks import HELD_LEASE, Found
-from .config import (EXPLORER_PLANE_CONFIG, FAULTS, PROFILES, RANK_FAULTS, RESTART_FAULTS, STALL_FAULTS, ExploreConfig,
+from .config import (ENGINE_FAULTS, EXPLORER_PLANE_CONFIG, FAULTS, PROFILES, RANK_FAULTS, RESTART_FAULTS, STALL_FAULTS, ExploreConfig,
                      Profile)
 from .model import IGNORED_ACTIONS, Model
 from .ranks import RankModel, RankWorld, model_for
@@ -91,7 +91,7 @@ from .world import World, clone_plane
 _Found = Found  # the name the tests have used
 
 __all__ = [
-    "EXPLORER_PLANE_CONFIG", "FAULTS", "GATE_STATES", "HELD_LEASE", "IGNORED_ACTIONS", "PROFILES", "RANK_FAULTS",
+    "ENGINE_FAULTS", "EXPLORER_PLANE_CONFIG", "FAULTS", "GATE_STATES", "HELD_LEASE", "IGNORED_ACTIONS", "PROFILES", "RANK_FAULTS",
     "RESTART_FAULTS", "STALL_FAULTS",
     "ExploreConfig", "ExploreResult", "Found", "Model", "Profile", "RankModel", "RankWorld", "SearchProgress",
     "Violation", "World", "clone_plane", "explore", "model_for",

@@ -53,6 +53,8 @@ RESTART_FAULTS = FAULTS | {"restart"}
 # notification (one rank's), a heartbeat lost to one P rank only (a Tick
 # variant), failed or hung handshakes and READs, and one rank crashing.
 RANK_FAULTS = frozenset({"lose", "dup", "hs_fail", "read_fail", "read_hang", "crash"})
+# The engine world's: the rank faults but a crash (a dead worker takes vLLM's engine with it).
+ENGINE_FAULTS = RANK_FAULTS - {"crash"}
 
 
 @attrs.frozen
@@ -73,3 +75,7 @@ class ExploreConfig:
     # (P's TP, D's TP): one plane per worker rank (``ranks.RankModel``), D
     # rank r reading the P ranks ``TpMapping`` names.  None: one plane a side.
     ranks: tuple[int, int] | None = None
+    # The engine world (``engine_model``): vLLM's scheduler drives the
+    # engine_request machine of each side over the rank world (``ranks``).
+    engine: bool = False
+    max_preemptions: int = 1  # the engine world's preemptions (budgeted like aborts)

@@ -136,8 +136,24 @@ class TickLosing:
     rank: int
 
 
+@attrs.frozen
+class WorkerOutput:
+    """The engine world: vLLM's engine on ``side`` ("D", "P") takes the workers' output its
+    ranks reported since its last step (update_from_output)."""
+
+    side: str
+
+
+@attrs.frozen
+class EngineCall:
+    """The engine world: vLLM's scheduler does ``name`` (``engine_model.CALLS``) to request ``request``."""
+
+    name: str
+    request: int
+
+
 Move = (Schedule | Abort | AbortLease | Deliver | Inject | Late | Tick | Crash | Restart | Stall | Resume | CrashRank
-        | TickLosing)
+        | TickLosing | EngineCall | WorkerOutput)
 
 STEP_NAMED: dict[str, Step] = {s.name: s for s in STEPS}
 

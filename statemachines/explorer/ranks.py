@@ -547,6 +547,10 @@ class RankModel(Model):
 
 
 def model_for(cfg: ExploreConfig, machines: dict[str, Machine] | None = None) -> Model:
-    """The model ``cfg`` asks for: one plane a side, or one per rank (``cfg.ranks``)."""
+    """The model ``cfg`` asks for: one plane a side, one per rank (``cfg.ranks``),
+    or the engine world over the ranks (``cfg.engine``)."""
+    if cfg.engine:
+        from .engine_model import EngineModel  # it builds on this module
+        return EngineModel(cfg, machines)
     return Model(cfg, machines) if cfg.ranks is None else RankModel(cfg, machines)
 
