@@ -115,8 +115,7 @@ class RankWorker:
         self._offsets: list[tuple[str, float]] = []
         self._last_sent = 0.0
         self._ended: Counter = Counter()  # leases (and holds) ended, by why
-        self._chain = self.driver.plane.recorder
-        self.driver.plane.recorder = self._tally
+        self.driver.plane.observe(self._tally)
         self.plane_cpu = PlaneCpu().attach(self.driver.plane)  # the plane's CPU, recorder on, for the summary
         self.worker = ConnectorWorker(self.driver, rank=opts.rank, tp_size=opts.tp_size)
         if opts.block_elems % opts.tp_size:
@@ -186,8 +185,6 @@ class RankWorker:
 
     # ------------------------------------------------------------ tally
     def _tally(self, step) -> None:
-        if self._chain is not None:
-            self._chain(step)
         if isinstance(step.event, LeaseHeartbeat) and step.kind == "lease":
             lease = self.driver.plane.get("lease", step.event.request_id)
             if lease is not None:

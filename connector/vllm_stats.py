@@ -1,6 +1,6 @@
 """The counts kvplane's vLLM connector reports, without vLLM.
 
-``PlaneTally`` watches one rank's plane (a recorder in its chain) and
+``PlaneTally`` watches one rank's plane (one of its observers) and
 counts what the driver's own counters do not: transfers failed, leases
 expired, reads declined by the expiry gate, lease extensions.  ``Snapshot``
 reads the rank's counts and gauges; vLLM's ``KVConnectorStats`` carries the
@@ -40,16 +40,13 @@ GAUGE_KEYS = ("kvplane_blocks_held", "kvplane_leases", "kvplane_recvs_in_flight"
 
 
 class PlaneTally:
-    """A plane recorder counting outcomes; chains the recorder it replaces."""
+    """A plane observer counting outcomes."""
 
     def __init__(self, plane: Any):
         self.counts: Counter = Counter()
-        self._chain = plane.recorder
-        plane.recorder = self
+        plane.observe(self)
 
     def __call__(self, step: Any) -> None:
-        if self._chain is not None:
-            self._chain(step)
         event = step.event
         if step.kind == "lease" and isinstance(event, E.LeaseHeartbeat):
             self.counts["kvplane_lease_extensions"] += 1

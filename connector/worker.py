@@ -63,8 +63,8 @@ def recv_failure_reason(event_name: str, label: str, before: str | None) -> Recv
 
 class ConnectorWorker:
     def __init__(self, driver: PlaneDriver, *, rank: int = 0, tp_size: int = 1):
-        """Attach the plane's event log before this (the worker chains the
-        plane's recorder to learn why recvs fail)."""
+        """The worker observes the plane (``ControlPlane.observe``) to learn
+        why recvs fail."""
         TpMapping(tp_size, tp_size)  # a valid TP size
         if not 0 <= rank < tp_size:
             raise ValueError(f"rank {rank} out of range for TP {tp_size}")
@@ -83,8 +83,7 @@ class ConnectorWorker:
         self._broken_failed: set[str] = set()  # of those, awaited: failed in the next report
         self._out_sending: set[str] = set()
         self.counters: Counter = Counter()
-        self._chain = driver.plane.recorder
-        driver.plane.recorder = self._observe
+        driver.plane.observe(self._observe)
 
     # ------------------------------------------------------------ start-up
     def rank_info(self) -> RankInfo:
@@ -253,8 +252,6 @@ class ConnectorWorker:
             self._forget(rid)
 
     def _observe(self, step) -> None:
-        if self._chain is not None:
-            self._chain(step)
         for a in step.actions:
             if isinstance(a, ReportRecv) and not a.ok:
                 rid = self._parent.get(a.request_id, a.request_id)

@@ -324,10 +324,11 @@ def header(config: PlaneConfig) -> str:
 class EventLogWriter:
     """A ControlPlane recorder writing JSONL.
 
-    ``plane.recorder = writer`` (or ``EventLogWriter.attach``).  Each call
-    numbers its stimulus and makes its line's record (``capture``, from the
-    stimulus as the plane kept it; or a Step from an observer chaining this
-    writer); every ``ENCODE_BATCH`` records are encoded together, and
+    ``plane.recorder = writer`` (or ``EventLogWriter.attach``): the plane's
+    event-log observer, beside any others.  Each call numbers its stimulus
+    and makes its line's record (``capture``, from the stimulus as the plane
+    kept it; or a Step, as the plane hands a refused stimulus to every
+    observer); every ``ENCODE_BATCH`` records are encoded together, and
     ``flush()`` encodes what is left and writes it all to the stream
     (automatically every ``flush_every`` records): what was not flushed is
     what a crash loses.  ``stimuli_only`` drops states and actions.

@@ -1,9 +1,12 @@
 """One observer protocol: every observer is a callable taking a ``Step``.
 
-Two places produce steps.  The ControlPlane's ``recorder`` sees one step per
-top-level stimulus (the event log writes one line per step, replay compares
-them).  A recorder with a ``capture(stimulus, out)`` method (the event log's
-writer) is handed each stimulus as the plane kept it instead (``Stimulus``),
+Two places produce steps.  Each of the ControlPlane's ``observers``
+(``plane.observe(obs)``; its ``recorder`` is the event log's, one of them)
+sees one step per top-level stimulus (the event log writes one line per
+step, replay compares them; a worker learns why recvs failed; a tally
+counts), built once for all of them.  An observer with a ``capture(stimulus,
+out)`` method (the event log's writer) is handed each stimulus as the plane
+kept it instead (``Stimulus``),
 without a Step: building one, and its timer action, was most of what
 recording cost the plane; the writer encodes the line from the parts later,
 in the order ``stimulus_actions`` gives.  ``observed`` wraps compiled

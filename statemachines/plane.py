@@ -99,22 +99,54 @@ class ControlPlane:
             for kind, m in self.machines.items()}
         # Recent anomalies (unknown ids, protocol violations) for the embedder to log.
         self.anomalies: deque = deque(maxlen=256)
-        self._recorder: Observer | None = None
-        self._capture: Callable[[Stimulus, list | None], None] | None = None
+        self._set_observers((), None)
         self._top: Stimulus | None = None  # the stimulus being handled, logged once its effects are known
         self._queue: list[Event] = []  # internal events; empty between calls (see handle)
 
+    # ------------------------------------------------------------ observers
+    @property
+    def observers(self) -> tuple[Observer, ...]:
+        """Everything that sees the plane's steps, in the order added: one
+        Step per top-level stimulus (the event log, a worker's failure
+        reasons, a tally); none costs nothing.  One with a ``capture``
+        method is handed each stimulus unbuilt instead (see observe.py)."""
+        return self._observers
+
+    def observe(self, observer: Observer) -> Observer:
+        """Add ``observer`` (after the ones already there); returns it."""
+        self._set_observers(self._observers + (observer,), self._recorder)
+        return observer
+
+    def unobserve(self, observer: Observer) -> None:
+        """Remove ``observer``; one that is not there is no error."""
+        rest = tuple(o for o in self._observers if o is not observer)
+        self._set_observers(rest, None if observer is self._recorder else self._recorder)
+
     @property
     def recorder(self) -> Observer | None:
-        """Sees one Step per top-level stimulus (the event log); None costs
-        nothing.  One with a ``capture`` method is handed each stimulus
-        unbuilt instead (see observe.py)."""
+        """The event log's observer (replay and counterexamples read it): one
+        of ``observers``, which setting it replaces (None: removes)."""
         return self._recorder
 
     @recorder.setter
     def recorder(self, observer: Observer | None) -> None:
-        self._recorder = observer
-        self._capture = getattr(observer, "capture", None)
+        rest = tuple(o for o in self._observers if o is not self._recorder)
+        self._set_observers(rest if observer is None else rest + (observer,), observer)
+
+    def _set_observers(self, observers: tuple[Observer, ...], recorder: Observer | None) -> None:
+        self._observers = observers
+        self._recorder = recorder
+        # Split once here, not per stimulus: who takes the stimulus unbuilt,
+        # who a Step (built once for all of them).
+        self._captures: tuple[Callable[[Stimulus, list | None], None], ...] = tuple(
+            o.capture for o in observers if callable(getattr(o, "capture", None)))  # type: ignore[attr-defined]
+        self._steppers: tuple[Observer, ...] = tuple(
+            o for o in observers if not callable(getattr(o, "capture", None)))
+
+    def _tell(self, step: Step) -> None:
+        """A step built by the plane itself (a refused stimulus): to every observer."""
+        for observer in self._observers:
+            observer(step)
 
     # ------------------------------------------------------------------ input
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -127,7 +159,7 @@ class ControlPlane:
         # most stimuli queue nothing, so none is made per call: one that
         # fills is this call's, and a fresh one takes its place.
         queue = self._queue
-        note = self._recorder is not None  # _finish notes the stimulus for its log line
+        note = bool(self._observers)  # _finish notes the stimulus for its log line
         dispatch = self._dispatch
         try:
             dispatch(event, now, out, queue, note)
@@ -143,10 +175,12 @@ class ControlPlane:
             if top is not None:  # None: a refused stimulus, handed to the recorder as a Step already
                 # A cascade's effects follow the stimulus's own in out: out is
                 # passed whenever it holds anything.
-                if self._capture is not None:  # the caller's, copied: a capture may keep it
-                    self._capture(top, out[:] if out else None)
-                elif self._recorder is not None:  # stimulus_step keeps slices of it, not out
-                    self._recorder(stimulus_step(top, out if out else None))
+                for capture in self._captures:  # the caller's, copied: a capture may keep it
+                    capture(top, out[:] if out else None)
+                if self._steppers:  # stimulus_step keeps slices of out, not out
+                    step = stimulus_step(top, out if out else None)
+                    for observer in self._steppers:
+                        observer(step)
         return out
 
     def next_deadline(self) -> float | None:
@@ -199,7 +233,8 @@ class ControlPlane:
         q._compact_at = self._compact_at
         q.stats = Counter.__new__(Counter)  # empty; Counter() runs Python __init__ and update (4x the cost)
         q.anomalies = deque(maxlen=256)
-        q._recorder = q._capture = None
+        q._observers = q._captures = q._steppers = ()  # (as _set_observers((), None), without its call)
+        q._recorder = None
         q._top = None
         q._queue = []
         return q
@@ -238,8 +273,8 @@ class ControlPlane:
         k = self._kinds.get(kind)
         if k is None:
             self._anomaly(UNKNOWN_KIND, kind, key, event)
-            if note and self._recorder is not None:
-                self._recorder(Step(event, now, kind, key, None, None, IGNORED))
+            if note:
+                self._tell(Step(event, now, kind, key, None, None, IGNORED))
             return
         insts = self.instances[kind]
         inst = insts.get(key)
@@ -340,9 +375,9 @@ class ControlPlane:
         refund = event.refund()
         acts = IGNORED if refund is None else [refund]
         out.extend(acts)
-        if note and self._recorder is not None:
+        if note:
             # Logged too, so a log holds every stimulus; no instance: no states.
-            self._recorder(Step(event, now, kind, key, None, None, acts))
+            self._tell(Step(event, now, kind, key, None, None, acts))
 
     def _fail_closed(self, machine: Machine, inst, now: float) -> list[Action] | tuple[()]:
         fc = machine.spec.fail_closed_event

@@ -60,6 +60,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_params.py": "core",
     "test_plane_reference.py": "core",
     "test_plane_cpu.py": "core",
+    "test_plane_observers.py": "core",
     "test_plane_properties.py": "core",
     "test_plane_timers.py": "core",
     "test_proxy.py": "core",

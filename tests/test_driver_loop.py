@@ -32,14 +32,7 @@ def _cpu_cost(driver: PlaneDriver, n: int, repeats: int = 3) -> float:
 
 def test_events_are_handled_in_arrival_order(driver):
     seen: list[str] = []
-    chained = driver.plane.recorder
-
-    def record(step):
-        seen.append(step.event.request_id)
-        if chained is not None:
-            chained(step)
-
-    driver.plane.recorder = record
+    driver.plane.observe(lambda step: seen.append(step.event.request_id))
     ids = [f"r{i}" for i in range(50)]
     driver._run([E.LeaseHeartbeat(request_id=i) for i in ids])
     assert seen == ids

@@ -41,15 +41,12 @@ def wait_until(cond, timeout: float = 10.0) -> bool:
 def record_frees(driver: PlaneDriver) -> list[float]:
     """The driver-clock times at which the plane emitted FreeBlocks."""
     times: list[float] = []
-    chained = driver.plane.recorder
 
     def record(step):
         if any(isinstance(a, A.FreeBlocks) for a in step.actions):
             times.append(step.now)
-        if chained is not None:
-            chained(step)
 
-    driver.plane.recorder = record
+    driver.plane.observe(record)
     return times
 
 
