@@ -527,7 +527,7 @@ class PlaneDriver:
         self._forget_lease_name(a.request_id)
 
     def _refused(self, a: A.RefuseNotification, follow: list) -> None:
-        self._count_and_warn(f"refused_{a.reason}", "lease %s refused a notification from %.64r: %s",
+        self._count_and_warn(f"refused_{a.reason}", "%s refused a notification from %.64r: %s",
                              a.request_id, a.sender, a.reason)
 
     def _count_and_warn(self, counter: str, fmt: str, *args: Any) -> None:
@@ -581,15 +581,10 @@ class PlaneDriver:
             # A completion naming one of our decode requests is a push WRITE
             # into it (its table ignores one it does not await); any other
             # names a lease a consumer READ from.
-            reader = self.plane.get("decode_request", notif.request_id)
-            if reader is not None:
-                if reader.engine_id != sender:
-                    # Only the engine that pushes to us may say its WRITE is done.
-                    self._count_and_warn("refused_push_done_foreign_sender",
-                                         "request %s: push completion from %.64r, not from %s: refused",
-                                         notif.request_id, sender, reader.engine_id)
-                    return []
-                return [E.PushDone(request_id=notif.request_id)]
+            # Who may say so is the table's rule (decode_request refuses a
+            # completion not from the engine the request reads).
+            if self.plane.get("decode_request", notif.request_id) is not None:
+                return [E.PushDone(request_id=notif.request_id, sender=sender)]
             rid = self._lease_named(notif.request_id)
             if rid is None:
                 self._keep_early(notif.request_id, sender, notif.expected_consumers)

@@ -188,7 +188,8 @@ class RefuseNotification(Action, frozen=True):
 
 
 class RefuseForeignSender(RefuseNotification, frozen=True):
-    """From a sender the lease is not bound to."""
+    """From a sender the lease is not bound to (lease), or a push completion
+    not from the engine the request reads (decode_request)."""
 
 
 class RefuseWrongCount(RefuseNotification, frozen=True):

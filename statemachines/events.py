@@ -114,9 +114,12 @@ class ReadFailed(Event):
 
 @attrs.define(slots=True, unsafe_hash=True, kw_only=True)
 class PushDone(Event):
-    """Push mode, decode side: P notified that its WRITE into our blocks completed."""
+    """Push mode, decode side: P notified that its WRITE into our blocks
+    completed.  ``sender``: the engine the notification came from (None:
+    in-process, trusted); only the engine the request reads from may say so."""
 
     request_id: str
+    sender: str | None = None
     machine: ClassVar[str] = "decode_request"
 
 

@@ -354,6 +354,23 @@ def test_push_end_to_end_with_the_decoder():
     assert held_by(d.plane, "r1") == [] and held_by(p.plane, "p1") == []
 
 
+def test_push_completion_from_a_stranger_is_refused_by_the_table():
+    """Only the engine a request reads from may complete its push: the
+    decode_request row refuses (and the plane keeps waiting) a completion
+    from anyone else, however often it comes; the real one still lands."""
+    d = Side(plane())
+    d.handle(new_request("r1", P_ENGINE, "p1", push=True), 0.0)
+    d.handle(E.BlocksAllocated(request_id="r1", block_ids=(1, 2), num_remote_tokens=32), 0.0)
+    d.handle(E.StartLoad(request_id="r1"), 0.0)
+    for _ in range(3):
+        out = d.handle(E.PushDone(request_id="r1", sender="mallory"), 1.0)
+        assert out == [A.RefuseForeignSender("r1", "mallory", "push_done_foreign_sender")]
+    assert d.plane.get("decode_request", "r1").state == "AWAITING_PUSH"
+    assert d.handle(E.PushDone(request_id="r1", sender=P_ENGINE), 2.0) == [A.ReportRecv("r1", True)]
+    # Late or duplicate, from anyone: ignored, counted.
+    assert d.handle(E.PushDone(request_id="r1", sender="mallory"), 3.0) == []
+
+
 def test_push_never_arrives_fails_the_decoder_recv():
     d = Side(plane())
     d.handle(new_request("r1", P_ENGINE, "p1", push=True), 0.0)

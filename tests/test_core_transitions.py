@@ -203,6 +203,8 @@ def arrange(kind, row):
                                       awaiting=g == "awaited")
         elif ev is E.RequestFinished:
             event = E.RequestFinished(request_id="r1", block_ids=(1, 2), hold_for_next_turn=g == "hold_for_next_turn")
+        elif ev is E.PushDone and g == "foreign_pusher":
+            event = E.PushDone(request_id="r1", sender="a-stranger")  # not the engine it reads
         else:
             assert g is None or opts, f"no recipe for guard {g}"
             event = default_event(kind, ev, d.inst)

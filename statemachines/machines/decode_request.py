@@ -18,7 +18,7 @@ import attrs
 
 from .. import read_gate
 from ..actions import (
-    GrantHold, PostRead, ReportRecv, SendNotif,
+    GrantHold, PostRead, RefuseForeignSender, ReportRecv, SendNotif,
     SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
 from ..base import Instance, TimerFired
@@ -141,6 +141,11 @@ def push_mode(r: DecodeRequest, ev, cfg, now) -> bool:
     return r.push
 
 
+def foreign_pusher(r: DecodeRequest, ev: PushDone, cfg, now) -> bool:
+    """not from the engine it reads"""
+    return ev.sender is not None and ev.sender != r.engine_id
+
+
 def hold_for_next_turn(r, ev: RequestFinished, cfg, now) -> bool:
     """hold for next turn"""
     return ev.hold_for_next_turn
@@ -165,6 +170,11 @@ def post_read(r: DecodeRequest, ev, cfg, now) -> PostRead:
 @emits(SendNotif)
 def send_notif(r: DecodeRequest, ev, cfg, now) -> SendNotif:
     return SendNotif(r.engine_id, r.remote_request_id, r.expected_consumers)
+
+
+@emits(RefuseForeignSender)
+def refuse_foreign_pusher(r: DecodeRequest, ev: PushDone, cfg, now) -> RefuseForeignSender:
+    return RefuseForeignSender(r.key, ev.sender, "push_done_foreign_sender")
 
 
 @emits(SendPushRegistration)
@@ -297,6 +307,9 @@ TABLE = rows(
     on(S.READING, ReadDone, S.RECV_DONE, release_xfer, note_activity, stop_heartbeat, release_engine, report_done),
     on(S.READING, ReadFailed, S.RECV_FAILED, release_xfer, *GIVE_UP),
     ignore(NO_XFER, [ReadDone, ReadFailed], "late completion of a transfer already released"),
+    # Only the engine it reads from may say its WRITE landed; a stranger's
+    # completion changes nothing (refused, counted by the embedder).
+    on(S.AWAITING_PUSH, PushDone, S.AWAITING_PUSH, refuse_foreign_pusher, when=foreign_pusher),
     on(S.AWAITING_PUSH, PushDone, S.RECV_DONE, note_activity, stop_heartbeat, release_engine, report_done),
     ignore(NO_PUSH, PushDone, "late or duplicate push completion"),
 
