@@ -75,7 +75,9 @@ phases, clocks), ``messages`` (what is in flight), ``moves`` (moves and the
 schedulers' phase table), ``model`` (which moves a world offers, what each
 does, how the planes' actions are executed), ``checks`` (safety and
 quiescence), ``canonical`` (state hashing, symmetry), ``search`` (BFS,
-drains, counterexamples).
+drains, counterexamples), ``ranks`` (one plane per worker rank),
+``engine_model`` (vLLM's scheduler driving the engine_request machine over
+the ranks; ``model_for`` picks the model a configuration asks for).
 """
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ from .checks import HELD_LEASE, Found
 from .config import (ENGINE_FAULTS, EXPLORER_PLANE_CONFIG, FAULTS, PROFILES, RANK_FAULTS, RESTART_FAULTS, STALL_FAULTS, ExploreConfig,
                      Profile)
 from .model import IGNORED_ACTIONS, Model
-from .ranks import RankModel, RankWorld, model_for
+from .engine_model import EngineModel, model_for
+from .ranks import RankModel, RankWorld
 from .search import ExploreResult, SearchProgress, Violation, explore
 from .world import World, clone_plane
 
@@ -93,6 +96,6 @@ _Found = Found  # the name the tests have used
 __all__ = [
     "ENGINE_FAULTS", "EXPLORER_PLANE_CONFIG", "FAULTS", "GATE_STATES", "HELD_LEASE", "IGNORED_ACTIONS", "PROFILES", "RANK_FAULTS",
     "RESTART_FAULTS", "STALL_FAULTS",
-    "ExploreConfig", "ExploreResult", "Found", "Model", "Profile", "RankModel", "RankWorld", "SearchProgress",
+    "EngineModel", "ExploreConfig", "ExploreResult", "Found", "Model", "Profile", "RankModel", "RankWorld", "SearchProgress",
     "Violation", "World", "clone_plane", "explore", "model_for",
 ]

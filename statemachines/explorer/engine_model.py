@@ -594,6 +594,10 @@ class EngineModel(RankModel):
         return problems
 
 
-def engine_model(cfg: ExploreConfig, machines: dict[str, Machine] | None = None) -> EngineModel:
-    """The engine world for ``cfg`` (``ExploreConfig.engine``)."""
-    return EngineModel(cfg, machines)
+
+def model_for(cfg: ExploreConfig, machines: dict[str, Machine] | None = None) -> Model:
+    """The model ``cfg`` asks for: one plane a side, one per rank
+    (``cfg.ranks``), or the engine world over the ranks (``cfg.engine``)."""
+    if cfg.engine:
+        return EngineModel(cfg, machines)
+    return Model(cfg, machines) if cfg.ranks is None else RankModel(cfg, machines)

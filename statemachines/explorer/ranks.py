@@ -545,12 +545,3 @@ class RankModel(Model):
                         A.SendHeartbeat: _send_heartbeat, A.ReportRecv: _report_recv, A.FreeBlocks: _free_blocks,
                         A.RefuseForeignSender: _refused, A.RefuseWrongCount: _refused}
 
-
-def model_for(cfg: ExploreConfig, machines: dict[str, Machine] | None = None) -> Model:
-    """The model ``cfg`` asks for: one plane a side, one per rank (``cfg.ranks``),
-    or the engine world over the ranks (``cfg.engine``)."""
-    if cfg.engine:
-        from .engine_model import EngineModel  # it builds on this module
-        return EngineModel(cfg, machines)
-    return Model(cfg, machines) if cfg.ranks is None else RankModel(cfg, machines)
-

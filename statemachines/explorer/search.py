@@ -19,7 +19,7 @@ from ..machine import Machine
 from .checks import Found
 from .config import ExploreConfig
 from .model import Model
-from .ranks import model_for
+from .engine_model import model_for
 from .moves import Move
 from .world import World
 
@@ -84,7 +84,8 @@ def explore(config: ExploreConfig | None = None, *, machines: dict[str, Machine]
 
     ``overrides`` are ExploreConfig fields (``explore(requests=("read",))``).
     ``model_factory`` builds the model from the config and machines (default
-    ``ranks.model_for``: one plane a side, or one per rank with ``ranks``).
+    ``engine_model.model_for``: one plane a side, one per rank with ``ranks``,
+    or the engine world with ``engine``).
     Violations carry the shortest move sequence and replayable logs.
     ``clock`` (e.g. ``time.perf_counter``) times the run into ``elapsed``.
     ``progress`` is called every ``progress_every`` expanded states with a
