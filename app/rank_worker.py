@@ -77,13 +77,8 @@ class RankWorker:
     def __init__(self, conn, opts: RankOptions):
         import torch
 
-        from kvplane.connector.driver import PlaneDriver
-        from kvplane.connector.ranks import rank_engine_id
-        from kvplane.connector.worker import ConnectorWorker
+        from kvplane.connector.rank_factory import RankSetup, build_rank
         from kvplane.statemachines.config import PlaneConfig
-        from kvplane.statemachines.eventlog import EventLogWriter
-        from kvplane.transport.faults import DropNotifications
-        from kvplane.transport.nixl_agent import NixlEndpoint
 
         # One intra-op thread: two on this 2-core box made a 3 MiB compare ~4x
         # slower under load, and the rank's polling needs the other core.
@@ -93,31 +88,25 @@ class RankWorker:
         self.opts = opts
         skew = opts.clock_skew
         clock = (lambda: time.monotonic() + skew) if skew else time.monotonic
-        self.rank_id = rank_engine_id(opts.engine_id, opts.rank)
-        self.ep = NixlEndpoint(self.rank_id)
-        self.faults = DropNotifications(self.ep, rate=opts.drop_notifications, seed=opts.seed)
         # The summary's lease and engine counts: the machines' own
         # transitions, counted as replay counts them (LifecycleCounts).
         self.lifecycle = LifecycleCounts()
         counted = observed({k: MACHINES[k] for k in LifecycleCounts.KINDS}, self.lifecycle)
-        self.driver = PlaneDriver(engine_id=self.rank_id, endpoint=self.faults if self.faults.rate else self.ep,
-                                  config=PlaneConfig(**opts.plane_fields), clock=clock, tp_rank=opts.rank,
-                                  curve_keypair=tuple(opts.keypair), trusted_peers=opts.peers,
-                                  host=opts.side_channel_host,
-                                  machines={**MACHINES, **counted})
-        self._log_stream = None
-        self.log = None
-        if opts.log_path is not None:
-            self._log_stream = open(opts.log_path, "w", encoding="utf-8")
-            self.log = EventLogWriter.attach(self.driver.plane, self._log_stream, flush_every=1 << 30)
         self._lease_events: list[tuple[str, str, float, float]] = []
         self.busy_s = 0.0
         self._offsets: list[tuple[str, float]] = []
         self._last_sent = 0.0
         self._ended: Counter = Counter()  # leases (and holds) ended, by why
-        self.driver.plane.observe(self._tally)
+        self.parts = build_rank(
+            RankSetup(engine_id=opts.engine_id, rank=opts.rank, tp_size=opts.tp_size,
+                      drop_notifications=opts.drop_notifications, fault_seed=opts.seed, log_path=opts.log_path,
+                      log_flush_every=1 << 30),  # flushed by the loop (and at the end)
+            observers=(self._tally,), config=PlaneConfig(**opts.plane_fields), clock=clock,
+            curve_keypair=tuple(opts.keypair), trusted_peers=opts.peers, host=opts.side_channel_host,
+            machines={**MACHINES, **counted})
+        self.rank_id, self.ep, self.faults = self.parts.rank_id, self.parts.endpoint, self.parts.faults
+        self.driver, self.worker, self.log = self.parts.driver, self.parts.worker, self.parts.log_writer
         self.plane_cpu = PlaneCpu().attach(self.driver.plane)  # the plane's CPU, recorder on, for the summary
-        self.worker = ConnectorWorker(self.driver, rank=opts.rank, tp_size=opts.tp_size)
         if opts.block_elems % opts.tp_size:
             raise ValueError(f"block_elems {opts.block_elems} is not divisible by TP {opts.tp_size}")
         self.shard = opts.block_elems // opts.tp_size
@@ -304,7 +293,7 @@ class RankWorker:
         anomalies = {str(k): v for k, v in d.plane.stats.items() if isinstance(k, FailClosed)
                      or isinstance(k, Anomaly) and k.what in (UNKNOWN_ID, UNKNOWN_KIND, PROTOCOL_VIOLATION)}
         counters = dict(d.counters)
-        if self.faults.dropped:
+        if self.faults is not None and self.faults.dropped:
             counters["notifs_dropped_injected"] = self.faults.dropped
         lease_blocks = sum(len(lease.block_ids) for lease in d.plane.instances["lease"].values())
         transfers = tuple(self.ep.transfer_times.samples)
@@ -320,11 +309,8 @@ class RankWorker:
             held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"], transfers=transfers,
             bare_reads=self._bare_done, bare_read_error=self._bare_error, cpu_s=time.process_time(), waits=dict(self.waits),
             plane_cpu_s=self.plane_cpu.seconds, plane_gc_s=self.plane_cpu.gc_seconds))
-        if self.log is not None:
-            self.log.flush()
+        self.parts.close_log()
         self.worker.shutdown()
-        if self._log_stream is not None:
-            self._log_stream.close()
 
 
     def _bare_read(self) -> bool:

@@ -40,11 +40,10 @@ GAUGE_KEYS = ("kvplane_blocks_held", "kvplane_leases", "kvplane_recvs_in_flight"
 
 
 class PlaneTally:
-    """A plane observer counting outcomes."""
+    """A plane observer counting outcomes (``plane.observe(tally)``)."""
 
-    def __init__(self, plane: Any):
+    def __init__(self) -> None:
         self.counts: Counter = Counter()
-        plane.observe(self)
 
     def __call__(self, step: Any) -> None:
         event = step.event

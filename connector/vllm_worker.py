@@ -22,18 +22,13 @@ import threading
 import time
 from typing import Any
 
-from kvplane.statemachines.eventlog import EventLogWriter
-from kvplane.transport.faults import DropNotifications
-
-from .driver import PlaneDriver
 from .kv_dump import DumpKV, dump_kv, dump_path
-from .ranks import rank_engine_id
+from .rank_factory import RankSetup, build_rank
 from .records import RankInfo, WorkerReport
 from .ticker import Ticker
 from .vllm_scheduler import SchedulerStep
 from .vllm_settings import VllmSettings
 from .vllm_stats import PlaneTally, snapshot
-from .worker import ConnectorWorker
 
 log = logging.getLogger("kvplane.vllm")
 STATUS_EVERY_S = 0.5
@@ -43,20 +38,11 @@ LOG_FLUSH_EVERY_S = 0.2
 class VllmWorkerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, rank: int = 0, tp_size: int = 1,
                  dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1"):
-        from kvplane.transport.nixl_agent import NixlEndpoint
-
         self.settings = settings
         self.rank = rank
         self.engine_id = engine_id
-        rank_id = rank_engine_id(engine_id, rank)
         if settings.ucx_net_devices is not None:
             os.environ["UCX_NET_DEVICES"] = settings.ucx_net_devices  # read when the agent's UCX starts
-        self.endpoint = NixlEndpoint(rank_id)
-        endpoint: Any = self.endpoint
-        if settings.drop_notifications:
-            endpoint = DropNotifications(self.endpoint, rate=settings.drop_notifications,
-                                         seed=settings.fault_seed + rank)
-        self.faults = endpoint if settings.drop_notifications else None
         keypair = None
         deployment_keys: tuple[bytes, ...] = ()
         if settings.keys is not None:
@@ -74,20 +60,16 @@ class VllmWorkerSide:
             log.warning("kvplane: kvplane_insecure: the side channel is plaintext and notifications are "
                         "accepted from any agent (as with NixlConnector)")
         port = settings.side_channel_port + dp_index * tp_size + rank
-        self.driver = PlaneDriver(engine_id=rank_id, endpoint=endpoint, config=settings.plane,
-                                  compat_hash=compat_hash, host=settings.bind_host, port=port,
-                                  curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
-                                  insecure=settings.insecure, tp_rank=rank, deployment_keys=deployment_keys)
-        self._log_stream = None
-        self.log_writer: EventLogWriter | None = None
-        log_path = settings.rank_path(settings.event_log, rank)
-        if log_path is not None:
-            self._log_stream = open(log_path, "w", encoding="utf-8")
-            self.log_writer = EventLogWriter.attach(self.driver.plane, self._log_stream, flush_every=4096)
-            self._log_stream.flush()
+        self.tally = PlaneTally()
+        self.parts = build_rank(
+            RankSetup(engine_id=engine_id, rank=rank, tp_size=tp_size, drop_notifications=settings.drop_notifications,
+                      fault_seed=settings.fault_seed + rank, log_path=settings.rank_path(settings.event_log, rank)),
+            observers=(self.tally,), config=settings.plane, compat_hash=compat_hash, host=settings.bind_host,
+            port=port, curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
+            insecure=settings.insecure, deployment_keys=deployment_keys)
+        self.endpoint, self.faults = self.parts.endpoint, self.parts.faults
+        self.driver, self.worker, self.log_writer = self.parts.driver, self.parts.worker, self.parts.log_writer
         self._log_flushed_at = 0.0
-        self.tally = PlaneTally(self.driver.plane)
-        self.worker = ConnectorWorker(self.driver, rank=rank, tp_size=tp_size)
         self.lock = threading.RLock()
         self.ticker = Ticker(self.driver, lock=self.lock, max_idle_wait=0.05)
         self._kv: list[Any] = []
@@ -213,10 +195,7 @@ class VllmWorkerSide:
             self.driver.disconnect_idle_engines("shutdown")
             self.driver.step()
             # The log first: vLLM may kill a worker soon after asking it to stop.
-            if self.log_writer is not None:
-                self.log_writer.close()
-            if self._log_stream is not None:
-                self._log_stream.close()
+            self.parts.close_log()
             try:
                 self._write_status(force=True)
             except OSError as exc:

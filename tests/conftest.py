@@ -67,6 +67,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_read_gate_property.py": "core",
     "test_recv_failure.py": "core",
     "test_reference_interpreter.py": "core",
+    "test_rank_factory.py": "core",
     "test_readme.py": "core",
     "test_replay.py": "core",
     "test_replay_old_logs.py": "core",

@@ -9,8 +9,7 @@ import pickle
 import torch
 import zmq
 
-from kvplane.connector.driver import PlaneDriver
-from kvplane.connector.ranks import rank_engine_id
+from kvplane.connector.rank_factory import RankSetup, build_rank
 from kvplane.connector.scheduler import ConnectorScheduler
 from kvplane.connector.worker import ConnectorWorker
 from kvplane.statemachines.config import PlaneConfig
@@ -42,11 +41,11 @@ class SplitEngine:
         self.workers: list[ConnectorWorker] = []
         self.kv: list[torch.Tensor] = []
         for r in range(tp):
-            rank_id = rank_engine_id(name, r)
-            driver = PlaneDriver(engine_id=rank_id, endpoint=LoopbackEndpoint(fabric, rank_id),
-                                 config=PlaneConfig(**cfg_fields), clock=clock, tp_rank=r,
-                                 curve_keypair=keypair, trusted_peers=peers)
-            worker = ConnectorWorker(driver, rank=r, tp_size=tp)
+            # The rank factory the main job and vLLM's worker use, over the loopback transport.
+            worker = build_rank(RankSetup(engine_id=name, rank=r, tp_size=tp),
+                                endpoint_factory=lambda rank_id: LoopbackEndpoint(fabric, rank_id),
+                                config=PlaneConfig(**cfg_fields), clock=clock, curve_keypair=keypair,
+                                trusted_peers=peers).worker
             kv = torch.zeros(BLOCKS, HEADS * HEAD_ELEMS // tp)
             worker.register_kv_caches(kv)
             self.sched.add_rank(through_the_wire(worker.rank_info()))
