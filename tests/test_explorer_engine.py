@@ -8,7 +8,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kvplane.app.checks import cmd_explore
+from kvplane.app.checks import cmd_explore, write_violation
 from kvplane.statemachines import engine_calls as C
 from kvplane.statemachines.emit import emits
 from kvplane.statemachines.events import Abort
@@ -19,6 +19,7 @@ from kvplane.statemachines.explorer.moves import Deliver, Tick
 from kvplane.statemachines.machine import compile_machine
 from kvplane.statemachines.machines import MACHINES, decode_request
 from kvplane.statemachines.machines import engine_request as ER
+from kvplane.statemachines.replay import replay
 from kvplane.statemachines.spec import MachineDefinitionError, Transition, with_timer_ignores
 from kvplane.statemachines.validate import validate
 
@@ -143,14 +144,19 @@ MUTATIONS = {
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
-def test_mutation_is_caught(name):
+def test_mutation_is_caught(name, tmp_path):
     make, cfg, kinds = MUTATIONS[name]
     ok(explore(**cfg))  # the real machines pass the same configuration
-    r = explore(**make(), **cfg, stop_at_first=False)
+    mutant = make()
+    r = explore(**mutant, **cfg, stop_at_first=False)
     found = {v.kind for v in r.violations}
     assert kinds <= found, f"{name}: expected {kinds}, found {found}"
     for v in r.violations:
-        assert v.moves, v
+        # The engine's calls are the steps; every rank's log replays exactly.
+        assert v.moves and set(v.logs) == {"P0", "P1", "D0", "D1"}, v
+        for p in write_violation(v, str(tmp_path / v.kind)):
+            res = replay(p, machines=mutant.get("machines"))
+            assert res.divergence is None, res.divergence
 
 
 def test_empty_recv_counterexample_names_the_request_vllm_waits_on():
