@@ -13,7 +13,7 @@ from kvplane.statemachines import engine_calls as C
 from kvplane.statemachines.emit import emits
 from kvplane.statemachines.events import Abort
 from kvplane.statemachines.explorer import ENGINE_FAULTS, ExploreConfig, explore
-from kvplane.statemachines.explorer.engine_model import EngineModel
+from kvplane.statemachines.explorer.engine_model import V_FREED, V_HOLD_RECV, EngineModel
 from kvplane.statemachines.explorer.moves import EngineCall, WorkerOutput
 from kvplane.statemachines.explorer.moves import Deliver, Tick
 from kvplane.statemachines.machine import compile_machine
@@ -69,6 +69,15 @@ def test_the_calls_vllm_makes_reach_every_engine_state():
         run(Deliver(0) if w.net else WorkerOutput("P"))
     assert w.machines == {} and w.sent == [1]
     assert {"QUEUED", "AWAITING_RECV", "RECV_DONE", "RUNNING", "LEASED"} <= seen
+
+    # Aborted while awaited: vLLM keeps the blocks until every rank reported (failed).
+    w = m.initial()
+    for move in (EngineCall("prefill", 0), EngineCall("alloc", 0), EngineCall("abort", 0)):
+        run(move)
+    assert w.machines["d0"].state == "ABORTING" and w.vd[0] == V_HOLD_RECV
+    while w.net or w.inbox["D"] or w.inbox["P"]:
+        run(Deliver(0) if w.net else WorkerOutput("D" if w.inbox["D"] else "P"))
+    assert "d0" not in w.machines and w.vd[0] == V_FREED and w.recvs == [1]
 
 
 # ------------------------------------------------------------ the mutation list

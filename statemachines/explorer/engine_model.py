@@ -66,7 +66,7 @@ from .config import ExploreConfig
 from .model import Model
 from .moves import Deliver, EngineCall, Inject, Late, Move, Tick, TickLosing, WorkerOutput
 from .ranks import RankModel, RankWorld, ResultsFactory
-from .world import NEW, World
+from .world import ARRIVED, World
 
 ENGINE_MACHINE = compile_machine(ER.SPEC)
 PROMPT_TOKENS = 4
@@ -160,8 +160,6 @@ class EngineModel(RankModel):
     real one); ``finished_count``: what the connector answers vLLM's
     ``get_finished_count`` (None: vLLM counts one report per rank, the
     world size)."""
-
-    refusals_found = True
 
     def __init__(self, cfg: ExploreConfig, machines: dict[str, Machine] | None = None,
                  results: ResultsFactory = RankResults, *, engine_machine: Machine | None = None,
@@ -411,7 +409,7 @@ class EngineModel(RankModel):
         w.p_expiry[i] = None if lease is None else lease.expiry
         self._engine(w, d, C.EngineNewRequest(request_id=d, remote_prefill=True))
         w.vd[i] = V_WAITING
-        w.phase[i] = NEW + 1  # arrived (the rank world's bookkeeping)
+        w.phase[i] = ARRIVED  # the rank world's bookkeeping
 
     def _call_prefill_aborted(self, w: EngineWorld, i: int) -> None:
         p = f"p{i}"
@@ -584,6 +582,8 @@ class EngineModel(RankModel):
         for i in range(self.n):
             if w.vd[i] in (V_WFR, V_HOLD_RECV):
                 problems.append(f"vLLM's request d{i} is {V_WORDS[w.vd[i]]}, and nothing will report its recv")
+            if w.vd[i] == V_HOLD_SEND:
+                problems.append(f"D's vLLM keeps the blocks of d{i}, and no finished_sending will come")
             if w.vp[i] == P_HOLD_SEND:
                 problems.append(f"P's vLLM keeps the blocks of p{i}, and no finished_sending will come")
         for side, reports in w.inbox.items():
