@@ -99,7 +99,10 @@ class RankWorker:
         # The summary's lease and engine counts: the machines' own
         # transitions, counted as replay counts them (LifecycleCounts).
         self.lifecycle = LifecycleCounts()
-        counted = observed({k: MACHINES[k] for k in LifecycleCounts.KINDS}, self.lifecycle)
+        # The plane's CPU, recorder on, for the summary; the job's own observers (these counts,
+        # ``_tally``) are summed apart: no engine runs them.
+        self.plane_cpu = PlaneCpu()
+        counted = observed({k: MACHINES[k] for k in LifecycleCounts.KINDS}, self.plane_cpu.apart(self.lifecycle))
         self.driver = PlaneDriver(engine_id=self.rank_id, endpoint=self.faults if self.faults.rate else self.ep,
                                   config=PlaneConfig(**opts.plane_fields), clock=clock, tp_rank=opts.rank,
                                   curve_keypair=tuple(opts.keypair), trusted_peers=opts.peers,
@@ -117,7 +120,8 @@ class RankWorker:
         self._ended: Counter = Counter()  # leases (and holds) ended, by why
         self._chain = self.driver.plane.recorder
         self.driver.plane.recorder = self._tally
-        self.plane_cpu = PlaneCpu().attach(self.driver.plane)  # the plane's CPU, recorder on, for the summary
+        self._counted = self.plane_cpu.apart(self._count)
+        self.plane_cpu.attach(self.driver.plane)
         self.worker = ConnectorWorker(self.driver, rank=opts.rank, tp_size=opts.tp_size)
         if opts.block_elems % opts.tp_size:
             raise ValueError(f"block_elems {opts.block_elems} is not divisible by TP {opts.tp_size}")
@@ -188,6 +192,9 @@ class RankWorker:
     def _tally(self, step) -> None:
         if self._chain is not None:
             self._chain(step)
+        self._counted(step)
+
+    def _count(self, step) -> None:
         if isinstance(step.event, LeaseHeartbeat) and step.kind == "lease":
             lease = self.driver.plane.get("lease", step.event.request_id)
             if lease is not None:
@@ -322,7 +329,8 @@ class RankWorker:
             heartbeats_sent=d.plane.stats.get("heartbeats_sent", 0), leases_ended=ended, plane_held=held,
             held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"], transfers=transfers,
             bare_reads=self._bare_done, bare_read_error=self._bare_error, cpu_s=time.process_time(), waits=dict(self.waits),
-            plane_cpu_s=self.plane_cpu.seconds, plane_gc_s=self.plane_cpu.gc_seconds))
+            plane_cpu_s=self.plane_cpu.seconds, plane_gc_s=self.plane_cpu.gc_seconds,
+            plane_apart_s=self.plane_cpu.apart_seconds))
         if self.log is not None:
             self.log.flush()
         self.worker.shutdown()
