@@ -102,14 +102,33 @@ def ticker_cpu(folder: Path) -> float:
     return total
 
 
+def _lines(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line cut by the engine's stop
+            continue
+    return out
+
+
 def read_steps(folder: Path) -> list[dict]:
+    """One engine's steps.  At TP 1 vLLM runs the scheduler in the engine core
+    and the worker in a process of its own: each writes one line per step (the
+    scheduler's step ends at build_connector_meta, the worker's at
+    clear_connector_metadata, once per scheduler output), so the k-th lines of
+    the two files are one engine step and are summed (at the scheduler's time)."""
+    files = [_lines(f) for f in sorted(folder.glob("steps.*.jsonl"))]
+    scheduler = [f for f in files if any("build_connector_meta" in s["m"] for s in f)]
+    workers = [f for f in files if not any("build_connector_meta" in s["m"] for s in f)]
+    if len(scheduler) != 1 or len(workers) != 1:  # one process, or TP > 1: each file's steps as they are
+        return [s for f in files for s in f]
     steps = []
-    for f in folder.glob("steps.*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                steps.append(json.loads(line))
-            except ValueError:  # a line cut by the engine's stop
-                continue
+    for sched, work in zip(scheduler[0], workers[0]):
+        methods = dict(sched["m"])
+        for k, v in work["m"].items():
+            methods[k] = methods.get(k, 0.0) + v
+        steps.append({"t": sched["t"], "s": sched["s"] + work["s"], "m": methods})
     return steps
 
 
@@ -122,7 +141,7 @@ def step_figures(steps: list[dict], started: float, ended: float) -> dict[str, A
                 methods[k] = methods.get(k, 0.0) + v
     top = max(methods, key=methods.__getitem__) if methods else "-"
     return {"steps": len(inside), "p50": percentile(inside, 50), "p99": percentile(inside, 99),
-            "mean": statistics.fmean(inside) if inside else float("nan"), "top": top,
+            "mean": statistics.fmean(inside) if inside else float("nan"), "total_ms": sum(inside) / 1e3, "top": top,
             "top_share": methods.get(top, 0.0) / sum(methods.values()) if methods else float("nan")}
 
 
@@ -271,14 +290,14 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
     side = Table(key="connector.steps", title="Time inside the connector's methods per vLLM engine step, µs "
                  "(kvplane / NixlConnector, one run)",
                  columns=["engine", "concurrent", "steps k / n", "p50 kvplane", "p50 nixl", "p50 ratio",
-                          "p99 kvplane", "p99 nixl", "p99 ratio", "largest share k / n"])
+                          "p99 kvplane", "p99 nixl", "p99 ratio", "phase total ms k / n", "largest share k / n"])
     goals = targets_table("connector.targets", "targets: connector")
     for name in ("P", "D"):
         for i, c in enumerate(levels):
             k, n = steps[f"kvplane-{name}"][i], steps[f"nixl-{name}"][i]
             side.rows.append([name, c, f"{k['steps']} / {n['steps']}", fmt_num(k["p50"]), fmt_num(n["p50"]),
                               ratio(k["p50"], n["p50"]), fmt_num(k["p99"]), fmt_num(n["p99"]),
-                              ratio(k["p99"], n["p99"]),
+                              ratio(k["p99"], n["p99"]), f"{fmt_num(k['total_ms'])} / {fmt_num(n['total_ms'])}",
                               f"{k['top']} {k['top_share']:.0%} / {n['top']} {n['top_share']:.0%}"])
             for q in ("p50", "p99"):
                 add_target(goals, f"{name}: connector time per step {q} at {c} concurrent, kvplane vs NixlConnector",

@@ -33,6 +33,18 @@ def test_step_figures_keep_the_phase_window():
     assert C.percentile([], 50) != C.percentile([], 50)  # NaN
 
 
+def test_read_steps_sums_the_scheduler_and_worker_lines_of_one_step(tmp_path):
+    import json
+
+    sched = [{"t": 1.0 + i, "s": 1e-5, "m": {"build_connector_meta": 1e-5}} for i in range(3)]
+    work = [{"t": 1.5 + i, "s": 2e-5, "m": {"start_load_kv": 2e-5}} for i in range(2)]  # stopped a step early
+    (tmp_path / "steps.10.jsonl").write_text("\n".join(map(json.dumps, sched)) + "\n")
+    (tmp_path / "steps.11.jsonl").write_text("\n".join(map(json.dumps, work)) + "\n{cut")
+    steps = C.read_steps(tmp_path)
+    assert [s["t"] for s in steps] == [1.0, 2.0]
+    assert steps[0]["s"] == pytest.approx(3e-5) and set(steps[0]["m"]) == {"build_connector_meta", "start_load_kv"}
+
+
 def test_thread_cpu_reads_a_live_thread():
     import os
 
@@ -41,7 +53,8 @@ def test_thread_cpu_reads_a_live_thread():
 
 def _result(kvplane_p50: float, nixl_p50: float, idle: float) -> dict:
     def fig(p50: float) -> dict:
-        return {"steps": 10, "p50": p50, "p99": 2 * p50, "mean": p50, "top": "get_finished", "top_share": 0.5}
+        return {"steps": 10, "p50": p50, "p99": 2 * p50, "mean": p50, "total_ms": p50 / 100, "top": "get_finished",
+                "top_share": 0.5}
 
     phases = [{"connector": c, "concurrency": 8, "started": 0.0, "ended": 2.0, "ttft_s": (0.1, 0.2), "failed": 0,
                "ticker_cpu_s": {"P": 0.02, "D": 0.04} if c == "kvplane" else {}} for c in C.CONNECTORS]
