@@ -53,7 +53,7 @@ REQUESTS = {8: 32, 64: 128, 256: 256}
 IDLE_S = 10.0  # seconds of an idle engine for the ticker's idle CPU
 PROMPT_TOKENS = (32, 64)
 OUTPUT_TOKENS = 4
-SERVE_PROMPTS = 64  # vllm bench serve: prompts per connector, at SERVE_CONCURRENCY
+SERVE_PROMPTS = 32  # vllm bench serve: prompts per connector, at SERVE_CONCURRENCY
 SERVE_CONCURRENCY = 8
 CHECKOUT = Path(__file__).resolve().parent.parent
 
@@ -181,7 +181,7 @@ def serve_bench(proxy_url: str, model: Path, out: Path, prompts: int, concurrenc
             "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
             "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99", "--seed", "0",
             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     if proc.returncode != 0 or not out.exists():
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
@@ -250,6 +250,10 @@ def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: floa
         for pair in engines.values():
             for e in pair.values():
                 e.stop(timeout=30)
+    # NixlConnector's P frees a request's blocks when its lease (VLLM_NIXL_ABORT_REQUEST_TIMEOUT) ran out
+    # before D read them: counted from its log, which goes with the work folder.
+    result["nixl_p_expired"] = sum(line.count("Releasing expired KV blocks")
+                                   for line in (work / "nixl-P.log").read_text(errors="replace").splitlines())
     result["phases"] = [attrs.asdict(p) for p in phases]
     result["steps"] = {f"{c}-{n}": [step_figures(read_steps(dirs[c, n]), p.started, p.ended)
                                     for p in phases if p.connector == c] for c in CONNECTORS for n in ("P", "D")}
@@ -319,6 +323,9 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
     load.notes.append(f"idle (engines up, no request, {result['idle_s']:g} s): kvplane's ticker thread P {idle['P']:.2%}, "
                       f"D {idle['D']:.2%} of a core (tickers found P {result['tickers_found']['P']}, "
                       f"D {result['tickers_found']['D']})")
+    if result.get("nixl_p_expired"):
+        load.notes.append(f"NixlConnector's P released {result['nixl_p_expired']} requests' blocks at lease expiry, "
+                          "read by no D (its log's 'Releasing expired KV blocks')")
     for name in ("P", "D"):
         add_target(goals, f"{name}: kvplane's ticker thread, engine idle", f"{idle[name]:.2%} of a core", "<= 1%",
                    idle[name] <= 0.01)
