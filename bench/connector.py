@@ -47,9 +47,9 @@ from .report import Table, add_target, fmt_num, ratio, targets_table
 CONNECTORS = ("kvplane", "nixl")
 TIMED_CLASSES = {"kvplane": "TimedKVPlaneConnector", "nixl": "TimedNixlConnector"}
 CONCURRENCY = (8, 64, 256)
-# Requests per phase: a few waves at the small levels, one wave at 256 (on 2 cores
+# Requests per phase: two waves at 8, one wave at 64 and 256 (on 2 cores
 # a 256-wide wave of the tiny model takes tens of seconds per pair).
-REQUESTS = {8: 32, 64: 128, 256: 256}
+REQUESTS = {8: 16, 64: 64, 256: 256}
 IDLE_S = 10.0  # seconds of an idle engine for the ticker's idle CPU
 PROMPT_TOKENS = (32, 64)
 OUTPUT_TOKENS = 4
@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_positive_int, nargs="+", default=list(CONCURRENCY), metavar="C",
                    help="concurrent requests of each phase (default: 8 64 256)")
     p.add_argument("--requests", type=_positive_int, nargs="+", metavar="N",
-                   help="requests per phase, one per --concurrency (default: 32 / 128 / 256 at 8 / 64 / 256, "
+                   help="requests per phase, one per --concurrency (default: 16 / 64 / 256 at 8 / 64 / 256, "
                         "else 4x the concurrency)")
     p.add_argument("--idle", type=float, default=IDLE_S, metavar="S",
                    help=f"seconds of idle engines for the ticker's idle CPU (default {IDLE_S:g})")

@@ -10,7 +10,7 @@ from bench.report import is_targets
 
 def test_options_defaults_and_refusals(capsys):
     levels, reqs, idle, serve, json_path = C.options([])
-    assert levels == (8, 64, 256) and reqs == {8: 32, 64: 128, 256: 256} and serve and json_path is None
+    assert levels == (8, 64, 256) and reqs == {8: 16, 64: 64, 256: 256} and serve and json_path is None
     levels, reqs, _, serve, _ = C.options(["--concurrency", "4", "16", "--requests", "5", "6", "--no-serve"])
     assert reqs == {4: 5, 16: 6} and not serve
     assert C.options(["--concurrency", "12"])[1] == {12: 48}  # 4x the concurrency outside the table
