@@ -190,7 +190,7 @@ def serve_bench(proxy_url: str, model: Path, out: Path, prompts: int, concurrenc
 
 
 def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: float, serve: bool,
-            say: Any = print) -> dict[str, Any]:
+            say: Any = print, json_path: str | None = None) -> dict[str, Any]:
     """Start the four engines, run the phases, stop them; the raw figures."""
     from kvplane.app.vllm_engines import EngineProcess, EngineSpec, kvplane_secret_config, split_cores, wait_healthy
     from kvplane.app.vllm_model import write_tiny_model
@@ -244,6 +244,9 @@ def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: floa
                 phases.append(Phase(connector, c, t0, t1, tuple(ttft), failed, cpu))
                 say(f"  {connector} at {c} concurrent: {len(ttft)} requests in {t1 - t0:.1f} s, {failed} failed")
                 time.sleep(1.0)
+        _step_results(result, phases, dirs)
+        if json_path:  # the figures so far, should the serve part not end
+            Path(json_path).write_text(json.dumps(result, indent=1))
         if serve:
             result["serve"] = _serve_both(engines, model, work, say)
     finally:
@@ -254,11 +257,15 @@ def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: floa
     # before D read them: counted from its log, which goes with the work folder.
     result["nixl_p_expired"] = sum(line.count("Releasing expired KV blocks")
                                    for line in (work / "nixl-P.log").read_text(errors="replace").splitlines())
+    _step_results(result, phases, dirs)
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _step_results(result: dict[str, Any], phases: list[Phase], dirs: dict) -> None:
     result["phases"] = [attrs.asdict(p) for p in phases]
     result["steps"] = {f"{c}-{n}": [step_figures(read_steps(dirs[c, n]), p.started, p.ended)
                                     for p in phases if p.connector == c] for c in CONNECTORS for n in ("P", "D")}
-    shutil.rmtree(work, ignore_errors=True)
-    return result
 
 
 def _serve_both(engines: dict, model: Path, work: Path, say: Any) -> dict:
@@ -413,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .report import print_table
 
-    result = measure(levels, reqs, idle, serve)
+    result = measure(levels, reqs, idle, serve, json_path=json_path)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))
     console = Console(width=max(Console().width, 160))
