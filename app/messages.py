@@ -228,6 +228,7 @@ class Summary:
     bare_read_error: str | None = None
     plane_cpu_s: float = 0.0  # summed over the ranks: CPU inside the plane's handle / fire_due
     plane_gc_s: float = 0.0  # of plane_cpu_s: garbage collections inside those calls
+    plane_apart_s: float = 0.0  # inside those calls, the job's own observers (not in plane_cpu_s)
 
 
 TO_PARENT = (Ready, Crashed, Status, Prefilled, Decoded, Turn2Done, Abandoned, Released, Summary)

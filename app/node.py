@@ -635,6 +635,7 @@ class Node:
             "bare_reads": [t for rs in ranks for t in rs.bare_reads],
             "bare_read_error": next((rs.bare_read_error for rs in ranks if rs.bare_read_error), None),
             "plane_cpu_s": sum(rs.plane_cpu_s for rs in ranks), "plane_gc_s": sum(rs.plane_gc_s for rs in ranks),
+            "plane_apart_s": sum(rs.plane_apart_s for rs in ranks),
         }
         self.send(Summary(**summary))
 

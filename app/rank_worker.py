@@ -91,7 +91,9 @@ class RankWorker:
         # The summary's lease and engine counts: the machines' own
         # transitions, counted as replay counts them (LifecycleCounts).
         self.lifecycle = LifecycleCounts()
-        counted = observed({k: MACHINES[k] for k in LifecycleCounts.KINDS}, self.lifecycle)
+        self.plane_cpu = PlaneCpu()  # the plane's CPU, recorder on, for the summary
+        # The job's own observers (these counts, ``_tally``) are summed apart: no engine runs them.
+        counted = observed({k: MACHINES[k] for k in LifecycleCounts.KINDS}, self.plane_cpu.apart(self.lifecycle))
         self._lease_events: list[tuple[str, str, float, float]] = []
         self.busy_s = 0.0
         self._offsets: list[tuple[str, float]] = []
@@ -101,12 +103,12 @@ class RankWorker:
             RankSetup(engine_id=opts.engine_id, rank=opts.rank, tp_size=opts.tp_size,
                       drop_notifications=opts.drop_notifications, fault_seed=opts.seed, log_path=opts.log_path,
                       log_flush_every=1 << 30),  # flushed by the loop (and at the end)
-            observers=(self._tally,), config=PlaneConfig(**opts.plane_fields), clock=clock,
+            observers=(self.plane_cpu.apart(self._tally),), config=PlaneConfig(**opts.plane_fields), clock=clock,
             curve_keypair=tuple(opts.keypair), trusted_peers=opts.peers, host=opts.side_channel_host,
             machines={**MACHINES, **counted})
         self.rank_id, self.ep, self.faults = self.parts.rank_id, self.parts.endpoint, self.parts.faults
         self.driver, self.worker, self.log = self.parts.driver, self.parts.worker, self.parts.log_writer
-        self.plane_cpu = PlaneCpu().attach(self.driver.plane)  # the plane's CPU, recorder on, for the summary
+        self.plane_cpu.attach(self.driver.plane)
         if opts.block_elems % opts.tp_size:
             raise ValueError(f"block_elems {opts.block_elems} is not divisible by TP {opts.tp_size}")
         self.shard = opts.block_elems // opts.tp_size
@@ -308,7 +310,8 @@ class RankWorker:
             heartbeats_sent=d.plane.stats.get("heartbeats_sent", 0), leases_ended=ended, plane_held=held,
             held_lease_blocks=lease_blocks, bytes_moved=d.counters["bytes_moved"], transfers=transfers,
             bare_reads=self._bare_done, bare_read_error=self._bare_error, cpu_s=time.process_time(), waits=dict(self.waits),
-            plane_cpu_s=self.plane_cpu.seconds, plane_gc_s=self.plane_cpu.gc_seconds))
+            plane_cpu_s=self.plane_cpu.seconds, plane_gc_s=self.plane_cpu.gc_seconds,
+            plane_apart_s=self.plane_cpu.apart_seconds))
         self.parts.close_log()
         self.worker.shutdown()
 

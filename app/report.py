@@ -167,6 +167,9 @@ def build_summary(orch: RunRecord) -> dict:
                                            for role, side in (("P", P), ("D", D))}
     summary["plane_gc_us_per_request"] = {role: round(side.plane_gc_s / sent * 1e6, 1) if side and sent else None
                                           for role, side in (("P", P), ("D", D))}
+    # Not in plane_cpu_us_per_request: the job's own observers inside the plane's calls (its counts).
+    summary["plane_job_observers_us_per_request"] = {
+        role: round(side.plane_apart_s / sent * 1e6, 1) if side and sent else None for role, side in (("P", P), ("D", D))}
     summary["wall_with_startup_s"] = round(wall + (orch.startup_s or 0.0), 3)
     summary["ok"] = all(v is not False for v in checks.values())
     summary["check_reasons"] = check_reasons(summary)

@@ -39,9 +39,10 @@ SECTIONS = {
     "datapath": "bench.datapath",
     "memory": "bench.memory",
     "vllm": "bench.vllm_ttft",
+    "connector": "bench.connector",
 }
-# Run only when named: it starts four vLLM engines (minutes) and needs the vllm extra.
-OPT_IN = ("vllm",)
+# Run only when named: each starts four vLLM engines (minutes) and needs the vllm extra.
+OPT_IN = ("vllm", "connector")
 
 
 def build_parser() -> argparse.ArgumentParser:

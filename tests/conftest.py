@@ -18,6 +18,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 # (``@pytest.mark.nixl``), which wins.  Every test file must be listed, so
 # that ``-m core`` never silently misses a new one.
 FILE_KINDS: dict[str, str | None] = {
+    "test_bench_connector.py": "core",
     "test_bench_smoke.py": "e2e",
     "test_bench_targets.py": "core",
     "test_cli.py": None,

@@ -17,3 +17,27 @@ def test_handle_and_fire_due_are_timed_once_each():
     assert cpu.calls == 201
     assert 0 <= cpu.gc_seconds <= cpu.seconds
     assert p.get("lease", "l1") is None  # the wrapped plane still did its work
+
+
+def test_apart_moves_an_observers_time_out_of_the_plane():
+    import time
+
+    p = ControlPlane()
+    cpu = PlaneCpu()
+    slow_calls = []
+
+    def slow_observer(step):  # stands for the job's own counting: burns CPU inside handle
+        slow_calls.append(step)
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.002:
+            pass
+
+    p.recorder = cpu.apart(slow_observer)
+    cpu.attach(p)
+    for i in range(10):
+        p.handle(E.LeaseGranted(request_id=f"l{i}", block_ids=(1,)), 0.0)
+    assert len(slow_calls) == 10
+    assert cpu.apart_seconds >= 0.02  # each call burned 2 ms in the observer
+    assert 0 < cpu.seconds < cpu.apart_seconds  # the plane's own share, without the observer's
+    cpu.apart(slow_observer)(None)  # called outside a measured call: nothing moves
+    assert len(slow_calls) == 11 and cpu.apart_seconds < 0.03
