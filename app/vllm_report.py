@@ -106,6 +106,8 @@ def print_report(s: dict, console: Console | None = None) -> bool:
             ("P leases consumed / expired / extended",
              f"{s.get('leases_consumed', 0)} / {s.get('leases_expired', 0)} / {s.get('lease_extensions', 0)}"),
             ("protocol errors", str(s.get("protocol_errors", 0))),
+            ("longest a rank's plane went unstepped P / D (ms)",
+             " / ".join(str(s.get("longest_rank_stall_ms", {}).get(r, "-")) for r in ("prefill", "decode"))),
         ]
     if s.get("reclaim_after_kill_s") is not None:
         rows.append(("P reclaimed its blocks after D's kill", f"{s['reclaim_after_kill_s']:.1f} s"))

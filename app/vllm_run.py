@@ -571,6 +571,10 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["leases_expired"] = counts["prefill"].get("num_kv_expired_reqs", 0)
         out["leases_consumed"] = counts["prefill"].get("kvplane_leases_consumed", 0)
         out["protocol_errors"] = sum(c.get("kvplane_protocol_errors", 0) for c in counts.values())
+        # The longest any rank's plane went unstepped past a deadline: a starved worker
+        # process (its heartbeats and expiries were that late too).
+        out["longest_rank_stall_ms"] = {role: max(((s or {}).get("ticker", {}).get("longest_late_ms", 0)
+                                                   for s in ss), default=0) for role, ss in status.items()}
         out["connector_blocks_held"] = {role: g.get("kvplane_blocks_held") for role, g in gauges.items()}
         out["connector_recvs_in_flight"] = {role: g.get("kvplane_recvs_in_flight") for role, g in gauges.items()}
         out["replay"] = {f"{role}.rank{r}" if tp > 1 else role: _replay(f) for role, tp in tps.items()

@@ -29,11 +29,19 @@ by the engine while the thread sleeps is seen at the next wake-up: within
 
 An exception inside ``step`` is counted (``errors``) and logged (the first
 few, then every 1000th) and the thread goes on; it never dies silently.
+
+``longest_late_ms``: the most a step started after it was due (the end of
+its wait, or the ``wake()``), which is time the thread was not scheduled or
+waited for the lock.  Heartbeats and lease expiries are that late too: on
+an overloaded machine a worker process that gets no CPU for longer than a
+lease's slack lets leases expire although nothing else is wrong
+(docs/parity.md, "TP").
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from .driver import PlaneDriver
@@ -66,6 +74,7 @@ class Ticker:
         self.ticks = 0
         self.steps_with_work = 0
         self.errors = 0
+        self.longest_late_ms = 0
         self.last_error: BaseException | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -101,7 +110,8 @@ class Ticker:
         return self._thread.is_alive()
 
     def stats(self) -> dict[str, int]:
-        return {"ticks": self.ticks, "steps_with_work": self.steps_with_work, "errors": self.errors}
+        return {"ticks": self.ticks, "steps_with_work": self.steps_with_work, "errors": self.errors,
+                "longest_late_ms": self.longest_late_ms}
 
     def __enter__(self) -> Ticker:
         return self.start()
@@ -113,13 +123,17 @@ class Ticker:
     def _loop(self) -> None:
         timeout = 0.0  # the first step at once
         while True:
-            self._wake.wait(timeout)
+            planned = time.monotonic() + timeout
+            woken = self._wake.wait(timeout)
+            # When this step was due: the end of the wait; woken early, about now.
+            due = min(planned, time.monotonic()) if woken else planned
             # A wake() between the wait and this clear is not lost: the step
             # it asked for follows right away.
             self._wake.clear()
             with self.lock:
                 if self._stopping:
                     return
+                self._note_lateness(due)
                 try:
                     work = self.driver.step()
                 except Exception as exc:  # counted and logged; the thread goes on
@@ -133,6 +147,11 @@ class Ticker:
                 if work:
                     self.steps_with_work += 1
                 timeout = MIN_WAIT if work else self._idle_timeout()
+
+    def _note_lateness(self, due: float) -> None:
+        late_ms = int((time.monotonic() - due) * 1000)
+        if late_ms > self.longest_late_ms:
+            self.longest_late_ms = late_ms
 
     def _idle_timeout(self) -> float:
         """min(max_idle_wait, time to the plane's next deadline), at least

@@ -178,6 +178,9 @@ class VllmWorkerSide:
         self._status_at, self._status_last = now, gauges
         status = {"engine_id": self.engine_id, "rank": self.rank, "pid": os.getpid(), "time": time.time(),
                   "counts": counts, "gauges": gauges, "closed": self.closed,
+                  # longest_late_ms: the longest this rank's plane went unstepped past a
+                  # deadline (a starved process: its heartbeats were that late too).
+                  "ticker": self.ticker.stats(),
                   "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in self.driver.plane.held()]}
         tmp = self._status_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:

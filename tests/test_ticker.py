@@ -186,3 +186,14 @@ def test_the_lock_keeps_engine_calls_and_ticks_apart(driver):
     assert overlaps == []
     assert callers == {threading.current_thread().name, "kvplane-ticker-P"}
     assert ticker.errors == 0
+
+
+def test_a_step_held_up_by_the_engine_is_counted_late(driver):
+    """longest_late_ms: how much later than due a step ran (here the engine
+    held the lock 0.3 s; a process that gets no CPU shows the same)."""
+    with Ticker(driver, max_idle_wait=0.01) as ticker:
+        assert wait_until(lambda: ticker.ticks >= 3)
+        with ticker.lock:
+            time.sleep(0.3)
+        assert wait_until(lambda: ticker.ticks >= 10)
+        assert ticker.stats()["longest_late_ms"] >= 250

@@ -1,6 +1,7 @@
 """NixlConnector parity in a real vLLM (docs/parity.md): ``kvplane run
---engine vllm`` with TP 2 on P and with bidirectional turn 2, each one
-small run (two engines started once), checked by the job's own checks:
+--engine vllm`` with TP 2 on P, TP 2 on D and bidirectional turn 2 (on
+time, and late), each one small run (two engines started once), checked
+by the job's own checks:
 every request completed, the KV right byte for byte (per D rank), nothing
 held on either side, every event log replays.
 
@@ -34,6 +35,30 @@ def test_prefill_tp_2_each_decode_rank_reads_its_heads_from_both_prefill_ranks(t
     assert_clean(proc, s, 6)
     assert s["kv_check"]["tokens_compared"] > 0 and s["declined_reads"] == 0
     assert set(s["replay"]) == {"prefill.rank0", "prefill.rank1", "decode"}
+
+
+def test_decode_tp_2_each_decode_rank_reads_its_half_of_p_s_heads(tmp_path):
+    # P TP 1 -> D TP 2: each D rank reads its head of every P block; P's lease awaits both ranks
+    # (kvplane_reader_tp). Not asserted: that none is declined. On two busy cores D's scheduler has
+    # seen queued requests only after P's leases (even 120 s ones) expired, and a starved rank can
+    # miss its heartbeats (docs/parity.md, "TP"); a declined read is recomputed, never wrong.
+    proc, s = run_job(tmp_path, "--decode-tp", "2", "--requests", "6", "--lease", "120")
+    assert_clean(proc, s, 6)
+    kv = s["kv_check"]
+    assert kv["tokens_compared"] > 0 and kv["declined"] < kv["checked"]  # read by both ranks, checked per rank
+    assert set(s["replay"]) == {"prefill", "decode.rank0", "decode.rank1"}
+
+
+def test_bidirectional_16_conversations_p_reads_every_hold_right(tmp_path):
+    # Every turn 2 on time: P reads each of D's holds (byte for byte D's held blocks) and D reads
+    # turn 2 back; none declined on either side.
+    proc, s = run_job(tmp_path, "--bidirectional", "--requests", "16")
+    assert_clean(proc, s, 32)
+    t2 = s["turn2"]
+    assert t2["completed"] == 16 and t2["late"] == 0 and not t2["failed"]
+    reads = t2["p_reads"]
+    assert reads["ok"] == reads["checked"] == 16 and reads["tokens_compared"] > 0 and reads["declined"] == 0
+    assert s["declined_reads"] == 0 and s["p_declined_reads"] == 0
 
 
 def test_bidirectional_turn_2_reads_d_s_hold_and_a_late_one_is_declined(tmp_path):
