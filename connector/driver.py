@@ -621,7 +621,11 @@ class PlaneDriver:
             self._count_and_warn("push_regs_refused", "ignored PUSH_REG from %.64r: %s", sender, why)
             return None
         assert rid is not None  # no lease: refused above
-        self.learn_engine(sender, url)
+        # In a deployment (one secret) D's side channel proves the deployment's
+        # key, our own: P WRITEs only into an engine of the deployment (vLLM's
+        # push mode).  With per-engine keys, a trusted peer's key stays.
+        key = self.keypair[0] if self._deployment and self.keypair is not None else None
+        self.learn_engine(sender, url, server_public_key=key if self._server_key(sender) is None else None)
         return attrs.evolve(event, request_id=rid)
 
     def _transfer_events(self) -> list[E.Event]:
