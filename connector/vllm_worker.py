@@ -59,10 +59,13 @@ class VllmWorkerSide:
         self.faults = endpoint if settings.drop_notifications else None
         keypair = None
         deployment_keys: tuple[bytes, ...] = ()
+        push_reg_mac_keys: tuple[bytes, ...] = ()
         if settings.keys is not None:
             # The deployment's keypair: every engine serves and connects with it.
             keypair = settings.keys.signing.curve_keypair
             deployment_keys = settings.keys.public_keys
+            # Push mode: D signs its PUSH_REGs, P admits verified ones (push_auth).
+            push_reg_mac_keys = tuple(k.mac_key for k in settings.keys.accepted)
         elif settings.keypair_path is not None:
             import zmq.auth
 
@@ -77,7 +80,8 @@ class VllmWorkerSide:
         self.driver = PlaneDriver(engine_id=rank_id, endpoint=endpoint, config=settings.plane,
                                   compat_hash=compat_hash, host=settings.bind_host, port=port,
                                   curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
-                                  insecure=settings.insecure, tp_rank=rank, deployment_keys=deployment_keys)
+                                  insecure=settings.insecure, tp_rank=rank, deployment_keys=deployment_keys,
+                                  push_reg_mac_keys=push_reg_mac_keys)
         self._log_stream = None
         self.log_writer: EventLogWriter | None = None
         log_path = settings.rank_path(settings.event_log, rank)

@@ -193,3 +193,35 @@ def test_a_clients_push_key_does_not_make_a_pull_p_push(engines):
     assert params["transfer_mode"] == "pull" and not p.sched.has_pending_push_work()
     p.step()
     assert p.worker.driver.plane.get("push_write", "x") is None
+
+
+def test_a_push_reg_without_the_deployments_mac_is_refused(engines):
+    """The lease's name is in the params every client of P sees, and NIXL
+    does not authenticate senders: a PUSH_REG naming D's engine and a lease P
+    holds, but not signed with the deployment's key (unsigned, or signed
+    with another), makes P WRITE nothing; D's signed one does."""
+    from kvplane.connector.push_auth import sign_push_reg
+    from kvplane.transport.wire import PushRegistration, encode_push_reg
+
+    p, d = engines("prefill-0", 1), engines("decode-0", 2)
+    first = Req("x1", {"do_remote_decode": True})
+    p.sched.on_new_request(first)
+    _, params1 = p.sched.request_finished(first, (3, 4, 5))
+    p.step()
+    a = Req("a", dict(params1))
+    d.sched.on_new_request(a)
+    d.sched.get_num_new_matched_tokens(a, 0)
+    d.sched.update_state_after_alloc(a, (10, 11, 12), 40)
+    run_until(lambda: "a" in d.finished["recving"], p, d)  # D is connected to P now
+    second = Req("x2", {"do_remote_decode": True})
+    p.sched.on_new_request(second)
+    _, params2 = p.sched.request_finished(second, (6, 7, 8))
+    p.step()
+    reg = PushRegistration.at_side_channel(d.worker.driver.side_channel_url, request_id=params2["remote_request_id"],
+                                           engine_id="decode-0/tp0", decode_request_id="b", block_ids=(20, 21, 22))
+    p_agent = d.worker.driver.agents["prefill-0/tp0"]
+    for forged in (reg, sign_push_reg(reg, b"not the deployment's key".ljust(32))):
+        d.worker.endpoint.send_notif(p_agent, encode_push_reg(forged))
+    run_until(lambda: p.worker.driver.counters["push_regs_refused_unauthenticated"] == 2, p, d, timeout=10)
+    assert p.worker.driver.plane.get("push_write", "x2").state == "AWAITING_REG"
+    assert p.worker.driver.counters["writes_posted"] == 1  # the first request's only
