@@ -225,3 +225,11 @@ def test_a_push_reg_without_the_deployments_mac_is_refused(engines):
     run_until(lambda: p.worker.driver.counters["push_regs_refused_unauthenticated"] == 2, p, d, timeout=10)
     assert p.worker.driver.plane.get("push_write", "x2").state == "AWAITING_REG"
     assert p.worker.driver.counters["writes_posted"] == 1  # the first request's only
+
+
+@pytest.mark.parametrize("extra", [["--prefill-tp", "2"], ["--decode-tp", "2"], ["--bidirectional"]])
+def test_the_vllm_job_refuses_push_where_it_does_not_run(extra, capsys):
+    from kvplane.app.cli import main
+
+    assert main(["run", "--engine", "vllm", "--push", *extra]) == 2
+    assert "--push runs with --prefill-tp 1 and --decode-tp 1, without --bidirectional" in capsys.readouterr().out
