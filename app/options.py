@@ -281,7 +281,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease", type=float, default=argparse.SUPPRESS, metavar="S",
                    help=f"kv_lease_duration in seconds (>= {MIN_LEASE:g}; heartbeats every lease // 6; default "
                         f"{d.lease:g}, with --engine vllm 30 as in vLLM)")
-    p.add_argument("--push", action="store_true", help="push mode: P WRITEs into D's registered blocks")
+    p.add_argument("--push", action="store_true", help="push mode: P WRITEs into D's registered blocks (--engine "
+                   "vllm: KVPlanePushConnector, with --connector nixl NixlPushConnector)")
     p.add_argument("--kill-decode-at", type=float, default=d.kill_decode_at, metavar="S",
                    help="SIGKILL the decode process S seconds into the run (default: no kill)")
     p.add_argument("--hang-decode-at", type=float, default=d.hang_decode_at, metavar="S",

@@ -32,6 +32,11 @@ CONNECTORS = {
     "kvplane": ("KVPlaneConnector", "kvplane.connector.vllm"),
     "nixl": ("DumpingNixlConnector", "kvplane.app.vllm_nixl_dump"),
 }
+# The push-mode classes (vLLM selects NixlPushConnector by its class name; so does kvplane).
+PUSH_CONNECTORS = {
+    "kvplane": ("KVPlanePushConnector", "kvplane.connector.vllm"),
+    "nixl": ("DumpingNixlPushConnector", "kvplane.app.vllm_nixl_dump"),
+}
 
 
 def kvplane_secret_config(folder: str | Path) -> dict[str, str]:
@@ -59,9 +64,10 @@ class EngineSpec:
     kv_load_failure_policy: str = "fail"
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on ('|' between ranks)
     tp: int = 1  # --tensor-parallel-size: one worker process per rank
+    push: bool = False  # push mode: the connector's push class (PUSH_CONNECTORS)
 
     def kv_transfer_config(self) -> dict:
-        cls, module = CONNECTORS[self.connector]
+        cls, module = (PUSH_CONNECTORS if self.push else CONNECTORS)[self.connector]
         cfg = {"kv_connector": cls, "kv_connector_module_path": module, "kv_role": "kv_both",
                "engine_id": self.engine_id,
                "kv_load_failure_policy": self.kv_load_failure_policy,

@@ -7,7 +7,8 @@ loses that fraction of the NIXL notifications its worker receives (seeded),
 the job's ``--drop-notifications`` fault, as kvplane's connector does with
 ``transport.faults``.  Nothing else of NixlConnector changes: its
 transfers, leases and errors are its own.  Loaded by vLLM through
-``kv_connector_module_path`` in the ``--connector nixl`` run only.
+``kv_connector_module_path`` in the ``--connector nixl`` run only;
+``DumpingNixlPushConnector`` is the same over ``NixlPushConnector`` (``--push``).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import logging
 import random
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector, NixlPushConnector
 
 from kvplane.connector.kv_dump import DUMP_KEY, DumpKV, dump_kv, dump_path
 from kvplane.connector.vllm_scheduler import FINISHED_NORMALLY
@@ -23,7 +24,13 @@ from kvplane.connector.vllm_scheduler import FINISHED_NORMALLY
 log = logging.getLogger("kvplane.vllm")
 
 
-class DumpingNixlConnector(NixlConnector):
+class _Dumping:
+    """The dumps and the notification fault, over either NixlConnector class
+    (the next class in the MRO)."""
+
+    _vllm_config: Any
+    connector_worker: Any
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -130,3 +137,11 @@ class DumpingNixlConnector(NixlConnector):
         results.finished_sending |= self._dumped
         self._dumped = set()
         return results
+
+
+class DumpingNixlConnector(_Dumping, NixlConnector):
+    pass
+
+
+class DumpingNixlPushConnector(_Dumping, NixlPushConnector):
+    pass

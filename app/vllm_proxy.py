@@ -55,8 +55,9 @@ class Disaggregated:
     d_seconds: float  # D leg, send to last byte
 
 
-def post_json(url: str, body: dict, *, timeout: float, leg: str) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post_json(url: str, body: dict, *, timeout: float, leg: str, headers: dict[str, str] | None = None) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
@@ -66,10 +67,12 @@ def post_json(url: str, body: dict, *, timeout: float, leg: str) -> dict:
         raise ProxyError(leg, None, str(exc)) from None
 
 
-def stream_completion(url: str, body: dict, *, timeout: float, leg: str) -> tuple[list[dict], float]:
+def stream_completion(url: str, body: dict, *, timeout: float, leg: str,
+                      headers: dict[str, str] | None = None) -> tuple[list[dict], float]:
     """POST with ``stream: true``; (the chunks, seconds to the first one)."""
     body = dict(body, stream=True)
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     t0 = time.perf_counter()
     first = None
     chunks = []
@@ -100,19 +103,23 @@ def disaggregated(prefill_url: str, decode_url: str, body: dict, *, timeout: flo
     """Run one completion through P then D.  ``prefill_extra``: more keys
     for P's ``kv_transfer_params``; ``before_decode`` may delay or edit D's
     (the job's late-forward fault and KV dump tags); None: hand them on
-    unchanged."""
+    unchanged.  Both legs carry one ``X-Request-Id`` (as vLLM's toy proxy
+    and ``make_app`` send): NixlPushConnector's P matches D's registration
+    to its finished request by that id (kvplane's by the lease name)."""
+    ids = {"X-Request-Id": str(uuid.uuid4())}
     p_body = dict(body, max_tokens=1, stream=False,
                   kv_transfer_params={"do_remote_decode": True, **(prefill_extra or {})})
     p_body.pop("stream_options", None)
     t0 = time.perf_counter()
-    p_resp = post_json(f"{prefill_url}/v1/completions", p_body, timeout=timeout, leg="prefill")
+    p_resp = post_json(f"{prefill_url}/v1/completions", p_body, timeout=timeout, leg="prefill", headers=ids)
     p_seconds = time.perf_counter() - t0
     params = p_resp.get("kv_transfer_params")
     if before_decode is not None:
         params = before_decode(params)
     d_body = dict(body, kv_transfer_params=params)
     t1 = time.perf_counter()
-    chunks, ttft = stream_completion(f"{decode_url}/v1/completions", d_body, timeout=timeout, leg="decode")
+    chunks, ttft = stream_completion(f"{decode_url}/v1/completions", d_body, timeout=timeout, leg="decode",
+                                     headers=ids)
     d_seconds = time.perf_counter() - t1
     tokens: list[int] = []
     for c in chunks:

@@ -38,6 +38,10 @@ def checks(s: dict) -> dict[str, bool | None]:
             # (at least one here), or nothing to read (P had the whole prefix cached).
             c["late_turn2_not_read"] = t2["late"] > 0 and reads["late_read"] == 0 and \
                 0 < reads["late_declined"] <= s.get("p_declined_reads", 0)
+    push = s.get("push")
+    if push is not None:
+        # Push mode: P WRITEs every block that moves, D READs none.
+        c["push_moved_the_kv"] = push["p_writes"] > 0 and push["d_reads"] == 0
     if o.get("late_forward") and kvp:
         c["late_reads_declined"] = s.get("declined_reads", 0) >= s.get("late", 0) > 0
     if kvp:
@@ -109,6 +113,8 @@ def print_report(s: dict, console: Console | None = None) -> bool:
             ("longest a rank's plane went unstepped P / D (ms)",
              " / ".join(str(s.get("longest_rank_stall_ms", {}).get(r, "-")) for r in ("prefill", "decode"))),
         ]
+        if s.get("push") is not None:
+            rows.append(("push: P's WRITEs / D's READs", f"{s['push']['p_writes']} / {s['push']['d_reads']}"))
     if s.get("reclaim_after_kill_s") is not None:
         rows.append(("P reclaimed its blocks after D's kill", f"{s['reclaim_after_kill_s']:.1f} s"))
     rows.append(("end", held_line(s)))

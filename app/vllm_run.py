@@ -74,6 +74,7 @@ class VllmRunOptions:
     decode_tp: int = 1
     bidirectional: bool = False  # multi-turn: D holds turn 1's blocks, turn 2 goes to P with D's params
     late_turn2: float | None = None  # seconds every 4th turn 2 waits (beyond D's hold: a short TTL for the run)
+    push: bool = False  # push mode: D registers its blocks, P WRITEs (KVPlanePushConnector / NixlPushConnector)
 
     @property
     def hold_ttl(self) -> float:
@@ -172,7 +173,7 @@ class VllmRun:
                 connector=o.connector, extra_config=extra, seed=o.seed,
                 max_num_seqs=o.d_max_num_seqs if name == "D" else 8,
                 num_blocks=o.p_num_blocks if name == "P" else None,
-                kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name])
+                kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], push=o.push)
         return specs["P"], specs["D"]
 
     def _keys(self, name: str) -> dict[str, Any]:
@@ -181,7 +182,8 @@ class VllmRun:
         return kvplane_secret_config(self.out)
 
     def start(self, p: EngineSpec, d: EngineSpec) -> float:
-        self.say(f"starting two vLLM engines ({self.opts.connector} connector): P on :{p.http_port}, "
+        mode = ", push mode" if self.opts.push else ""
+        self.say(f"starting two vLLM engines ({self.opts.connector} connector{mode}): P on :{p.http_port}, "
                  f"D on :{d.http_port}; this takes 1-3 minutes here")
         for spec in (p, d):
             self.engines[spec.name] = EngineProcess(spec, self.model, self.out / f"{spec.name.lower()}.vllm.log")
@@ -562,7 +564,13 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         counts = {role: _summed([(s or {}).get("counts", {}) for s in ss]) for role, ss in status.items()}
         gauges = {role: _summed([(s or {}).get("gauges", {}) for s in ss]) for role, ss in status.items()}
         out["status_missing"] = [f"{role} rank {r}" for role, ss in status.items() for r, s in enumerate(ss) if s is None]
-        out["bytes_moved"] = counts["decode"].get("bytes_transferred", 0)
+        # Pull: D READs; push: P WRITEs (what D counts is then what it read: nothing).
+        mover = "prefill" if opts.push else "decode"
+        out["bytes_moved"] = counts[mover].get("bytes_transferred", 0)
+        if opts.push:
+            out["push"] = {"p_writes": counts["prefill"].get("num_successful_transfers", 0),
+                           "d_reads": counts["decode"].get("num_successful_transfers", 0),
+                           "d_failed_recvs": counts["decode"].get("kvplane_failed_recvs", 0)}
         out["declined_reads"] = counts["decode"].get("kvplane_declined_reads", 0)
         # P's own reads (bidirectional turn 2: D's holds) that its expiry gate declined.
         out["p_declined_reads"] = counts["prefill"].get("kvplane_declined_reads", 0)
@@ -581,7 +589,9 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
                          for r, f in enumerate(rank_files(run.out, role, "events.jsonl", tp))}
     else:
         d_metrics = summary.get("metrics", {}).get("D", {})
-        out["bytes_moved"] = int(d_metrics.get("vllm:nixl_bytes_transferred_sum", 0))
+        # NixlPushConnector's P does the transfers (and counts them).
+        mover_metrics = summary.get("metrics", {}).get("P", {}) if opts.push else d_metrics
+        out["bytes_moved"] = int(mover_metrics.get("vllm:nixl_bytes_transferred_sum", 0))
         out["declined_reads"] = 0  # NixlConnector has no such decision
         out["failed_transfers"] = int(d_metrics.get("vllm:nixl_num_failed_transfers_total", 0))
     return out
@@ -614,15 +624,15 @@ def _replay(path: Path) -> dict:
 
 
 # The sim job's flags this job does not have: each refused by name.
-_SIM_ONLY = ("push", "hang_decode_at", "rank", "clock_skew", "overload", "hold_ttl")
+_SIM_ONLY = ("hang_decode_at", "rank", "clock_skew", "overload", "hold_ttl")
 
 
 def options_from_args(args: Any) -> VllmRunOptions:
-    sim_defaults = {"push": False, "hang_decode_at": None, "rank": None,
+    sim_defaults = {"hang_decode_at": None, "rank": None,
                     "clock_skew": 0.0, "overload": 2.0, "hold_ttl": 4.0}
     for name in _SIM_ONLY:
         if getattr(args, name, sim_defaults[name]) != sim_defaults[name]:
-            raise ValueError(f"--{name.replace('_', '-')} is not available with --engine vllm (pull mode)")
+            raise ValueError(f"--{name.replace('_', '-')} is not available with --engine vllm")
     kw = {f.name: getattr(args, f.name) for f in attrs.fields(VllmRunOptions)
           if getattr(args, f.name, None) is not None}
     opts = VllmRunOptions(**kw)
@@ -655,6 +665,9 @@ def options_from_args(args: Any) -> VllmRunOptions:
         raise ValueError("--bidirectional runs with --prefill-tp 1 and --decode-tp 1")
     if opts.bidirectional and (opts.late_forward is not None or opts.kill_decode_at is not None):
         raise ValueError("--bidirectional and --late-turn2 run without --late-forward or --kill-decode-at")
+    if opts.push and (opts.bidirectional or (opts.prefill_tp, opts.decode_tp) != (1, 1)):
+        raise ValueError("--push runs with --prefill-tp 1 and --decode-tp 1, without --bidirectional "
+                         "(as NixlPushConnector)")
     if opts.late_forward is not None and opts.kill_decode_at is not None:
         raise ValueError("--late-forward and --kill-decode-at are one fault each: pick one")
     return opts

@@ -49,6 +49,7 @@ from kvplane.transport.wire import (
 )
 
 from .handshaker import Handshaker
+from .push_auth import push_reg_vouched, sign_push_reg
 from .ranks import base_engine_id, rank_of
 
 log = logging.getLogger("kvplane.driver")
@@ -85,6 +86,7 @@ class PlaneDriver:
         tp_rank: int = 0,
         deployment_keys: tuple = (),
         machines: dict[str, Any] | None = None,
+        push_reg_mac_keys: tuple[bytes, ...] = (),
     ):
         """``curve_keypair`` (public, secret; z85): this engine's CURVE key,
         generated when not given.  ``trusted_peers``: engine id -> its public
@@ -143,6 +145,9 @@ class PlaneDriver:
         for peer, key in (trusted_peers or {}).items():
             self.trust_peer(peer, key)
         self._deployment = bool(deployment_keys)
+        # The deployment's MAC keys (the first signs): PUSH_REGs are signed and
+        # only verified ones admitted (push_auth).  Empty: no MAC either way.
+        self._push_reg_mac_keys = tuple(push_reg_mac_keys)
         for key in deployment_keys:
             self.server.allow_client(key, DEPLOYMENT_MEMBER)
         # Lease names: what P exports as the remote request id (a capability:
@@ -507,6 +512,8 @@ class PlaneDriver:
             reg = PushRegistration.at_side_channel(
                 self.side_channel_url, request_id=a.remote_request_id, engine_id=self.engine_id,
                 decode_request_id=a.request_id, block_ids=a.block_ids, deadline=a.deadline)
+            if self._push_reg_mac_keys:
+                reg = sign_push_reg(reg, self._push_reg_mac_keys[0])
         except ValueError as exc:  # e.g. a request id no notification can carry: D's push times out
             self.counters["push_regs_unencodable"] += 1
             log.warning("cannot send PUSH_REG for %s: %s", a.request_id, exc)
@@ -595,6 +602,10 @@ class PlaneDriver:
             event = E.PushRegistered(request_id=reg.request_id, engine_id=reg.engine_id,
                                      remote_request_id=reg.decode_request_id, remote_block_ids=reg.block_ids,
                                      remote_deadline=reg.deadline)
+            if self._push_reg_mac_keys and not push_reg_vouched(reg, self._push_reg_mac_keys):
+                self._count_and_warn("push_regs_refused_unauthenticated",
+                                     "ignored PUSH_REG from %.64r: no valid MAC of the deployment", sender)
+                return []
             admitted = self._admit_push_reg(sender, event, reg.side_channel)
             return [] if admitted is None else [admitted]
         return []
@@ -616,7 +627,11 @@ class PlaneDriver:
             self._count_and_warn("push_regs_refused", "ignored PUSH_REG from %.64r: %s", sender, why)
             return None
         assert rid is not None  # no lease: refused above
-        self.learn_engine(sender, url)
+        # In a deployment (one secret) D's side channel proves the deployment's
+        # key, our own: P WRITEs only into an engine of the deployment (vLLM's
+        # push mode).  With per-engine keys, a trusted peer's key stays.
+        key = self.keypair[0] if self._deployment and self.keypair is not None else None
+        self.learn_engine(sender, url, server_public_key=key if self._server_key(sender) is None else None)
         return attrs.evolve(event, request_id=rid)
 
     def _transfer_events(self) -> list[E.Event]:

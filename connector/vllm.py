@@ -124,6 +124,9 @@ def _metric_name(key: str) -> str:
 
 
 class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
+    # "pull": D READs P's blocks; KVPlanePushConnector's "push": P WRITEs them (vllm_push).
+    TRANSFER_MODE = "pull"
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         from vllm import envs
@@ -158,7 +161,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = VllmSchedulerSide(self.engine_id, self.settings, tp_size=self.tp_size,
                                                     block_size=_block_size(vllm_config, kv_cache_config),
-                                                    warn=log.warning)
+                                                    warn=log.warning, transfer_mode=self.TRANSFER_MODE)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -260,6 +263,9 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         scheduled += list(scheduler_output.scheduled_cached_reqs.req_ids)
         return KVPlaneMetadata(step=self.scheduler_side.build_step(scheduled))
 
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()
+
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler_side is not None
         meta = connector_output.kv_connector_worker_meta
@@ -287,6 +293,20 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         return None  # any: blocks are moved whole, in the layout both sides share
+
+
+class KVPlanePushConnector(KVPlaneConnector):
+    """Push mode (NixlPushConnector's flow: D registers its blocks, P WRITEs
+    them; ``vllm_push``): ``"kv_connector": "KVPlanePushConnector"`` on P and D."""
+
+    TRANSFER_MODE = "push"
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.tp_size != 1:
+            raise ValueError("KVPlanePushConnector runs with tensor parallel size 1 (push at TP > 1 is a known gap)")
+        if self.settings.bidirectional:
+            raise ValueError("KVPlanePushConnector does not support bidirectional_kv_xfer (as NixlPushConnector)")
 
 
 def _block_size(vllm_config: Any, kv_cache_config: Any) -> int:

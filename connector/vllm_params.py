@@ -16,9 +16,11 @@ from typing import Any
 from .params import BadTransferParams
 
 TRANSFER_MODE = "pull"
+# NixlConnector's ``transfer_mode`` values: pull (D READs), push (P WRITEs).
+TRANSFER_MODES = ("pull", "push")
 
 
-def to_vllm(params: dict[str, Any], *, num_tokens: int) -> dict[str, Any]:
+def to_vllm(params: dict[str, Any], *, num_tokens: int, transfer_mode: str = TRANSFER_MODE) -> dict[str, Any]:
     """ConnectorScheduler's params (flat block ids) -> what vLLM returns in
     the request output."""
     out = dict(params)
@@ -34,14 +36,16 @@ def to_vllm(params: dict[str, Any], *, num_tokens: int) -> dict[str, Any]:
     # NixlConnector states an expiry only for a decoder's hold (a lease is
     # renewed by heartbeats); so does kvplane, in the holder's clock.
     out["remote_blocks_expiry_time"] = None if params.get("remote_renewable") else params.get("remote_expiry")
-    out["transfer_mode"] = TRANSFER_MODE
+    out["transfer_mode"] = transfer_mode
     return out
 
 
-def from_vllm(params: dict[str, Any]) -> dict[str, Any]:
+def from_vllm(params: dict[str, Any], *, transfer_mode: str = TRANSFER_MODE) -> dict[str, Any]:
     """Params a proxy handed D -> what ConnectorScheduler validates (block
     ids of the one KV cache group kvplane moves).  Shape errors raise
-    BadTransferParams naming the key; values are checked by RemoteKV."""
+    BadTransferParams naming the key; values are checked by RemoteKV.
+    ``transfer_mode``: this engine's (its connector class's); params of the
+    other mode are refused (recomputed), as the engines would not pair."""
     if not isinstance(params, dict):
         raise BadTransferParams(f"kv_transfer_params must be a dict, got {type(params).__name__}")
     out = dict(params)
@@ -58,8 +62,11 @@ def from_vllm(params: dict[str, Any]) -> dict[str, Any]:
         if size not in (1, None):
             raise BadTransferParams(f"kv_transfer_params: {key!r}: {size!r}; kvplane supports 1")
     mode = params.get("transfer_mode", TRANSFER_MODE)
-    if mode not in (TRANSFER_MODE, None):
-        raise BadTransferParams(f"kv_transfer_params: 'transfer_mode': {mode!r}; kvplane's vLLM connector pulls")
+    if mode is None:
+        mode = TRANSFER_MODE
+    if mode != transfer_mode:
+        raise BadTransferParams(f"kv_transfer_params: 'transfer_mode': {mode!r}; this engine's kvplane connector "
+                                f"is {transfer_mode} mode")
     if "remote_expiry" not in params and params.get("remote_blocks_expiry_time") is not None:
         out["remote_expiry"] = params["remote_blocks_expiry_time"]
     return out

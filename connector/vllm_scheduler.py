@@ -44,7 +44,8 @@ from .param_auth import ConsumedLeases, RefusedParams, Vouched, check_for_reques
 from .params import BadTransferParams, RemoteKV
 from .records import RankInfo, StepMeta, WorkerReport
 from .scheduler import ConnectorScheduler
-from .vllm_params import from_vllm, to_vllm
+from .vllm_params import TRANSFER_MODE, from_vllm, to_vllm
+from .vllm_push import PushPending
 from .vllm_settings import VllmSettings
 
 # vLLM's RequestStatus names of a request that finished producing output.
@@ -65,10 +66,14 @@ class SchedulerStep:
 
 class VllmSchedulerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, tp_size: int = 1, block_size: int = 16,
-                 warn: Callable[..., None] = lambda *a: None):
+                 warn: Callable[..., None] = lambda *a: None, transfer_mode: str = TRANSFER_MODE):
         """``block_size``: tokens per KV block (vLLM's cache block size): D
-        checks that P's block list covers exactly the tokens to load."""
+        checks that P's block list covers exactly the tokens to load.
+        ``transfer_mode``: "pull" (D READs) or "push" (D registers its
+        blocks, P WRITEs: ``vllm_push``), the engine's connector class's."""
         self.settings = settings
+        self.transfer_mode = transfer_mode
+        self.push = PushPending(enabled=transfer_mode == "push")
         self.sched = ConnectorScheduler(engine_id, tp_size=tp_size, config=settings.plane,
                                         host=settings.side_channel_host)
         self.block_size = block_size
@@ -106,7 +111,8 @@ class VllmSchedulerSide:
                 self.sched.on_new_request(request.request_id, translated, server_public_key=server_key,
                                           serve=turn2)
             else:
-                self.sched.on_new_request(request.request_id, params)
+                # Only the engine decides push or pull (a client's "push" key is not read).
+                self.sched.on_new_request(request.request_id, self.push.serve_params(params))
         except BadTransferParams as exc:
             self._refused(request, exc, turn2)
             return
@@ -143,7 +149,7 @@ class VllmSchedulerSide:
         secret only P's signed fields are read."""
         if params.get("do_remote_decode") and not turn2:
             raise BadTransferParams("kv_transfer_params: do_remote_prefill and do_remote_decode both set")
-        translated = from_vllm(params)
+        translated = from_vllm(params, transfer_mode=self.transfer_mode)
         if turn2 and translated.get("remote_renewable") is not False:
             raise RefusedParams("not a decoder's hold", "do_remote_decode params name a renewable lease")
         keys = self.settings.keys
@@ -162,7 +168,7 @@ class VllmSchedulerSide:
                                     f"{request.num_prompt_tokens} of {self.block_size} a block")
             if turn2:  # read as a remote prefill of the held prefix
                 translated = self._whole_blocks(dict(translated, do_remote_prefill=True, do_remote_decode=False))
-            return translated, None
+            return self.push.receive_params(translated), None
         vouched = verify(translated, keys)
         check_for_request(vouched, prompt_token_ids=getattr(request, "prompt_token_ids", None),
                           num_prompt_tokens=request.num_prompt_tokens, block_size=self.block_size, prefix=turn2)
@@ -171,7 +177,7 @@ class VllmSchedulerSide:
             registered = self._whole_blocks(registered)
         RemoteKV.from_dict(registered)  # well formed before its lease name is spent
         self.consumed.consume(vouched.lease_name, vouched.term, self.sched.clock())
-        return registered, vouched.key.curve_public
+        return self.push.receive_params(registered), vouched.key.curve_public
 
     def _whole_blocks(self, registered: dict) -> dict:
         """A held prefix as P reads it: its whole blocks only (the last held
@@ -281,6 +287,7 @@ class VllmSchedulerSide:
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False)  # the lease holds them
+            self.push.granted(rid)
             return delay, self._vouch(request, out)
         return self._maybe_dump(request, block_ids, params, normal)
 
@@ -318,7 +325,7 @@ class VllmSchedulerSide:
         there is none: kvplane_insecure, or token ids P does not have,
         which a reader with the secret then refuses)."""
         num_tokens = request.num_computed_tokens
-        params = to_vllm(out, num_tokens=num_tokens)
+        params = to_vllm(out, num_tokens=num_tokens, transfer_mode=self.transfer_mode)
         keys = self.settings.keys
         if keys is None:
             return params
@@ -357,6 +364,11 @@ class VllmSchedulerSide:
         if n <= 10 or n % LOG_EVERY == 0:
             self.warn(f"{fmt} (%s #%d)", *args, counter, n)
 
+    def has_pending_push_work(self) -> bool:
+        """Push mode, P: leased blocks whose WRITE is not over keep the
+        engine stepping (vLLM's hook), so their end reaches vLLM at once."""
+        return self.push.pending()
+
     def stats(self) -> dict[str, int]:
         """The scheduler half's counts since the last call (vLLM's
         scheduler-side get_kv_connector_stats)."""
@@ -371,6 +383,7 @@ class VllmSchedulerSide:
         the recvs vLLM was told are finished (its aggregated set)."""
         for report in reports:
             self.sched.update_from_worker(report)
+            self.push.sent(report.finished_sending)
             self._recv_failed |= report.failed_recving & self._awaited
         self.sched.get_finished()  # vLLM acts on the workers' own sets; these only keep the books
         self.sched.take_load_error_blocks()

@@ -45,10 +45,13 @@ class VllmWorkerSide:
             os.environ["UCX_NET_DEVICES"] = settings.ucx_net_devices  # read when the agent's UCX starts
         keypair = None
         deployment_keys: tuple[bytes, ...] = ()
+        push_reg_mac_keys: tuple[bytes, ...] = ()
         if settings.keys is not None:
             # The deployment's keypair: every engine serves and connects with it.
             keypair = settings.keys.signing.curve_keypair
             deployment_keys = settings.keys.public_keys
+            # Push mode: D signs its PUSH_REGs, P admits verified ones (push_auth).
+            push_reg_mac_keys = tuple(k.mac_key for k in settings.keys.accepted)
         elif settings.keypair_path is not None:
             import zmq.auth
 
@@ -66,7 +69,8 @@ class VllmWorkerSide:
                       fault_seed=settings.fault_seed + rank, log_path=settings.rank_path(settings.event_log, rank)),
             observers=(self.tally,), config=settings.plane, compat_hash=compat_hash, host=settings.bind_host,
             port=port, curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
-            insecure=settings.insecure, deployment_keys=deployment_keys)
+            insecure=settings.insecure, deployment_keys=deployment_keys,
+            push_reg_mac_keys=push_reg_mac_keys)
         self.endpoint, self.faults = self.parts.endpoint, self.parts.faults
         self.driver, self.worker, self.log_writer = self.parts.driver, self.parts.worker, self.parts.log_writer
         self._log_flushed_at = 0.0

@@ -89,10 +89,12 @@ FILE_KINDS: dict[str, str | None] = {
     "test_tp_mapping.py": "core",
     "test_vllm_adapter.py": "core",
     "test_vllm_worker_side.py": "nixl",
+    "test_vllm_push_worker.py": "nixl",
     "test_vllm_adversarial.py": "vllm",
     "test_vllm_engine.py": "vllm",
     "test_vllm_scheduler.py": "vllm",
     "test_vllm_parity.py": "vllm",
+    "test_vllm_push.py": "vllm",
 }
 KINDS = ("core", "nixl", "e2e", "vllm")
 

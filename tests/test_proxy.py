@@ -153,3 +153,50 @@ def test_bad_proxy_options_exit_2(args, says):
     done = subprocess.run([sys.executable, "-m", "kvplane.app.cli", "proxy", *argv], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_jobs_client_sends_one_request_id_to_p_and_d():
+    """``disaggregated`` (the vLLM job's client): both legs carry the same
+    X-Request-Id, as vLLM's toy proxy sends: NixlPushConnector's P matches
+    D's PUSH_REG to its finished request by it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvplane.app.vllm_proxy import disaggregated
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.server.name, self.headers.get("X-Request-Id")))
+            self.send_response(200)
+            if body.get("stream"):
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.wfile.write(b'data: {"choices": [{"token_ids": [5]}]}\n\ndata: [DONE]\n\n')
+            else:
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(json.dumps({"kv_transfer_params": PARAMS}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    servers = []
+    for name in ("P", "D"):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+        server.name = name
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    try:
+        urls = [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
+        for _ in range(2):
+            got = disaggregated(*urls, {"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+            assert got.text_tokens == (5,) and got.kv_transfer_params == PARAMS
+    finally:
+        for s in servers:
+            s.shutdown()
+    (p1, d1), (p2, d2) = seen[:2], seen[2:]
+    assert p1[0] == "P" and d1[0] == "D" and p1[1] and p1[1] == d1[1]
+    assert p2[1] == d2[1] != p1[1]  # one id per request

@@ -214,12 +214,16 @@ class PushRegistration:
     port: int
     # When D gives up waiting for the WRITE, in D's clock; None: not sent.
     deadline: float | None = None
+    # HMAC-SHA256 (hex) over the other fields with the deployment's key
+    # (connector/push_auth); None: not sent (per-engine keys, insecure).
+    mac: str | None = None
 
     def __attrs_post_init__(self) -> None:
         for problem in (
             id_problem(self.request_id), name_problem(self.engine_id, "engine_id"),
             id_problem(self.decode_request_id), block_ids_problem(self.block_ids),
             host_problem(self.host), port_problem(self.port), finite_problem(self.deadline, "deadline"),
+            _mac_problem(self.mac),
         ):
             _raise_if(problem)
         object.__setattr__(self, "block_ids", tuple(self.block_ids))
@@ -246,7 +250,15 @@ class PushRegistration:
                              "host": self.host, "port": self.port}
         if self.deadline is not None:
             d["deadline"] = self.deadline
+        if self.mac is not None:
+            d["mac"] = self.mac
         return d
+
+    def signed_bytes(self) -> bytes:
+        """What ``mac`` covers: every other field, canonically encoded."""
+        fields = self.to_wire()
+        fields.pop("mac", None)
+        return msgpack.packb(sorted(fields.items()), use_bin_type=True)
 
     @classmethod
     def from_wire(cls, obj: Any) -> "PushRegistration":
@@ -260,9 +272,15 @@ class PushRegistration:
         try:
             return cls(request_id=obj["request_id"], engine_id=obj["engine_id"],
                        decode_request_id=obj["decode_request_id"], block_ids=obj["block_ids"],
-                       host=obj["host"], port=obj["port"], deadline=obj.get("deadline"))
+                       host=obj["host"], port=obj["port"], deadline=obj.get("deadline"), mac=obj.get("mac"))
         except (TypeError, ValueError) as e:  # only the field checks above raise here
             raise MalformedNotification(f"bad PUSH_REG: {e}") from None
+
+
+def _mac_problem(mac: Any) -> str | None:
+    if mac is None or (isinstance(mac, str) and re.fullmatch(r"[0-9a-f]{64}", mac)):
+        return None
+    return "mac must be 64 lowercase hex digits"
 
 
 @attrs.frozen
