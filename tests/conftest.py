@@ -56,6 +56,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_monitors.py": "core",
     "test_nixl_restart.py": "nixl",
     "test_param_auth.py": "core",
+    "test_incarnation.py": "core",
     "test_params.py": "core",
     "test_plane_reference.py": "core",
     "test_plane_cpu.py": "core",
