@@ -90,6 +90,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_vllm_engine.py": "vllm",
     "test_vllm_scheduler.py": "vllm",
     "test_vllm_parity.py": "vllm",
+    "test_vllm_netns.py": "vllm",
 }
 KINDS = ("core", "nixl", "e2e", "vllm")
 
