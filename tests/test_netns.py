@@ -97,7 +97,9 @@ def test_two_decode_engines_one_killed(tmp_path):
     the other carries on: nothing is held at the end, by P or the survivor,
     and P's machines evicted the dead engine within engine_ttl (10 s here),
     before the end of the run, as replay of P's log counts it."""
-    done, pid = kvplane_run(tmp_path, "--requests", "24", "--decode-engines", "2", "--kill-decode-at", "4",
+    # 48 requests: two of decode-1's turn 1s are held for a turn 2 before the kill (seed 0), whose
+    # reads connect P to decode-1 (P knows a decoder only once it read from it).
+    done, pid = kvplane_run(tmp_path, "--requests", "48", "--decode-engines", "2", "--kill-decode-at", "4",
                             "--engine-ttl", "10", "--quiet")
     assert_ok(done)
     assert_nothing_left(pid)
@@ -107,6 +109,8 @@ def test_two_decode_engines_one_killed(tmp_path):
     assert (engines["D"]["outcomes"] or {}).get("ok", 0) > 0  # the survivor served requests
     assert {r["decoder"] for r in summary["requests_detail"] if r["decoder"]} == {"D", "D1"}  # round robin
     assert summary["checks"]["p_reclaimed_within_bound"]
+    assert any(r["decoder"] == "D1" and r["turn2"] == "ok" for r in summary["requests_detail"]), \
+        "no turn 2 read decode-1 before the kill: P never connected to it, nothing to evict"
     evicted = summary["fault"]["p_evicted"]
     assert evicted["engine"] == "decode-1" and evicted["within_bound"], evicted
     assert evicted["after_kill_s"] and max(evicted["after_kill_s"]) <= evicted["bound_s"] and evicted["at_shutdown"] == 0
