@@ -97,9 +97,10 @@ def test_two_decode_engines_one_killed(tmp_path):
     the other carries on: nothing is held at the end, by P or the survivor,
     and P's machines evicted the dead engine within engine_ttl (10 s here),
     before the end of the run, as replay of P's log counts it."""
-    # 48 requests: two of decode-1's turn 1s are held for a turn 2 before the kill (seed 0), whose
-    # reads connect P to decode-1 (P knows a decoder only once it read from it).
-    done, pid = kvplane_run(tmp_path, "--requests", "48", "--decode-engines", "2", "--kill-decode-at", "4",
+    # P knows a decoder only once it read (or declined to read) its hold for a turn 2: with 48
+    # requests (seed 0) decode-1's first held turn 1 (req0007, a late turn 2: 3.5 s after it) is
+    # turned 2 at about 5.7 s, so the kill comes at 8 s.
+    done, pid = kvplane_run(tmp_path, "--requests", "48", "--decode-engines", "2", "--kill-decode-at", "8",
                             "--engine-ttl", "10", "--quiet")
     assert_ok(done)
     assert_nothing_left(pid)
@@ -109,8 +110,8 @@ def test_two_decode_engines_one_killed(tmp_path):
     assert (engines["D"]["outcomes"] or {}).get("ok", 0) > 0  # the survivor served requests
     assert {r["decoder"] for r in summary["requests_detail"] if r["decoder"]} == {"D", "D1"}  # round robin
     assert summary["checks"]["p_reclaimed_within_bound"]
-    assert any(r["decoder"] == "D1" and r["turn2"] == "ok" for r in summary["requests_detail"]), \
-        "no turn 2 read decode-1 before the kill: P never connected to it, nothing to evict"
+    assert any(r["decoder"] == "D1" and r["turn2"] not in (None, "skipped") for r in summary["requests_detail"]), \
+        "no turn 2 went to decode-1's hold before the kill: P never connected to it, nothing to evict"
     evicted = summary["fault"]["p_evicted"]
     assert evicted["engine"] == "decode-1" and evicted["within_bound"], evicted
     assert evicted["after_kill_s"] and max(evicted["after_kill_s"]) <= evicted["bound_s"] and evicted["at_shutdown"] == 0
