@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvplane.statemachines.eventlog import EventLogError, lines_before, read_log, torn_last_line
+from kvplane.statemachines.lifecycle_counts import eviction_words
 from kvplane.statemachines.explorer import ENGINE_FAULTS, PROFILES, RANK_FAULTS, STALL_FAULTS, ExploreConfig, ExploreResult, Violation, explore
 from kvplane.statemachines.monitors import DEFAULT_GRACE, check_log
 from kvplane.statemachines.replay import Divergence, replay
@@ -115,7 +116,7 @@ def cmd_replay(path: str, *, json_out: bool = False) -> int:
             "lines": r.lines, "recorded_lines": r.recorded_lines, "end_t": r.end_time,
             "requests": dict(sorted(r.requests.items())),
             "leases": {what: r.leases[what] for what in ("granted", "extended", "expired", "released")},
-            "engines_evicted": r.engines_evicted,
+            "engines_evicted": r.engines_evicted, "evictions": r.evictions,
             "anomalies": [{"key": str(k), "label": _label(k), "count": n} for k, n in sorted(r.anomalies.items())],
             "divergence": _divergence_json(r.divergence),
             "held": [{"machine": kind, "id": str(key), "state": state, "holds": list(res)}
@@ -132,7 +133,7 @@ def cmd_replay(path: str, *, json_out: bool = False) -> int:
         t.add_row(f"requests {state}", str(n))
     for what in ("granted", "extended", "expired", "released"):
         t.add_row(f"leases {what}", str(r.leases[what]))
-    t.add_row("engines evicted", str(r.engines_evicted))
+    t.add_row("engines evicted", eviction_words(r.engines_evicted, r.evictions))
     for key, n in sorted(r.anomalies.items()):
         t.add_row(_label(key), str(n))
     con.print(t)

@@ -115,9 +115,9 @@ def _explore(args) -> int:
 
 
 # Options of the sim engine's job only, with the value that means "not given".
-SIM_ONLY = {"hosts": "local", "ucx_net_devices": None, "side_channel_host": None, "advertise_host": None,
+SIM_ONLY = {"ucx_net_devices": None, "side_channel_host": None, "advertise_host": None,
             "partition_at": None, "partition_for": None, "rate_limit": None, "decode_engines": 1,
-            "restart_decode_at": None}
+            "restart_decode_at": None, "engine_ttl": None}
 
 
 def _run(args) -> int:

@@ -12,6 +12,11 @@ veths, and with them the pairs.  Names carry the run's pid, so concurrent
 runs do not collide; at start a run removes what a run whose process is
 gone left behind (a SIGKILLed parent cannot clean up after itself).
 
+``reach_from_root`` (the vLLM job: its proxy and health checks talk HTTP
+to the engines) adds one more veth, from the root namespace to the switch,
+with the subnet's .254: the root namespace then routes that /24 only, and
+the veth goes with the switch's namespace.
+
 Faults: ``partition`` (P's link down on both ends: P cut from every
 decoder) and ``heal``, and ``rate_limit`` (a tbf qdisc on every host's
 veth; netem, for delay and loss, is not in every kernel).
@@ -110,6 +115,9 @@ class HostNet:
         self.hosts = {role: Host(role=role, netns=f"{PREFIX}{self.pid}-{role.lower()}",
                                  veth=f"kvp{self.pid % 10**7}{role.lower()}", address=str(net.network_address + i))
                       for i, role in enumerate(roles, start=1)}
+        self.root_veth = f"kvp{self.pid % 10**7}r"
+        self.root_address: str | None = None  # set by reach_from_root
+        self._net = net
         self.up = False
         self.partitioned = False
         self.rate_bits: int | None = None
@@ -147,11 +155,26 @@ class HostNet:
             _ip("ip", "-n", h.netns, "addr", "add", f"{h.address}/{self.prefix_len}", "dev", h.veth)
             _ip("ip", "-n", h.netns, "link", "set", h.veth, "up")
 
+    def reach_from_root(self) -> str:
+        """A veth from the root namespace to the switch, with the subnet's
+        .254: this process reaches the hosts' addresses (HTTP to engines in
+        the namespaces).  Returns that address."""
+        address = str(self._net.network_address + 254)
+        _ip("ip", "link", "add", self.root_veth, "type", "veth", "peer", "name", "sw-root", "netns", self.switch)
+        self.root_address = address
+        _ip("ip", "-n", self.switch, "link", "set", "sw-root", "master", "br0", "up")
+        _ip("ip", "addr", "add", f"{address}/{self.prefix_len}", "dev", self.root_veth)
+        _ip("ip", "link", "set", self.root_veth, "up")
+        return address
+
     def close(self) -> None:
         """Remove every namespace (and so the veth pairs); idempotent."""
         if self.up:
             for name in (*(h.netns for h in self.hosts.values()), self.switch):
                 _ip("ip", "netns", "del", name, check=False)
+            if self.root_address is not None:  # gone with the switch; in case its peer never got there
+                _ip("ip", "link", "del", self.root_veth, check=False)
+                self.root_address = None
             self.up = False
         for sig, old in self._old_handlers.items():
             try:

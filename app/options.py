@@ -113,6 +113,7 @@ class RunOptions:
     rate_limit: int | None = None  # bits per second
     decode_engines: int = 1  # D, D1, D2, ...: the proxy routes round robin
     restart_decode_at: float | None = None  # the last decoder killed and started again (a new incarnation)
+    engine_ttl: float | None = None  # the planes' engine_ttl (None: max(30 s, 4 leases))
 
     @classmethod
     def from_args(cls, args) -> "RunOptions":
@@ -190,6 +191,9 @@ class RunOptions:
             if self.kill_decode_at is not None or self.hang_decode_at is not None or self.partition_at is not None:
                 raise RunError("--restart-decode-at is a fault of its own: drop --kill-decode-at, --hang-decode-at "
                                "and --partition-at")
+        if self.engine_ttl is not None and (not is_finite_number(self.engine_ttl) or self.engine_ttl < self.lease):
+            raise RunError(f"--engine-ttl must be a finite number >= the lease ({self.lease:g} s), "
+                           f"got {self.engine_ttl!r}")
         if self.max_blocks > self.num_blocks // 2:
             raise RunError("requests must fit the KV cache twice over")
 
@@ -233,7 +237,8 @@ class RunOptions:
     def plane_config(self) -> PlaneConfig:
         """The engines' configuration: the lease, the hold and demo-sized timeouts."""
         base = PlaneConfig(kv_lease_duration=self.lease, decoder_kv_blocks_ttl=self.hold_ttl,
-                           expiry_safety_margin=self.expiry_margin, engine_ttl=max(30.0, 4 * self.lease),
+                           expiry_safety_margin=self.expiry_margin,
+                           engine_ttl=max(30.0, 4 * self.lease) if self.engine_ttl is None else self.engine_ttl,
                            handshake_timeout=2.0, handshake_backoff=0.5, handshake_max_attempts=3)
         # A READ must be over (done or cancelled) before P can reclaim a lease
         # whose last heartbeat preceded it: transfer timeout <= extension - interval.
@@ -292,6 +297,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-engines", type=int, default=d.decode_engines, metavar="N",
                    help="decode engines behind the proxy (round robin); --kill-decode-at then kills the last one "
                         "for good and the others carry on")
+    p.add_argument("--engine-ttl", type=finite_float(), default=d.engine_ttl, metavar="S",
+                   help="silence after which an engine's peers evict it (STALE at half of it); with "
+                        "--decode-engines and --kill-decode-at the run lasts until P evicted the killed engine "
+                        "(default: 4 leases, at least 30 s)")
     p.add_argument("--restart-decode-at", type=float, default=d.restart_decode_at, metavar="S",
                    help="kill the last decode engine S seconds into the run and start it again: the same engine "
                         "id, a new process and NIXL agent (default: no restart)")

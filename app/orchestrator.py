@@ -378,7 +378,7 @@ class Orchestrator:
             if self.fault_at is not None and not rank_fault and self._fault_settled():
                 break
             if (self.fault_at is None or rank_fault) and not self._open and not self._partition_pending(now) \
-                    and not self._restart_pending():
+                    and not self._restart_pending() and not self._eviction_pending(now):
                 if not fault_kind or now - self.t0 >= fault_time:
                     break
             if self.errors:
@@ -551,6 +551,21 @@ class Orchestrator:
         elif self.fault.get("kind") == "restart" and "back_at_s" not in self.fault and \
                 now - self.fault_at > o.startup_timeout:
             self.errors.append(f"the restarted {engine_id_of(role)} did not start within {o.startup_timeout:g} s")
+
+    def _eviction_pending(self, now: float) -> bool:
+        """--kill-decode-at with several decoders: the run lasts until P has
+        evicted the dead engine (engine_ttl of silence from the kill at the
+        latest, a tick late at most), so the summary shows it."""
+        o = self.o
+        if o.kill_decode_at is None or o.decode_engines < 2 or self.fault_at is None:
+            return False
+        until = self.fault_at + o.plane_config().engine_ttl + 2 * SLACK_S
+        phase = f"waiting for P to evict {self.fault.get('engine')} (engine_ttl {o.plane_config().engine_ttl:g} s)"
+        if now < until and not self._open and self.phase != phase:
+            self.phase = phase
+            if self.progress is not None:
+                self.progress(self)
+        return now < until
 
     def _restart_pending(self) -> bool:
         """A restart still to come, or its engine not back yet: the run goes on."""

@@ -10,6 +10,9 @@ from typing import Any, Protocol
 
 import attrs
 
+from kvplane.connector.ranks import base_engine_id
+from kvplane.statemachines.lifecycle_counts import eviction_words
+
 from .messages import Summary
 from .options import ENGINE_IDS, SLACK_S, RunOptions
 from .transfer_stats import TransferStats
@@ -113,6 +116,9 @@ def build_summary(orch: RunRecord) -> dict:
         orch.fault["old_incarnation_leases"] = {"in_flight": len(stranded), "consumed_after": consumed}
         checks["old_incarnation_leases_not_consumed"] = not consumed
         checks["restarted_engine_came_back"] = "back_at_s" in orch.fault
+    if orch.fault.get("kind") == "kill" and len(decoders) > 1 and P:
+        orch.fault["p_evicted"] = _eviction_of_killed(orch, P)
+        checks["p_evicted_killed_engine"] = orch.fault["p_evicted"]["within_bound"]
     if orch.partitions:
         checks["p_reclaimed_within_lease_after_partition"] = bool(P) and all(p["within_bound"] for p in partitions)
     summary = {
@@ -128,6 +134,8 @@ def build_summary(orch: RunRecord) -> dict:
         "heartbeats_sent": sum(s.heartbeats_sent for s in sides),
         "heartbeats_received": sum(s.heartbeats_received for s in sides),
         "engines_evicted": sum(s.engines_evicted for s in sides),
+        # Each side's evictions by its machines: which engine, when (its plane's clock), why.
+        "evictions": {role: (s.lifecycle or {}).get("evictions", []) for role, s in (("P", P), *decoders.items()) if s},
         "blocks_held": {"P": P.held_blocks if P else None,
                         "D": (D.held_blocks if D else None) if len(decoders) == 1 else
                         (sum(s.held_blocks for s in survivors.values()) if all(survivors.values()) else None)},
@@ -247,6 +255,21 @@ def _reclaim_reason(fault: dict) -> str:
         parts.append(f"last freed {fault['reclaim_after_last_heartbeat_s']} s after the last heartbeat "
                      f"(bound {fault.get('bound_s')} s + {fault.get('slack_s')} s slack)")
     return "; ".join(parts) or "no lease freed after the fault"
+
+
+def _eviction_of_killed(orch: RunRecord, P: Summary) -> dict:
+    """When P's machines evicted the killed decode engine (every rank of it
+    P knew), and why; it must be before the run's end (not the shutdown's
+    disconnect), at most engine_ttl (+ slack) after the kill.  P that never
+    connected to it (no turn 2 read it) has nothing to evict: None."""
+    engine, ttl = orch.fault.get("engine"), orch.o.plane_config().engine_ttl
+    mine = [e for e in P.lifecycle.get("evictions", ()) if base_engine_id(str(e["engine"])) == engine]
+    during = [e for e in mine if e["cause"] != "shutdown"]
+    bound = ttl + 2 * SLACK_S + 1.0
+    after = [round(e["at"] - orch.fault_at, 3) for e in during] if orch.fault_at is not None else []
+    return {"engine": engine, "engine_ttl_s": ttl, "bound_s": bound, "after_kill_s": after,
+            "causes": sorted({e["cause"] for e in during}), "at_shutdown": len(mine) - len(during),
+            "within_bound": None if not mine else (len(mine) == len(during) and max(after, default=0.0) <= bound)}
 
 
 def _reclaim(orch: RunRecord, P: Summary) -> dict:
@@ -437,7 +460,9 @@ def summary_table(summary: dict):
                   f"{le['granted']} / {le['extended']} / {le['expired']} / {le['released']}")
     t.add_row("heartbeats sent / received", f"{_total(summary, 'heartbeats_sent')} / "
                                              f"{_total(summary, 'heartbeats_received')}")
-    t.add_row("engines evicted", _total(summary, "engines_evicted"))
+    evictions = summary.get("evictions")
+    t.add_row("engines evicted", _total(summary, "engines_evicted") if not evictions else
+              eviction_words(int(summary.get("engines_evicted") or 0), [e for es in evictions.values() for e in es]))
     engines = summary.get("decode_engines") or []
     if len(engines) > 1:
         t.add_row("decode engines: requests ok / blocks held", ", ".join(
@@ -464,6 +489,12 @@ def summary_table(summary: dict):
         if lost:
             t.add_row("ranks lost", "; ".join(f"{role}: {v}" for role, v in lost.items()))
     f = summary["fault"]
+    if f and f.get("p_evicted"):
+        ev = f["p_evicted"]
+        t.add_row(f"P evicted the killed {ev['engine']} after (engine_ttl {ev['engine_ttl_s']:g} s)",
+                  "never connected to it" if ev["within_bound"] is None else
+                  f"{', '.join(f'{s:g}' for s in ev['after_kill_s']) or '-'} s ({', '.join(ev['causes']) or '-'}"
+                  f"{'; still connected at the end' if ev['at_shutdown'] else ''})")
     if f:
         if "reclaim_after_last_heartbeat_s" in f:
             t.add_row(f"decode {f['kind']} at {f['at_s']} s: P reclaimed after last heartbeat",

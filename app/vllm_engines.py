@@ -65,6 +65,12 @@ class EngineSpec:
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on ('|' between ranks)
     tp: int = 1  # --tensor-parallel-size: one worker process per rank
     push: bool = False  # push mode: the connector's push class (PUSH_CONNECTORS)
+    # --hosts netns: the network namespace it runs in (``ip netns exec``), the
+    # address its HTTP server and side channel use there, UCX on its veth.
+    netns: str | None = None
+    host: str = "127.0.0.1"
+    ucx_net_devices: str | None = None
+    ucx_tls: str | None = None
 
     def kv_transfer_config(self) -> dict:
         cls, module = (PUSH_CONNECTORS if self.push else CONNECTORS)[self.connector]
@@ -77,8 +83,9 @@ class EngineSpec:
         return cfg
 
     def command(self, model_dir: str | Path) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(self.http_port), "--load-format", "dummy", "--enforce-eager",
+        netns = [] if self.netns is None else ["ip", "netns", "exec", self.netns]
+        cmd = [*netns, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--host", self.host, "--port", str(self.http_port), "--load-format", "dummy", "--enforce-eager",
                "--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
                "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
                "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
@@ -96,12 +103,14 @@ class EngineSpec:
         env = dict(os.environ)
         env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
+                    "UCX_NET_DEVICES": self.ucx_net_devices or env.get("UCX_NET_DEVICES", "lo"),
                     "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "ERROR"),
                     "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")})
         if self.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+        if self.ucx_tls is not None:
+            env["UCX_TLS"] = self.ucx_tls
         return env
 
 
@@ -112,7 +121,7 @@ class EngineStartError(RuntimeError):
 class EngineProcess:
     def __init__(self, spec: EngineSpec, model_dir: str | Path, log_path: str | Path):
         self.spec = spec
-        self.url = f"http://127.0.0.1:{spec.http_port}"
+        self.url = f"http://{spec.host}:{spec.http_port}"
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "w", encoding="utf-8")
         # Its own process group: a stop reaches the engine core and worker too.

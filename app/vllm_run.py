@@ -39,6 +39,7 @@ import attrs
 from kvplane.connector.kv_dump import DUMP_KEY
 
 from .kv_check import check_all, check_turn2_reads
+from .netns import HostNet, NetnsUnavailable
 from .vllm_engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
                            split_cores, wait_healthy)
 from .vllm_model import CONFIG as TINY_CONFIG
@@ -75,6 +76,7 @@ class VllmRunOptions:
     bidirectional: bool = False  # multi-turn: D holds turn 1's blocks, turn 2 goes to P with D's params
     late_turn2: float | None = None  # seconds every 4th turn 2 waits (beyond D's hold: a short TTL for the run)
     push: bool = False  # push mode: D registers its blocks, P WRITEs (KVPlanePushConnector / NixlPushConnector)
+    hosts: str = "local"  # local | netns: P and D each in a network namespace of its own (run_vllm)
 
     @property
     def hold_ttl(self) -> float:
@@ -472,14 +474,34 @@ def _status(path: Path) -> dict | None:
 
 # ---------------------------------------------------------------- the command
 def run_vllm(opts: VllmRunOptions, say: Callable[[str], None] = print) -> dict:
-    """The whole job; returns the summary (also written to summary.json)."""
+    """The whole job; returns the summary (also written to summary.json).
+    ``--hosts netns``: P and D each in a network namespace of its own on a
+    bridge (netns.HostNet: made here, removed on every way out), UCX over
+    TCP and the side channel on their veths; this process (the proxy)
+    reaches them through a veth of its own to the bridge."""
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("vLLM is not installed: from the checkout, run scripts/install-vllm (see docs/vllm.md)")
+    if opts.hosts != "netns":
+        return _run_vllm(opts, say, None)
+    with HostNet(roles=("P", "D")) as hosts:
+        hosts.reach_from_root()
+        return _run_vllm(opts, say, hosts)
+
+
+def _run_vllm(opts: VllmRunOptions, say: Callable[[str], None], hosts: Any) -> dict:
     run = VllmRun(opts, say)
     p_spec, d_spec = run.prepare()
+    if hosts is not None:  # each engine in its namespace, on its veth
+        p_spec, d_spec = (attrs.evolve(spec, netns=where.netns, host=where.advertise_host,
+                                       ucx_net_devices=where.ucx_net_devices, ucx_tls=where.ucx_tls)
+                          for spec, where in ((p_spec, hosts.placement("P")), (d_spec, hosts.placement("D"))))
     late_every = 4 if opts.late_forward else 0
     stream = make_stream(opts.requests, seed=opts.seed, late_every=late_every)
     summary: dict[str, Any] = {"connector": opts.connector, "options": attrs.asdict(opts)}
+    if hosts is not None:
+        summary["hosts"] = {"kind": "netns", "proxy": hosts.root_address,
+                            **{role: {"netns": h.netns, "address": h.address, "veth": h.veth}
+                               for role, h in hosts.hosts.items()}}
     try:
         summary["startup_s"] = run.start(p_spec, d_spec)
         summary["stream_s"] = run.run_stream(stream)
@@ -644,6 +666,8 @@ def options_from_args(args: Any) -> VllmRunOptions:
         raise ValueError(f"--lease must be >= 6 s (heartbeat interval = lease // 6), got {opts.lease:g}")
     if opts.requests < 1:
         raise ValueError("--requests must be >= 1")
+    if opts.hosts not in ("local", "netns"):
+        raise ValueError(f"--hosts must be local or netns, got {opts.hosts!r}")
     if not 0 <= opts.drop_notifications < 1:
         raise ValueError(f"--drop-notifications must be in [0, 1), got {opts.drop_notifications:g}")
     for name in ("late_forward", "kill_decode_at"):
@@ -711,6 +735,9 @@ def cmd_run_vllm(args: Any) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; engines stopped[/yellow]")
         return 130
+    except NetnsUnavailable as exc:  # --hosts netns where namespaces cannot be made
+        console.print(f"[red]kvplane run: {escape(str(exc))}[/red]", soft_wrap=True)
+        return 2
     except RuntimeError as exc:
         console.print(f"[red]kvplane run: {escape(str(exc))}[/red]", soft_wrap=True)
         return 1

@@ -56,6 +56,7 @@ class KVPlaneScheduler:
             expected_consumers=rk.expected_consumers, remote_expiry=rk.remote_expiry,
             remote_renewable=rk.remote_renewable,
             push=bool(params.get("push")),
+            remote_incarnation=rk.incarnation_of(rk.remote_ranks[0]) if len(rk.remote_ranks) == 1 else None,
         ))
 
     def get_num_new_matched_tokens(self, request_id: str, num_prompt_tokens: int,
@@ -168,7 +169,7 @@ class KVPlaneScheduler:
             **RemoteKV(remote_engine_id=self.driver.engine_id, remote_host=host, remote_port=int(port),
                        remote_request_id=self.driver.export_lease(request_id), remote_block_ids=block_ids,
                        expected_consumers=consumers, remote_expiry=expiry,
-                       remote_renewable=renewable).to_dict(),
+                       remote_renewable=renewable, remote_rank_incarnations=(self.driver.incarnation,)).to_dict(),
         }
 
 

@@ -42,6 +42,7 @@ from kvplane.transport.errors import TransportError
 from kvplane.statemachines.machines.lease import HELD as LEASE_HELD
 from kvplane.statemachines.machines.lease import admits
 from kvplane.statemachines.machines.remote_engine import UP as ENGINE_UP
+from kvplane.transport import wire
 from kvplane.transport.handshake import HandshakeServer, build_payload, public_key
 from kvplane.transport.wire import (
     CompletionNotif, HeartbeatNotif, MalformedNotification, PushRegistration, PushRegNotif, encode_completion,
@@ -108,6 +109,12 @@ class PlaneDriver:
         known, through its engine's entry: the ranks share the key."""
         self.engine_id = engine_id
         self.tp_rank = tp_rank
+        # This process's incarnation of the engine: named in our handshake
+        # replies and (through RankInfo) in the params our scheduler signs, so
+        # a reader of our blocks can tell us from a restart under our engine id.
+        # Its start time first (ns, fixed-width hex): a reader that finds an
+        # older incarnation connected than its params name handshakes afresh.
+        self.incarnation = f"{time.time_ns():016x}-{secrets.token_hex(4)}"
         self.endpoint = endpoint
         self.config = config or PlaneConfig()
         self.clock = clock
@@ -276,7 +283,8 @@ class PlaneDriver:
         if tp_rank != self.tp_rank or pp_rank != 0:
             return None
         return build_payload(engine_id=self.engine_id, compat_hash=self.compat_hash, tp_rank=tp_rank,
-                             metadata=self.endpoint.local_metadata(), cache=self.endpoint.describe_cache())
+                             metadata=self.endpoint.local_metadata(), cache=self.endpoint.describe_cache(),
+                             incarnation=self.incarnation)
 
     # --------------------------------------------------------------- input
     def feed(self, event: E.Event) -> None:
@@ -370,6 +378,11 @@ class PlaneDriver:
                         outcome.error, self._retry_words(outcome.engine_id))
             return E.HandshakeFailed(engine_id=outcome.engine_id, reason=f"{type(outcome.error).__name__}: {outcome.error}")
         result = outcome.result
+        incarnation = result.payload.get("incarnation")
+        problem = None if incarnation is None else wire.name_problem(incarnation, "incarnation")
+        if problem is not None:  # before add_remote: a peer that says odd things gets no agent of ours
+            self.counters["handshakes_failed"] += 1
+            return E.HandshakeFailed(engine_id=outcome.engine_id, reason=f"handshake reply: {problem}")
         try:
             name = self.endpoint.add_remote(result.metadata)
         except (TransportError, ValueError) as exc:
@@ -380,7 +393,7 @@ class PlaneDriver:
         self.layouts[outcome.engine_id] = result.cache
         self.counters["handshakes_ok"] += 1
         samples = [(s.offset, s.rtt) for s in (result.samples or (result.sample,))]
-        return E.HandshakeOk(engine_id=outcome.engine_id, samples=samples)
+        return E.HandshakeOk(engine_id=outcome.engine_id, samples=samples, incarnation=incarnation)
 
     def _retry_words(self, engine_id: str) -> str:
         """What the remote_engine machine does with the failure: its
@@ -454,7 +467,8 @@ class PlaneDriver:
         rid = f"{request_id}#farewell"
         return [E.NewRequest(request_id=rid, engine_id=r.engine_id, remote_request_id=r.remote_request_id,
                              remote_ranks=r.ranks, expected_consumers=r.expected_consumers,
-                             remote_expiry=r.remote_expiry, remote_renewable=r.remote_renewable),
+                             remote_expiry=r.remote_expiry, remote_renewable=r.remote_renewable,
+                             remote_incarnation=r.remote_incarnation),
                 E.BlocksAllocated(request_id=rid, num_remote_tokens=0, awaiting=False),
                 E.StartLoad(request_id=rid)]
 

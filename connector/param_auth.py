@@ -9,7 +9,8 @@ P adds one key, ``kvplane_auth``, which a proxy carries along untouched::
 ``mac`` is HMAC-SHA256 over a canonical msgpack encoding of the version,
 key id, prompt hash, issue time and exactly the params D acts on
 (``SIGNED``: where to connect, which lease, which blocks, how many tokens,
-until when, for how many consumers, how).  Nothing else a client adds is
+until when, for how many consumers, how, and which incarnation of each
+holder rank holds them).  Nothing else a client adds is
 read: the params D registers are rebuilt from the signed fields only, so an
 unauthenticated ``remote_blocks_expiry_time`` is ignored.
 
@@ -40,7 +41,7 @@ AUTH_VERSION = 1
 # The params D acts on, all signed (vLLM's shape; remote_block_ids flat).
 SIGNED = ("remote_engine_id", "remote_host", "remote_port", "remote_rank_ports", "remote_ranks", "tp_size",
           "remote_request_id", "remote_block_ids", "remote_num_tokens", "remote_expiry", "remote_renewable",
-          "expected_consumers", "transfer_mode")
+          "expected_consumers", "transfer_mode", "remote_rank_incarnations")
 MAX_TOKENS = 1 << 24
 # How long past a lease's term D remembers it consumed it (clock skew, the
 # READ gate's own margin).
@@ -89,7 +90,7 @@ def _normal(fields: dict[str, Any]) -> dict[str, Any]:
     blocks = out["remote_block_ids"]
     if isinstance(blocks, (list, tuple)) and blocks and all(isinstance(g, (list, tuple)) for g in blocks):
         out["remote_block_ids"] = [b for g in blocks for b in g]
-    for name in ("remote_block_ids", "remote_rank_ports", "remote_ranks"):
+    for name in ("remote_block_ids", "remote_rank_ports", "remote_ranks", "remote_rank_incarnations"):
         value = out[name]
         if isinstance(value, tuple):
             out[name] = list(value)

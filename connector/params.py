@@ -41,11 +41,19 @@ class RemoteKV:
     # D from the deployment key that vouched for the params, never read from
     # them (None: the key the driver already knows for the engine, if any).
     remote_public_key: bytes | None = None
+    # Each rank's incarnation (the token its handshake reply names) when the
+    # holder granted the blocks; empty: not said (nothing is checked).  A
+    # reader reads only from the incarnation named (decode_request's guard).
+    remote_rank_incarnations: tuple = attrs.field(converter=lambda names: tuple(names), default=())
 
     def __attrs_post_init__(self) -> None:
         if not self.remote_rank_ports:
             object.__setattr__(self, "remote_rank_ports",
                                tuple(self.remote_port + r for r in range(self.tp_size)))
+
+    def incarnation_of(self, rank: int) -> str | None:
+        """The incarnation of the holder's ``rank`` the params name (None: none named)."""
+        return self.remote_rank_incarnations[rank] if self.remote_rank_incarnations else None
 
     def rank_side_channel(self, rank: int) -> str:
         return f"tcp://{self.remote_host}:{self.remote_rank_ports[rank]}"
@@ -60,6 +68,7 @@ class RemoteKV:
         d["remote_block_ids"] = list(self.remote_block_ids)
         d["remote_ranks"] = list(self.remote_ranks)
         d["remote_rank_ports"] = list(self.remote_rank_ports)
+        d["remote_rank_incarnations"] = list(self.remote_rank_incarnations)
         return d
 
     @classmethod
@@ -112,7 +121,13 @@ class RemoteKV:
                 check("remote_rank_ports", wire.port_problem(port))
         elif d["remote_port"] + tp_size - 1 > 65535:
             check("tp_size", f"{tp_size} ranks from port {d['remote_port']} run past port 65535")
+        incarnations = d.get("remote_rank_incarnations") or ()
+        if not isinstance(incarnations, (list, tuple)) or incarnations and len(incarnations) != tp_size:
+            check("remote_rank_incarnations", f"must be a list of tp_size ({tp_size}) names, got {_short(incarnations)}")
+        for name in incarnations:
+            check("remote_rank_incarnations", wire.name_problem(name, "an incarnation"))
         return cls(
+            remote_rank_incarnations=incarnations,
             tp_size=tp_size, remote_rank_ports=ports or (),
             remote_engine_id=d["remote_engine_id"], remote_host=d["remote_host"], remote_port=d["remote_port"],
             remote_request_id=d["remote_request_id"], remote_block_ids=d["remote_block_ids"],

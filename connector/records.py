@@ -77,6 +77,9 @@ class RankInfo:
     side_channel_port: int
     public_key: bytes | None  # the engine's CURVE public key (z85); None when insecure
     version: int = RECORD_VERSION
+    # The rank's incarnation (its driver's token, named in its handshake
+    # replies): the params the scheduler hands out name it.
+    incarnation: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -190,12 +190,14 @@ class ConnectorScheduler:
 
     def _params(self, grant: LeaseGrant, block_ids: tuple, expiry: float, renewable: bool) -> dict[str, Any]:
         ports = tuple(self.ranks[r].side_channel_port for r in range(self.tp_size))
+        incarnations = tuple(self.ranks[r].incarnation for r in range(self.tp_size))
         return {
             "do_remote_prefill": True,
             **RemoteKV(remote_engine_id=self.engine_id, remote_host=self.host, remote_port=ports[0],
                        remote_request_id=grant.name, remote_block_ids=block_ids,
                        expected_consumers=grant.consumers_per_rank, remote_expiry=expiry,
-                       remote_renewable=renewable, tp_size=self.tp_size, remote_rank_ports=ports).to_dict(),
+                       remote_renewable=renewable, tp_size=self.tp_size, remote_rank_ports=ports,
+                       remote_rank_incarnations=incarnations if None not in incarnations else ()).to_dict(),
         }
 
     # ------------------------------------------------------------ worker results

@@ -89,7 +89,7 @@ class ConnectorWorker:
     def rank_info(self) -> RankInfo:
         d = self.driver
         return RankInfo(rank=self.rank, engine_id=d.engine_id, side_channel_port=d.side_channel_port,
-                        public_key=d.public_key)
+                        public_key=d.public_key, incarnation=d.incarnation)
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         """``kv_cache``: this rank's shard, one tensor [num_blocks, ...] or a
@@ -199,7 +199,8 @@ class ConnectorWorker:
                 request_id=sub, engine_id=engine, remote_request_id=rk.remote_request_id,
                 remote_block_ids=rk.remote_block_ids, remote_ranks=(src.holder_rank,),
                 expected_consumers=rk.expected_consumers, remote_expiry=rk.remote_expiry,
-                remote_renewable=rk.remote_renewable, push=push))
+                remote_renewable=rk.remote_renewable, push=push,
+                remote_incarnation=rk.incarnation_of(src.holder_rank)))
         self._subs[rid] = tuple(subs)
 
     def _unplanned(self, rid: str, exc: Exception) -> None:

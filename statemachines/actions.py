@@ -69,6 +69,15 @@ class NoteActivity(Action, frozen=True):
     internal: ClassVar[bool] = True
 
 
+class SupersedeEngine(Action, frozen=True):
+    """A request's params name a newer incarnation of the engine than the
+    one connected: the connected one is gone (drop it; the next reference
+    handshakes afresh)."""
+
+    engine_id: str
+    internal: ClassVar[bool] = True
+
+
 class WakeRequesters(Action, frozen=True):
     engine_id: str
     requesters: tuple

@@ -64,7 +64,17 @@ class HeartbeatChain:
     which: str = attrs.field(validator=attrs.validators.in_(("since", "last")))
 
 
-FieldSource = ActionField | ConfigField | Const | TargetField | RequesterKind | RequesterKey | HeartbeatChain
+@attrs.frozen
+class EngineField:
+    """A field of the action's engine (its remote_engine instance; None
+    when it has none): read at the wire, so the action (and the event logs
+    that record it) stays as it was."""
+
+    name: str
+
+
+FieldSource = (ActionField | ConfigField | Const | TargetField | RequesterKind | RequesterKey | HeartbeatChain
+               | EngineField)
 
 
 # ------------------------------------------------------------------ targets
@@ -112,11 +122,15 @@ WIRES: tuple[Wire, ...] = (
     Wire(A.ReleaseEngine, "remote_engine", E.EngineRelease, _REFERENCE, only_if_live=True),
     Wire(A.NoteActivity, "remote_engine", E.EngineActivity, (("engine_id", ActionField("engine_id")),),
          only_if_live=True, doc="any READ, WRITE or completion refreshes the engine's liveness"),
+    Wire(A.SupersedeEngine, "remote_engine", E.PeerDisconnected, (
+        ("engine_id", ActionField("engine_id")), ("reason", Const("superseded by a newer incarnation")),
+    ), only_if_live=True, doc="a request's params name a newer incarnation: the connected one is gone"),
     Wire(A.WakeRequesters, REQUESTERS, E.EngineReady, (
         ("kind", RequesterKind()), ("request_id", RequesterKey()), ("engine_id", ActionField("engine_id")),
         ("clock_offset", ActionField("clock_offset")),
         # The READ gate's heartbeat evidence travels with the wake-up.
         ("heartbeat_at", HeartbeatChain("last")), ("heartbeats_since", HeartbeatChain("since")),
+        ("incarnation", EngineField("incarnation")),
     )),
     Wire(A.FailRequesters, REQUESTERS, E.EngineLost, (
         ("kind", RequesterKind()), ("request_id", RequesterKey()), ("engine_id", ActionField("engine_id")),

@@ -47,6 +47,10 @@ class NewRequest(Event):
     # decoder's hold for turn 2 is not renewable.
     remote_renewable: bool = False
     push: bool = False
+    # The holder's incarnation when it granted the blocks (its params say;
+    # None: not said, not checked).  A restarted engine keeps its engine id
+    # but is another incarnation: it does not hold these blocks.
+    remote_incarnation: str | None = None
     machine: ClassVar[str] = "decode_request"
 
 
@@ -84,6 +88,8 @@ class EngineReady(StructEvent, frozen=True):
     # of the unbroken chain it ends (see machines/heartbeat.py, read_gate.py).
     heartbeat_at: float | None = None
     heartbeats_since: float | None = None
+    # The incarnation the engine's handshake named (None: it named none).
+    incarnation: str | None = None
     machine: ClassVar[str] = ""  # routed by ``kind``
 
 
@@ -306,6 +312,9 @@ class HandshakeOk(Event):
     engine_id: str
     samples: tuple = attrs.field(converter=lambda v: tuple(tuple(s) for s in v), default=())
     notify_only: bool = False
+    # The incarnation the peer's handshake reply named: a token its process
+    # made at start (None: the reply named none).
+    incarnation: str | None = None
     machine: ClassVar[str] = "remote_engine"
     key_field: ClassVar[str] = "engine_id"
     acquires: ClassVar[frozenset[str]] = frozenset({"remote_agent"})

@@ -24,12 +24,16 @@ LEASE_COUNTS = ("granted", "extended", "expired", "released")
 class LifecycleCounts:
     """Leases granted / extended (the deadline moved) / expired / released,
     and remote engines evicted (a shutdown's disconnect included: it is an
-    eviction in the machine)."""
+    eviction in the machine), each eviction also listed with its time and
+    cause (``evictions``: "silence" for engine_ttl without activity,
+    "handshake failed" for a failed engine forgotten, else the disconnect's
+    reason)."""
 
     KINDS = ("lease", "remote_engine")  # the only kinds it counts: wrap these
 
     leases: Counter = attrs.Factory(Counter)
     engines_evicted: int = 0
+    evictions: list = attrs.Factory(list)
 
     def __call__(self, step: Step) -> None:
         kind, before, after = step.kind, step.state_before, step.state_after
@@ -43,10 +47,13 @@ class LifecycleCounts:
                 self.leases[after.lower()] += 1
         elif kind == "remote_engine" and after == "EVICTED" and before != after:
             self.engines_evicted += 1
+            self.evictions.append({"engine": step.key, "at": step.now, "cause": _cause(step)})
 
     def to_dict(self) -> dict:
-        """``{"leases": {granted, extended, expired, released}, "engines_evicted": n}``."""
-        return {"leases": {what: self.leases[what] for what in LEASE_COUNTS}, "engines_evicted": self.engines_evicted}
+        """``{"leases": {granted, extended, expired, released}, "engines_evicted": n,
+        "evictions": [{engine, at, cause}, ...]}``."""
+        return {"leases": {what: self.leases[what] for what in LEASE_COUNTS}, "engines_evicted": self.engines_evicted,
+                "evictions": [dict(e) for e in self.evictions]}
 
     @staticmethod
     def total(parts: list[dict]) -> dict:
@@ -55,4 +62,21 @@ class LifecycleCounts:
         for p in parts:
             leases.update(p["leases"])
         return {"leases": {what: leases[what] for what in LEASE_COUNTS},
-                "engines_evicted": sum(p["engines_evicted"] for p in parts)}
+                "engines_evicted": sum(p["engines_evicted"] for p in parts),
+                "evictions": sorted((e for p in parts for e in p.get("evictions", ())), key=lambda e: e["at"])}
+
+
+def _cause(step: Step) -> str:
+    """Why a remote engine was evicted (see ``LifecycleCounts``)."""
+    if type(step.event).__name__ == "TimerFired":
+        return "silence" if step.state_before == "STALE" else "handshake failed"
+    return str(getattr(step.event, "reason", "") or type(step.event).__name__)
+
+
+def eviction_words(count: int, evictions: list) -> str:
+    """``"3 (silence 1, shutdown 2)"``: how many, and why (what the run's
+    table and ``kvplane replay`` print)."""
+    causes = Counter(e["cause"] for e in evictions)
+    if not causes:
+        return str(count)
+    return f"{count} ({', '.join(f'{cause} {n}' for cause, n in sorted(causes.items()))})"

@@ -14,7 +14,7 @@ from typing import Iterator
 import attrs
 
 from .composition import (
-    WIRES, ActionField, ConfigField, Const, HeartbeatChain, Requesters, TargetField, Wire,
+    WIRES, ActionField, ConfigField, Const, EngineField, HeartbeatChain, Requesters, TargetField, Wire,
 )
 from .render_machine import DiagramText
 from .spec import Spec
@@ -44,6 +44,8 @@ def _field_notes(w: Wire) -> list[str]:
             notes.append(f"{field}={target}.{source.name}")
         elif isinstance(source, HeartbeatChain):
             notes.append(f"{field}=heartbeats.{source.which}")
+        elif isinstance(source, EngineField):
+            notes.append(f"{field}=remote_engine.{source.name}")
     return notes
 
 

@@ -62,6 +62,8 @@ class ReplayResult:
     requests: Counter = attrs.Factory(Counter)  # decode_request final (or current) state -> count
     leases: Counter = attrs.Factory(Counter)  # granted / extended / expired / released
     engines_evicted: int = 0
+    # Each eviction: {"engine", "at", "cause"} (lifecycle_counts.LifecycleCounts.evictions).
+    evictions: list = attrs.Factory(list)
     held: list = attrs.Factory(list)  # the leak report: ControlPlane.held() at the end
     anomalies: Counter = attrs.Factory(Counter)  # stats.Anomaly -> count (unknown ids and kinds, violations)
     end_time: float | None = None
@@ -171,6 +173,7 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
         plane.fire_due(until)
         result.end_time = until
     result.engines_evicted = counts.counts.engines_evicted
+    result.evictions = counts.counts.evictions
     _summarize(result, plane)
     if (result.divergence is not None and config is None and log_config is None and observer is None
             and before_line is None and _rereadable(source)):

@@ -129,7 +129,11 @@ def validate(spec: Spec) -> None:
         # Sets would hide a resource released (or acquired) twice by one transition.
         release_counts = Counter(t.event.releases)
         acquire_counts = Counter(acquired)
+        # Released, then acquired again by a later action (a reference given
+        # back and taken anew): held after the transition.
+        reacquired: set = set()
         for a in t.actions:
+            reacquired |= a.acquires & released
             acquired |= a.acquires
             released |= a.releases
             release_counts.update(a.releases)
@@ -143,7 +147,7 @@ def validate(spec: Spec) -> None:
         available = held_src | acquired
         for r in sorted(released - available):
             err(f"{where}: releases {r!r}, which is not held (double release or unawaited report)")
-        expected = available - released
+        expected = (available - released) | reacquired
         for r in sorted(expected - held_dst):
             err(f"{where}: {r!r} is held in {t.src} or acquired here but neither released nor held in {t.dest}")
         for r in sorted(held_dst - expected):

@@ -23,7 +23,7 @@ from typing import Iterable
 import attrs
 
 from .composition import (
-    WIRES, ActionField, ConfigField, HeartbeatChain, Requesters, RequesterKey, RequesterKind,
+    WIRES, ActionField, ConfigField, EngineField, HeartbeatChain, Requesters, RequesterKey, RequesterKind,
     TargetField, Wire,
 )
 from .config import PlaneConfig
@@ -155,6 +155,11 @@ def _check_wire(w: Wire, specs: dict[str, Spec], err) -> None:
             err(f"{at}: {type(source).__name__} outside a fan-out to requesters")
         elif isinstance(source, HeartbeatChain) and "engine_id" not in action_fields:
             err(f"{at}: the heartbeat chain is per engine, and {w.action.__name__} names none")
+        elif isinstance(source, EngineField):
+            if "engine_id" not in action_fields:
+                err(f"{at}: {w.action.__name__} names no engine to read {source.name!r} of")
+            elif "remote_engine" in specs and source.name not in _field_names(specs["remote_engine"].instance_type):
+                err(f"{at}: remote_engine instances have no field {source.name!r}")
     if fanout:
         given = dict(w.fields)
         if not isinstance(given.get("kind"), RequesterKind) or not isinstance(given.get(w.event.key_field),

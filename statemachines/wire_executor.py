@@ -15,7 +15,7 @@ from typing import Any, Callable
 from .base import Action, Event
 from .base import fields as fields_of
 from .composition import (
-    ActionField, ConfigField, Const, HeartbeatChain, Requesters, RequesterKey, RequesterKind, TargetField, Wire,
+    ActionField, ConfigField, Const, EngineField, HeartbeatChain, Requesters, RequesterKey, RequesterKind, TargetField, Wire,
 )
 
 # A field's reader: (action, plane, target instance, requester, heartbeat chain) -> its value.
@@ -44,6 +44,14 @@ def _reader(source: Any) -> _Reader:
     if isinstance(source, HeartbeatChain):
         index = ("since", "last").index(source.which)
         return lambda a, plane, tgt, req, chain: chain[index]
+    if isinstance(source, EngineField):
+        name = source.name
+
+        def read_engine(a, plane, tgt, req, chain):
+            engine = plane.instances["remote_engine"].get(a.engine_id)
+            return None if engine is None else getattr(engine, name)
+
+        return read_engine
     raise TypeError(f"unknown wire field source {source!r}")
 
 

@@ -58,6 +58,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_monitors.py": "core",
     "test_nixl_restart.py": "nixl",
     "test_param_auth.py": "core",
+    "test_incarnation.py": "core",
     "test_params.py": "core",
     "test_plane_reference.py": "core",
     "test_plane_cpu.py": "core",
@@ -95,6 +96,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_vllm_scheduler.py": "vllm",
     "test_vllm_parity.py": "vllm",
     "test_vllm_push.py": "vllm",
+    "test_vllm_netns.py": "vllm",
 }
 KINDS = ("core", "nixl", "e2e", "vllm")
 

@@ -49,13 +49,13 @@ class Drive:
 
 
 # --------------------------------------------------------------- paths to states
-def decode_path(state, *, full=False, push=False, remote_expiry=None):
+def decode_path(state, *, full=False, push=False, remote_expiry=None, incarnation=None):
     d = Drive("decode_request")
     if state == "NEW":
         return d
     push = push or state == "AWAITING_PUSH"
     d(E.NewRequest(request_id="r1", engine_id="P0", remote_request_id="p1", remote_block_ids=(7, 8),
-                   remote_ranks=(0, 1), remote_expiry=remote_expiry, push=push))
+                   remote_ranks=(0, 1), remote_expiry=remote_expiry, push=push, remote_incarnation=incarnation))
     if state == "HEARTBEATING":
         return d
     if state in ("NOTIFY_ONLY", "NOTIFYING"):
@@ -192,9 +192,11 @@ def arrange(kind, row):
     checks = []
     if kind == "decode_request":
         opts = {}
-        if src == "HANDSHAKING" and ev is E.EngineReady:
+        if src in ("HANDSHAKING", "NOTIFYING") and ev is E.EngineReady:
+            # other_incarnation: the params name an incarnation; the wake-up (default_event) names none.
             opts = {"remote_blocks_expired": dict(remote_expiry=5.0), "full_prefix_hit": dict(full=True),
-                    "push_mode": dict(push=True), None: {}}[g]
+                    "push_mode": dict(push=True), "other_incarnation": dict(incarnation="P0#1"),
+                    "older_incarnation": dict(incarnation="P0#1"), None: {}}[g]
         elif src == "HANDSHAKING" and ev in (E.EngineLost, TimerFired):
             opts = {"full_prefix_hit": dict(full=True), None: {}}[g]
         d = decode_path(src, **opts)
@@ -205,6 +207,10 @@ def arrange(kind, row):
             event = E.RequestFinished(request_id="r1", block_ids=(1, 2), hold_for_next_turn=g == "hold_for_next_turn")
         elif ev is E.PushDone and g == "foreign_pusher":
             event = E.PushDone(request_id="r1", sender="a-stranger")  # not the engine it reads
+        elif g == "older_incarnation":
+            # The handshake named an incarnation older than the params' (P0#0 < P0#1).
+            event = E.EngineReady(kind="decode_request", request_id="r1", engine_id="P0", incarnation="P0#0")
+            checks.append(lambda inst, acts: inst.superseded and inst.engine_id == "P0")
         else:
             assert g is None or opts, f"no recipe for guard {g}"
             event = default_event(kind, ev, d.inst)

@@ -24,7 +24,8 @@ def test_the_summary_counts_what_replay_of_the_logs_counts(e2e_dir, name):
         assert all(r.divergence is None for r in replays)
         leases = {what: sum(r.leases[what] for r in replays) for what in ("granted", "extended", "expired", "released")}
         evicted = sum(r.engines_evicted for r in replays)
-        assert s["lifecycle"][role] == {"leases": leases, "engines_evicted": evicted}, role
+        evictions = sorted((e for r in replays for e in r.evictions), key=lambda e: e["at"])
+        assert s["lifecycle"][role] == {"leases": leases, "engines_evicted": evicted, "evictions": evictions}, role
         assert side["engines_evicted"] == evicted
     # The lease rows of summary.json follow the machines too.
     assert s["leases"]["extended"] == s["lifecycle"]["P"]["leases"]["extended"]

@@ -14,12 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kvplane.app import netns
 from kvplane.app.options import rate
+from kvplane.statemachines.replay import replay
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", "NIXL_LOG_LEVEL": "ERROR"}
@@ -92,9 +94,14 @@ def test_partition_p_reclaims_within_the_lease(tmp_path):
 @pytest.mark.e2e
 def test_two_decode_engines_one_killed(tmp_path):
     """Two decode engines behind the proxy; one is killed for good at 4 s and
-    the other carries on: nothing is held at the end, by P or the survivor."""
-    done, pid = kvplane_run(tmp_path, "--requests", "24", "--decode-engines", "2", "--kill-decode-at", "4",
-                            "--quiet")
+    the other carries on: nothing is held at the end, by P or the survivor,
+    and P's machines evicted the dead engine within engine_ttl (10 s here),
+    before the end of the run, as replay of P's log counts it."""
+    # P knows a decoder only once it read (or declined to read) its hold for a turn 2: with 48
+    # requests (seed 0) decode-1's first held turn 1 (req0007, a late turn 2: 3.5 s after it) is
+    # turned 2 at about 5.7 s, so the kill comes at 8 s.
+    done, pid = kvplane_run(tmp_path, "--requests", "48", "--decode-engines", "2", "--kill-decode-at", "8",
+                            "--engine-ttl", "10", "--quiet")
     assert_ok(done)
     assert_nothing_left(pid)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -103,6 +110,16 @@ def test_two_decode_engines_one_killed(tmp_path):
     assert (engines["D"]["outcomes"] or {}).get("ok", 0) > 0  # the survivor served requests
     assert {r["decoder"] for r in summary["requests_detail"] if r["decoder"]} == {"D", "D1"}  # round robin
     assert summary["checks"]["p_reclaimed_within_bound"]
+    assert any(r["decoder"] == "D1" and r["turn2"] not in (None, "skipped") for r in summary["requests_detail"]), \
+        "no turn 2 went to decode-1's hold before the kill: P never connected to it, nothing to evict"
+    evicted = summary["fault"]["p_evicted"]
+    assert evicted["engine"] == "decode-1" and evicted["within_bound"], evicted
+    assert evicted["after_kill_s"] and max(evicted["after_kill_s"]) <= evicted["bound_s"] and evicted["at_shutdown"] == 0
+    assert summary["checks"]["p_evicted_killed_engine"]
+    assert re.search(r"P evicted the killed decode-1 after.*│\s*[0-9.]+", done.stdout), done.stdout[-3000:]
+    # The summary's evictions are the machines' own, as replay of P's log finds them.
+    assert replay(summary["logs"]["P"]).evictions == summary["evictions"]["P"]
+    assert re.search(r"engines evicted\s*│\s*\d+ \(", done.stdout), done.stdout[-3000:]
 
 
 @pytest.mark.e2e
@@ -162,6 +179,31 @@ def test_leftovers_of_a_dead_run_are_removed():
         assert stale not in netns.namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+def test_the_root_namespace_reaches_the_hosts_through_its_own_veth():
+    """``reach_from_root`` (the vLLM job's proxy): a server inside P's
+    namespace, bound to P's veth address, answers this process in the root
+    namespace; the root's veth goes with the namespaces."""
+    with netns.HostNet(roles=("P", "D")) as hosts:
+        root = hosts.reach_from_root()
+        p = hosts.hosts["P"]
+        assert root.endswith(".254") and root.rsplit(".", 1)[0] == p.address.rsplit(".", 1)[0]
+        server = subprocess.Popen(["ip", "netns", "exec", p.netns, sys.executable, "-m", "http.server", "18765",
+                                   "--bind", p.address], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline, status = time.monotonic() + 30, None
+            while status is None and time.monotonic() < deadline:
+                try:
+                    with urllib.request.urlopen(f"http://{p.address}:18765/", timeout=1) as resp:
+                        status = resp.status
+                except OSError:
+                    time.sleep(0.1)
+            assert status == 200
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    assert_nothing_left(hosts.pid)
 
 
 def test_failed_start_leaves_nothing(monkeypatch):

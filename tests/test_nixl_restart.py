@@ -2,9 +2,11 @@
 and real ZMQ in one process.
 
 D still holds the old incarnation's NIXL agent when the new P's params
-arrive: the READ fails (the agent is gone) and D recomputes.  The new P must
-not be left holding that lease's blocks until it expires: D tells it (a
-fresh handshake gets the new agent) and P frees them at once.
+arrive.  The params name the new incarnation (its driver's token, also in
+its handshake replies), so D drops the old agent, handshakes afresh and
+reads the new P's blocks; the new P frees them at once.  A P that dies
+before D reads: the READ fails (the agent is gone), D recomputes, and D's
+word to P (a fresh handshake) fails too; D holds nothing either way.
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def nodes():
 
 
 @pytest.mark.parametrize("comes_back", [True, False])
-def test_a_restarted_prefill_frees_the_lease_the_failed_read_named(nodes, comes_back):
+def test_a_restarted_prefill_is_read_and_frees_its_lease(nodes, comes_back):
     d, p1 = nodes("D"), nodes("P")
     introduce(p1.driver, d.driver)
     pull(p1, d, "r1", "d1")
@@ -111,14 +113,19 @@ def test_a_restarted_prefill_frees_the_lease_the_failed_read_named(nodes, comes_
     live = [n for n in (d, p) if not n.closed]
     t0 = time.monotonic()
     assert spin(lambda: "d2" in d.recving, *live, timeout=10)
-    assert d.failed == {"d2"}  # the READ failed: D recomputes
     if comes_back:
+        assert d.failed == set()  # read from the new incarnation, not recomputed
+        assert torch.equal(d.kv[5:8], p.kv[1:4])
+        assert d.driver.counters["farewells"] == 0
         # The new P hears of it at once, not at the lease's expiry (30 s).
         assert spin(lambda: "r2" in p.sending, *live, timeout=2 * CFG.handshake_timeout)
         assert p.driver.freed == [("r2", (1, 2, 3), "consumed")]
         assert time.monotonic() - t0 < 2 * CFG.handshake_timeout < CFG.kv_lease_duration
         assert p.held() == []
-    # D holds nothing once its word to P is sent, or its handshake failed.
+        assert d.held() == []
+        return
+    assert d.failed == {"d2"}  # the READ failed: D recomputes
+    # D holds nothing once its handshake for its word to P failed.
     assert spin(lambda: d.driver.plane.get("decode_request", "d2#farewell") is None, *live,
                 timeout=2 * CFG.handshake_timeout)
     assert d.held() == [] and d.driver.counters["farewells"] == 1

@@ -6,6 +6,7 @@ import pytest
 
 from kvplane.statemachines import events as E
 from kvplane.statemachines.eventlog import MemoryLog, UnknownEvent
+from kvplane.statemachines.lifecycle_counts import eviction_words
 from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.replay import replay
 from kvplane.statemachines.stats import Anomaly
@@ -38,6 +39,9 @@ def test_recorded_log_replays_exactly_with_summary():
     assert r.requests == {"RELEASED": 1}
     assert r.leases["granted"] == 1 and r.leases["extended"] == 1 and r.leases["expired"] == 1
     assert r.engines_evicted == 1
+    # Evicted for silence (engine_ttl after its last activity), at the tick that found it due.
+    assert r.evictions == [{"engine": "e", "at": 100.0, "cause": "silence"}]
+    assert eviction_words(r.engines_evicted, r.evictions) == "1 (silence 1)"
     assert r.held == [] and r.recorded_lines == len(lines) - 1
 
 

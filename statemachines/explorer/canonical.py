@@ -233,7 +233,7 @@ class Canonical:
             up = e.state in ("CONNECTED", "STALE")
             out.append((key, (pname, key, e.state, rel(e.deadline, t)), tuple(e.refs.pairs()), tuple(e.waiters),
                         (e.attempts, None if up else rel(e.retry_at, t), rel(e.last_activity, t) if up else None,
-                         e.clock_offset, e.notify_only), up))
+                         e.clock_offset, e.notify_only, e.incarnation), up))
         return tuple(out)
 
     def _schedule(self, pname: str, plane: ControlPlane, t: float) -> tuple:
@@ -286,7 +286,7 @@ class Canonical:
                 else self._rel(r.recv_deadline, now),
                 self._rel(r.transfer_deadline, now) if s == "READING" else None,
                 self._rel(r.push_deadline, now) if s == "AWAITING_PUSH" else None,
-                r.clock_offset)
+                r.clock_offset, r.remote_incarnation)
 
     def _exported_sig(self, w: World, i: int, np_: float, since: float | None) -> tuple:
         # D's NewRequest will set arrived >= now, after every send so far.

@@ -135,6 +135,11 @@ class Model:
     def now(self, w: World, plane: str) -> float:
         return self.clocks.now(w, plane)
 
+    @staticmethod
+    def incarnation(w: World, plane: str) -> str:
+        """The token ``plane``'s process names in its handshakes and params:
+        D's changes when it restarts (P never restarts here: a crash is for good)."""
+        return f"{plane}#{1 if plane == 'D' and w.restarted is not None else 0}"
     def canon(self, w: World, symmetry: bool) -> tuple:
         return self.canonical.key(w, symmetry)
 
@@ -389,7 +394,7 @@ class Model:
         # P's lease expiry in P's clock, renewable by heartbeats.
         self._feed(w, "D", E.NewRequest(request_id=f"d{i}", engine_id="P", remote_request_id=f"p{i}",
                                         remote_block_ids=(2,), remote_expiry=w.p_expiry[i], remote_renewable=True,
-                                        push=self.profiles[i].push))
+                                        push=self.profiles[i].push, remote_incarnation=self.incarnation(w, "P")))
         w.phase[i] = ARRIVED
 
     def _arrive(self, w: World, i: int) -> None:
@@ -425,8 +430,12 @@ class Model:
         w.hold_expiry[i] = lease.expiry if lease is not None else None
 
     def _arrive2(self, w: World, i: int) -> None:
+        # D's hold params name the incarnation holding the blocks: the one
+        # up now (a restart kills every hold, and their turn 2s, before
+        # they arrive).
         self._feed(w, "P", E.NewRequest(request_id=f"q{i}", engine_id="D", remote_request_id=f"d{i}",
-                                        remote_block_ids=(1,), remote_expiry=w.hold_expiry[i]))
+                                        remote_block_ids=(1,), remote_expiry=w.hold_expiry[i],
+                                        remote_incarnation=self.incarnation(w, "D")))
 
     def _alloc2(self, w: World, i: int) -> None:
         q = f"q{i}"
@@ -509,7 +518,8 @@ class Model:
             self._feed(w, src, E.HandshakeFailed(engine_id=dst, reason="peer down"))
             return
         w.activity[(src, dst)] = self.now(w, src)
-        self._feed(w, src, E.HandshakeOk(engine_id=dst, samples=((self.clocks.offset(src, dst), 0.001),)))
+        self._feed(w, src, E.HandshakeOk(engine_id=dst, samples=((self.clocks.offset(src, dst), 0.001),),
+                                         incarnation=self.incarnation(w, dst)))
 
     def _deliver_read(self, w: World, m: msg.Read) -> None:
         src, dst, rrid = m.plane, m.engine, m.remote_request_id

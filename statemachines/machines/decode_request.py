@@ -18,7 +18,7 @@ import attrs
 
 from .. import read_gate
 from ..actions import (
-    GrantHold, PostRead, RefuseForeignSender, ReportRecv, SendNotif,
+    GrantHold, PostRead, RefuseForeignSender, ReportRecv, SendNotif, SupersedeEngine,
     SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
 from ..base import Instance, TimerFired
@@ -51,6 +51,8 @@ class DecodeRequest(Instance):
     push_deadline: float = 0.0
     transfer_deadline: float = 0.0
     clock_offset: float = 0.0
+    remote_incarnation: str | None = None
+    superseded: bool = False  # it dropped an older incarnation of the engine once
 
     def push_give_up(self) -> float:
         """When we stop waiting for a push (our clock): the AWAITING_PUSH
@@ -71,6 +73,7 @@ def _accept(r: DecodeRequest, ev: NewRequest, cfg, now) -> None:
     r.remote_renewable = ev.remote_renewable
     r.arrived = now
     r.push = ev.push
+    r.remote_incarnation = ev.remote_incarnation
 
 
 def _allocated(r: DecodeRequest, ev: BlocksAllocated, cfg, now) -> None:
@@ -136,6 +139,27 @@ def gate_inputs(r: DecodeRequest, ev: EngineReady) -> read_gate.GateInputs:
                                 arrived=r.arrived, chain_since=ev.heartbeats_since, chain_last=ev.heartbeat_at)
 
 
+def _superseded(r: DecodeRequest, ev: EngineReady, cfg, now) -> None:
+    """Once only: a second older incarnation fails the request (no loop)."""
+    r.superseded = True
+
+
+def older_incarnation(r: DecodeRequest, ev: EngineReady, cfg, now) -> bool:
+    """the engine is an older incarnation than the holder (once)"""
+    # Incarnations start with their start time (hex, fixed width): the
+    # order only decides whether to handshake again; reading needs equality.
+    return (not r.superseded and r.remote_incarnation is not None and ev.incarnation is not None
+            and ev.incarnation < r.remote_incarnation)
+
+
+def other_incarnation(r: DecodeRequest, ev: EngineReady, cfg, now) -> bool:
+    """the engine is not the incarnation that holds the blocks"""
+    # Fail closed: params that name an incarnation match only a handshake
+    # that names the same one (a restarted engine keeps its engine id, not
+    # the blocks, nor the lease, of its predecessor).
+    return r.remote_incarnation is not None and ev.incarnation != r.remote_incarnation
+
+
 def push_mode(r: DecodeRequest, ev, cfg, now) -> bool:
     """push mode"""
     return r.push
@@ -181,6 +205,11 @@ def refuse_foreign_pusher(r: DecodeRequest, ev: PushDone, cfg, now) -> RefuseFor
 def send_push_registration(r: DecodeRequest, ev, cfg, now) -> SendPushRegistration:
     # The deadline of the AWAITING_PUSH state this registration enters.
     return SendPushRegistration(r.key, r.engine_id, r.remote_request_id, r.block_ids, r.push_give_up())
+
+
+@emits(SupersedeEngine)
+def supersede_engine(r: DecodeRequest, ev, cfg, now) -> SupersedeEngine:
+    return SupersedeEngine(r.engine_id)
 
 
 @emits(ReportRecv)
@@ -282,12 +311,22 @@ TABLE = rows(
            "load already started (the worker repeats start_load_kv each step)"),
 
     # The engine is connected: gate, then read, notify, or register for push.
+    # The engine connected is older than the holder (it restarted under the
+    # same engine id since): drop it, and wait for a fresh handshake.
+    on(S.HANDSHAKING, EngineReady, S.HANDSHAKING, release_engine, supersede_engine, acquire_engine,
+       when=older_incarnation, do=_superseded),
+    # Another incarnation than the holder's holds none of its blocks: read
+    # nothing, tell it nothing (the holder's lease ends on its own).
+    on(S.HANDSHAKING, EngineReady, S.RECV_FAILED, *GIVE_UP, when=other_incarnation),
     # A full prefix hit reads nothing remote, so the expiry gate does not apply.
     on(S.HANDSHAKING, EngineReady, S.RECV_DONE, send_notif, stop_heartbeat, release_engine, report_done,
        when=full_prefix_hit),
     on(S.HANDSHAKING, EngineReady, S.RECV_FAILED, *GIVE_UP, when=remote_blocks_expired),
     on(S.HANDSHAKING, EngineReady, S.AWAITING_PUSH, send_push_registration, when=push_mode, do=_awaiting_push),
     on(S.HANDSHAKING, EngineReady, S.READING, post_read, do=_reading),
+    on(S.NOTIFYING, EngineReady, S.NOTIFYING, release_engine, supersede_engine, acquire_engine,
+       when=older_incarnation, do=_superseded),
+    on(S.NOTIFYING, EngineReady, S.RELEASED, stop_heartbeat, release_engine, when=other_incarnation),
     on(S.NOTIFYING, EngineReady, S.RELEASED, send_notif, stop_heartbeat, release_engine),
     ignore(NO_ENGINE_WAIT, EngineReady, "stale wake-up: the request no longer waits for the engine"),
 

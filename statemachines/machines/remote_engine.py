@@ -100,6 +100,7 @@ class RemoteEngine(Instance):
     best_rtt: float = float("inf")
     notify_only: bool = False
     last_activity: float = 0.0
+    incarnation: str | None = None  # the one its last handshake named
 
 
 def _requester(ev) -> tuple:
@@ -153,7 +154,11 @@ def _connected(e: RemoteEngine, ev: HandshakeOk, cfg, now) -> None:
 
 
 def _resampled(e: RemoteEngine, ev: HandshakeOk, cfg, now) -> None:
-    """Keep the offset of the lowest-RTT usable clock sample; last activity = now."""
+    """Keep the offset of the lowest-RTT usable clock sample and the
+    incarnation named; last activity = now."""
+    # The agent just added is this incarnation's (a restarted peer's
+    # metadata replaces its predecessor's under the same name).
+    e.incarnation = ev.incarnation
     usable = False
     for sample in ev.samples:
         offset, rtt = _sample(sample)
