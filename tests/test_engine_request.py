@@ -332,7 +332,7 @@ def test_preempted_after_its_recv_it_loads_nothing_again():
 
 def test_the_alphabet_is_the_engine_calls_and_the_reports():
     calls = {C.EngineNewRequest, C.EngineMatched, C.EngineAllocated, C.EngineScheduled, C.EnginePreempted,
-             C.EngineFinished}
+             C.EngineFinished, C.EngineLeaseAbort}
     assert set(ER.SPEC.events) == calls | {C.RecvFinished, C.SendingFinished, TimerFired}
     assert all(e.machine == "engine_request" for e in calls | {C.RecvFinished, C.SendingFinished})
     assert ER.SPEC.created_by == (C.EngineNewRequest,)
