@@ -44,7 +44,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvplane.connector.vllm import KVPlaneConnector, KVPlaneHandshake, KVPlaneMetadata, KVPlaneWorkerMeta
 
-from engine_shadow import EngineShadow
+from kvplane.statemachines.eventlog import MemoryLog
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -141,7 +141,9 @@ class Engine:
         self.connector = connector
         self.side = connector.scheduler_side
         self.side.sched.clock = clock  # the lease expiry it states, in the ranks' clock
-        self.shadow = EngineShadow(connector, clock)  # the engine_request machine beside the connector
+        # The scheduler half's event log (the engine's calls as its machine took them).
+        self.log = MemoryLog(config=connector.settings.plane)
+        self.side.sched.plane.recorder = self.log
         self.workers: list[ConnectorWorker] = []
         self.kv: list[torch.Tensor] = []
         for r in range(tp):

@@ -278,7 +278,9 @@ NOT_HELD = [s for s in S if s not in (S.NEW, S.HELD, S.LEASED, S.FREEING, S.ENDE
 TABLE = rows(
     on(S.NEW, EngineNewRequest, S.QUEUED, send_new_remote, when=consumer),
     on(S.NEW, EngineNewRequest, S.PREFILLING, when=producer),
-    error(S.NEW, EngineNewRequest, "a request without remote KV has no engine machine"),
+    # Neither role: the engine computes it alone; nothing to keep (the
+    # plane's creation rule: every creating row is a transition).
+    on(S.NEW, EngineNewRequest, S.ENDED),
     error(S.NEW, CALLS, "no call precedes on_new_request"),
     error(S.NEW, [RecvFinished, SendingFinished], "a report for a request the engine never sent"),
     error([s for s in S if s not in (S.NEW, S.ENDED)], EngineNewRequest, "on_new_request twice"),
