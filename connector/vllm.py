@@ -227,6 +227,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
 
     # ================================================================ scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:

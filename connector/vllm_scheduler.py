@@ -36,8 +36,10 @@ the blocks of its tokens, and not used here before (``param_auth``).
 """
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 import attrs
 
@@ -45,6 +47,7 @@ from .kv_dump import DUMP_KEY, DumpKV, tag_problem
 from .param_auth import ConsumedLeases, RefusedParams, Vouched, check_for_request, prompt_digest, sign, verify
 from .params import BadTransferParams, RemoteKV
 from kvplane.statemachines import engine_calls as C
+from kvplane.statemachines.eventlog import EventLogWriter
 from kvplane.statemachines.machines.engine_request import EngineState
 
 from .records import RankInfo, StepMeta, WorkerReport
@@ -58,6 +61,17 @@ FINISHED_NORMALLY = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 LOG_EVERY = 1000
 # Counts the scheduler half reports to vLLM's stats (vllm_stats.COUNT_KEYS).
 STAT_KEYS = ("kvplane_refused_params", "kvplane_refused_dump_tags")
+# How often the scheduler's event log is written out (seconds; at most once a step).
+LOG_FLUSH_EVERY_S = 0.2
+
+
+def scheduler_log_path(template: str) -> str:
+    """The scheduler half's event log beside the ranks' (``kvplane_event_log``):
+    ``{rank}`` as ``scheduler``, or ``.scheduler`` before the extension."""
+    if "{rank}" in template:
+        return template.replace("{rank}", "scheduler")
+    stem, ext = os.path.splitext(template)
+    return f"{stem}.scheduler{ext}"
 
 
 @attrs.frozen
@@ -82,6 +96,14 @@ class VllmSchedulerSide:
         self._last_stats: dict[str, int] = {}
         self._dumps: list[DumpKV] = []  # this step's, for the workers
         self.counters: Counter = Counter()
+        # The engine's calls as its machines took them (kvplane_event_log).
+        self._log_stream: TextIO | None = None
+        self.log_writer: EventLogWriter | None = None
+        self._log_flushed_at = 0.0
+        if settings.event_log is not None:
+            self._log_stream = open(scheduler_log_path(settings.event_log), "w", encoding="utf-8")
+            self.log_writer = EventLogWriter.attach(self.sched.plane, self._log_stream, flush_every=4096)
+            self._log_stream.flush()
 
     # ------------------------------------------------------------ start-up
     def add_ranks(self, infos: dict[int, RankInfo]) -> None:
@@ -201,7 +223,21 @@ class VllmSchedulerSide:
         for rid in scheduled_ids:
             self.sched.request_running(rid)
         dumps, self._dumps = tuple(self._dumps), []
-        return SchedulerStep(meta=self.sched.build_connector_meta(), dumps=dumps)
+        step = SchedulerStep(meta=self.sched.build_connector_meta(), dumps=dumps)
+        now = time.monotonic()
+        if self.log_writer is not None and now - self._log_flushed_at >= LOG_FLUSH_EVERY_S:
+            self._log_flushed_at = now
+            self.log_writer.flush()
+        return step
+
+    def shutdown(self) -> None:
+        """Write out and close the event log."""
+        if self.log_writer is not None:
+            self.log_writer.close()
+            self.log_writer = None
+        if self._log_stream is not None:
+            self._log_stream.close()
+            self._log_stream = None
 
     def request_finished(self, request: Any, block_ids: tuple[int, ...]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id

@@ -36,6 +36,8 @@ if importlib.util.find_spec("vllm") is not None:
 
     from kvplane.connector.records import RecvFailure, WorkerReport
     from kvplane.connector.vllm import KVPlaneWorkerMeta
+    from kvplane.app.checks import cmd_check_log, cmd_replay
+    from kvplane.statemachines.eventlog import read_log
     from kvplane.statemachines.replay import replay
 
 PROMPT = 40  # tokens: 3 blocks of 16 (the last one partial)
@@ -64,7 +66,7 @@ def engines(clock):
         # The scheduler half's machines took every call and report the engine made.
         assert list(engine.side.sched.plane.anomalies) == [], (engine.name, list(engine.side.sched.plane.anomalies))
         # Its event log replays: the machines make the same actions again.
-        lines = engine.log.lines()
+        lines = engine.log.lines() if engine.log is not None else []
         if len(lines) > 1:  # beyond its config header
             replayed = replay(lines)
             assert replayed.divergence is None, (engine.name, str(replayed.divergence))
@@ -155,6 +157,31 @@ def test_a_repeated_update_state_after_alloc_loads_nothing_twice(engines, clock)
     assert calls[0] == PROMPT and len(calls) >= 2 and calls[1:] == [0] * (len(calls) - 1)
     assert len(d.records("loads")) == 1 and d.records("running") == ["d-r1"]
     assert d.empty()
+
+
+def test_the_scheduler_half_logs_the_engine_calls_and_its_log_replays(engines, clock, tmp_path):
+    _, p, d = engines(d_extra={"kvplane_event_log": str(tmp_path / "d.{rank}.jsonl")})
+    decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    d.step()
+    assert settle(clock, (p, d), 2, lambda: d.empty() and p.empty())
+    d.connector.shutdown()  # vLLM's Scheduler.shutdown: the log is written out
+    path = tmp_path / "d.scheduler.jsonl"
+    log = read_log(str(path))
+    assert [type(r.event).__name__ for r in log.records] == [
+        "EngineNewRequest", "EngineMatched", "EngineAllocated", "RecvFinished", "EngineAllocated", "EngineScheduled",
+        "EngineFinished"]
+    assert all(r.machine == "engine_request:d-r1" for r in log.records)
+    assert log.records[-1].state_after == "ENDED"
+    assert cmd_replay(str(path)) == 0 and cmd_check_log(str(path)) == 0
+    # The machine decides again on replay: a tampered call gets other answers.
+    lines = path.read_text().splitlines()
+    (i,) = [n for n, line in enumerate(lines) if '"EngineMatched"' in line]
+    lines[i] = lines[i].replace('"num_computed_tokens":0', '"num_computed_tokens":16')
+    tampered = replay(lines).divergence
+    assert tampered is not None and tampered.what == "actions"
+    (tmp_path / "tampered.jsonl").write_text("\n".join(lines) + "\n")
+    assert cmd_replay(str(tmp_path / "tampered.jsonl")) == 1
 
 
 # ------------------------------------------------------------------ remote decode (P)

@@ -142,8 +142,11 @@ class Engine:
         self.side = connector.scheduler_side
         self.side.sched.clock = clock  # the lease expiry it states, in the ranks' clock
         # The scheduler half's event log (the engine's calls as its machine took them).
-        self.log = MemoryLog(config=connector.settings.plane)
-        self.side.sched.plane.recorder = self.log
+        # (in memory unless the engine writes it: kvplane_event_log).
+        self.log: MemoryLog | None = None
+        if self.side.log_writer is None:
+            self.log = MemoryLog(config=connector.settings.plane)
+            self.side.sched.plane.recorder = self.log
         self.workers: list[ConnectorWorker] = []
         self.kv: list[torch.Tensor] = []
         for r in range(tp):
@@ -261,9 +264,12 @@ def through_the_wire(record: Any) -> Any:
 
 
 def engine_pair(clock, *, p_tp: int = 1, d_tp: int = 1, policy: str = "fail", d_blocks: int = NUM_BLOCKS,
-                **kw) -> tuple[LoopbackFabric, Engine, Engine]:
+                d_extra: dict | None = None, **kw) -> tuple[LoopbackFabric, Engine, Engine]:
+    """``d_extra``: D's own kv_connector_extra_config keys (beside ``extra``, both's)."""
     fabric = LoopbackFabric()
     pk, dk = zmq.curve_keypair(), zmq.curve_keypair()
     p = Engine(fabric, "P", clock, tp=p_tp, policy=policy, keypair=pk, peers={"D": dk[0]}, **kw)
+    if d_extra:
+        kw = dict(kw, extra={**kw.get("extra", {}), **d_extra})
     d = Engine(fabric, "D", clock, tp=d_tp, policy=policy, keypair=dk, peers={"P": pk[0]}, num_blocks=d_blocks, **kw)
     return fabric, p, d
