@@ -36,7 +36,11 @@ if importlib.util.find_spec("vllm") is not None:
 
     from kvplane.connector.records import RecvFailure, WorkerReport
     from kvplane.connector.vllm import KVPlaneWorkerMeta
+    from kvplane.app import sequence_model
     from kvplane.app.checks import cmd_check_log, cmd_replay
+    from kvplane.app.sequence_mermaid import check as check_mermaid
+    from kvplane.app.sequence_mermaid import render as render_sequence
+    from kvplane.app.sequence_model import SideLog
     from kvplane.statemachines.eventlog import read_log
     from kvplane.statemachines.replay import replay
 
@@ -174,6 +178,13 @@ def test_the_scheduler_half_logs_the_engine_calls_and_its_log_replays(engines, c
     assert all(r.machine == "engine_request:d-r1" for r in log.records)
     assert log.records[-1].state_after == "ENDED"
     assert cmd_replay(str(path)) == 0 and cmd_check_log(str(path)) == 0
+    # Drawn beside the wire messages: the engine calls D's scheduler half, which answers and tells the ranks.
+    diagram = sequence_model.build({"D": SideLog("D", log.records)})
+    assert diagram.participants[-1].id == "D_engine"
+    calls = [a.text for a in diagram.arrows if a.kind == "engine"]
+    assert calls[0].startswith("NewRequest d-r1; ranks: SendNewRemote") and "Matched d-r1 → Matched" in calls[1]
+    assert any(c.startswith("finished_recving d-r1") for c in calls)
+    check_mermaid(render_sequence(diagram))
     # The machine decides again on replay: a tampered call gets other answers.
     lines = path.read_text().splitlines()
     (i,) = [n for n, line in enumerate(lines) if '"EngineMatched"' in line]
