@@ -14,7 +14,7 @@ trips an assertion of vLLM's engine core), with the scheduler half's
 ``engine_request`` machines having refused no call or report, and with its
 event log replaying to the same actions.
 
-Needs vLLM (skipped with the reason without it); 15-35 s here, vLLM's
+Needs vLLM (skipped with the reason without it); 30-60 s here, vLLM's
 import included.
 """
 from __future__ import annotations
