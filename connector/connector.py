@@ -4,12 +4,14 @@
 ``KVConnectorBase_V1`` and ``KVPlaneWorker`` the worker-side ones.  They are
 the split (``scheduler.ConnectorScheduler`` and ``worker.ConnectorWorker``)
 with one rank over one ``PlaneDriver``: the scheduler half's
-``engine_request`` machines keep every request's lifecycle, the metadata
-``build_connector_meta`` returns is the split's ``StepMeta``, and each
-``start_load_kv`` applies it to the rank and hands the rank's report back to
-the scheduler half, as a serving engine's output would.  The one difference
-from the split: peers see the driver's own engine id (no ``/tp0`` rank
-suffix), TP 1.
+``engine_request`` machines keep every request's lifecycle, and each
+``start_load_kv`` steps the rank and hands its report back to the scheduler
+half, as a serving engine's output would.  Two differences from the split,
+both of one process: the records a call makes reach the rank at once (an
+embedder sees the lease right after ``request_finished``) except a load,
+which starts with ``start_load_kv`` as in vLLM (it and every record after
+it wait in the metadata, in order); and peers see the driver's own engine
+id (no ``/tp0`` rank suffix), TP 1.
 
 Every method takes the engine's step loop as it is: no thread is added,
 heartbeats ride ``start_load_kv`` (the driver fires due timers).
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import weakref
 from typing import Any
+
+import attrs
 
 from .driver import PlaneDriver
 from .records import StepMeta
@@ -44,16 +48,37 @@ def _one_rank(driver: PlaneDriver) -> _OneRank:
     return split
 
 
+@attrs.frozen
+class ConnectorMeta:
+    """What build_connector_meta hands the worker: the records held back
+    since a load (applied in order by start_load_kv)."""
+
+    steps: tuple[StepMeta, ...] = ()
+
+
 class KVPlaneScheduler:
     def __init__(self, driver: PlaneDriver):
         self.driver = driver
         self.split = _one_rank(driver)
         self.sched = self.split.sched
+        self._held: list[StepMeta] = []  # records from a load on, for start_load_kv
+
+    def _to_rank(self) -> None:
+        """The records the call made, to the rank now (one process), unless
+        a load is among them or waits already."""
+        meta = self.sched.build_connector_meta()
+        if meta.empty:
+            return
+        if self._held or meta.loads:
+            self._held.append(meta)
+        else:
+            self.split.worker.bind(meta)
 
     # ---- decode side (the consumer) -------------------------------------
     def on_new_request(self, request_id: str, kv_transfer_params: dict | None) -> None:
-        """Register a request; heartbeats for its remote blocks start with the next step."""
+        """Register a request; heartbeats for its remote blocks start now."""
         self.sched.on_new_request(request_id, kv_transfer_params)
+        self._to_rank()
 
     def get_num_new_matched_tokens(self, request_id: str, num_prompt_tokens: int,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -65,12 +90,16 @@ class KVPlaneScheduler:
         """Blocks are allocated.  ``awaiting`` defaults to "tokens to load";
         a scheduler that also awaits a full-prefix hit passes True."""
         self.sched.update_state_after_alloc(request_id, block_ids, num_external_tokens, awaiting=awaiting)
+        self._to_rank()
 
-    def build_connector_meta(self) -> StepMeta:
-        return self.sched.build_connector_meta()
+    def build_connector_meta(self) -> ConnectorMeta:
+        self._to_rank()
+        meta, self._held = ConnectorMeta(tuple(self._held)), []
+        return meta
 
     def request_running(self, request_id: str) -> None:
         self.sched.request_running(request_id)
+        self._to_rank()
 
     # ---- both sides -------------------------------------------------------
     def request_finished(self, request_id: str, block_ids, *, expected_consumers: int = 1,
@@ -83,11 +112,14 @@ class KVPlaneScheduler:
         A D request never allocated tells P to free now (the machine's
         notify-only row).
         """
-        return self.sched.request_finished(request_id, block_ids, expected_consumers=expected_consumers,
-                                           hold_for_next_turn=hold_for_next_turn)
+        out = self.sched.request_finished(request_id, block_ids, expected_consumers=expected_consumers,
+                                          hold_for_next_turn=hold_for_next_turn)
+        self._to_rank()
+        return out
 
     def abort(self, request_id: str) -> None:
         self.sched.abort(request_id)
+        self._to_rank()
 
 
 class KVPlaneWorker:
@@ -100,11 +132,12 @@ class KVPlaneWorker:
         """``kv_cache``: one tensor [num_blocks, ...] or a dict of them (one per layer)."""
         self.split.worker.register_kv_caches(kv_cache)
 
-    def start_load_kv(self, meta: StepMeta) -> None:
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
         """Apply the step's records, step the plane, and hand the rank's
         report to the scheduler half (a serving engine's output)."""
         worker = self.split.worker
-        worker.bind(meta)
+        for step in meta.steps:
+            worker.bind(step)
         worker.step()
         freed = self.driver.freed  # the embedder's record of freed leases (a rank's report drops it)
         self.split.sched.update_from_worker(worker.report())
