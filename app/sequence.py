@@ -47,6 +47,13 @@ def read_side(side: str, source: str | Sequence[str]) -> SideLog:
         return SideLog(side, read_log(lines[:last - 1]).records, name, torn_tail=last)
 
 
+def with_scheduler_log(ranks: SideLog, scheduler: SideLog) -> SideLog:
+    """A side's rank log with its scheduler half's lines merged in by time
+    (one process's clock: the scheduler and its ranks share the host's)."""
+    merged = sorted(ranks.records + scheduler.records, key=lambda r: r.t)  # stable: each log keeps its order
+    return attrs.evolve(ranks, records=tuple(merged))
+
+
 def _lines(source: str | Sequence[str]) -> list:
     if isinstance(source, str):
         with open(source, "rb") as f:
@@ -103,6 +110,10 @@ def cmd_sequence(args) -> int:
         return _refuse(f"P's and D's logs are the same file ({args.p_log}): give the prefill log, then the decode log")
     try:
         logs = {P: read_side(P, args.p_log), D: read_side(D, args.d_log)}
+        # The scheduler halves' logs (the engine's calls), merged into their side's time line.
+        for side, path in ((P, args.p_scheduler), (D, args.d_scheduler)):
+            if path is not None:
+                logs[side] = with_scheduler_log(logs[side], read_side(side, path))
     except OSError as exc:
         return _refuse(f"cannot read {exc.filename}: {exc.strerror or exc}")
     except EventLogError as exc:
@@ -168,6 +179,10 @@ def _emit_json(obj: dict) -> None:
 def add_sequence_arguments(p) -> None:
     p.add_argument("p_log", metavar="P.jsonl", help="the prefill side's event log")
     p.add_argument("d_log", metavar="D.jsonl", help="the decode side's event log")
+    p.add_argument("--p-scheduler", default=None, metavar="PS.jsonl",
+                   help="P's scheduler-half log (kvplane_event_log's .scheduler file): the engine's calls, drawn "
+                        "beside the wire messages")
+    p.add_argument("--d-scheduler", default=None, metavar="DS.jsonl", help="D's scheduler-half log")
     p.add_argument("-o", "--out", default=None, help="write this .mmd file (and an .svg when mmdc is on PATH) "
                                                      "instead of printing to stdout")
     p.add_argument("--request", action="append", metavar="ID",

@@ -25,6 +25,16 @@ from kvplane.statemachines.eventlog import EventLog, LogRecord
 
 P, D = "P", "D"
 SIDES = (P, D)
+ENGINE_MACHINE = "engine_request:"  # the scheduler half's lines (its own log, merged into its side's)
+
+
+def engine_pid(side: str) -> str:
+    """The engine (vLLM's scheduler) calling a side's scheduler half."""
+    return f"{side}_engine"
+
+
+def has_engine_calls(log: "SideLog") -> bool:
+    return any(r.machine is not None and r.machine.startswith(ENGINE_MACHINE) for r in log.records)
 PROXY = "proxy"
 DEFAULT_MAX_EVENTS = 300
 
@@ -60,6 +70,7 @@ class Kind(StrEnum):
     REFUSED = "refused"
     CANCEL = "cancel"
     LOG_END = "log_end"
+    ENGINE = "engine"  # the engine's call on the scheduler half, and its answer (the scheduler's log)
 
 
 class Line(StrEnum):
@@ -402,7 +413,35 @@ class _Builder:
                         ids, side))
         return out
 
+    def engine_call(self, side: str, r: LogRecord, t: float) -> list[Item]:
+        """A line of the scheduler half's log: the engine's call and what the
+        connector answered and sent its ranks, or a report the ranks made."""
+        ev = r.event
+        name = type(ev).__name__
+        engine, me = engine_pid(side), self.pid(side)
+        ids = (ev.request_id,)
+        acts = _actions(r)
+        if name in ("RecvFinished", "SendingFinished"):
+            text = ("finished_recving" + ("" if ev.ok else " (failed)")) if name == "RecvFinished" else "finished_sending"
+            return [Arrow(t, me, engine, f"{text} {short_id(ev.request_id)}", Kind.ENGINE, Line.REPLY, ids, side)]
+        if name == "TimerFired":
+            sent = [n for n, _ in acts if n not in ("ArmTimer", "CancelTimer")]
+            return [Note(t, (me,), f"{short_id(ev.request_id if hasattr(ev, 'request_id') else r.machine)} overdue: "
+                         f"{', '.join(sent) or 'nothing'}", Kind.TIMER, ids, side)]
+        call = name[len("Engine"):] if name.startswith("Engine") else name
+        answers = [n for n, _ in acts if n.startswith("Answer")]
+        records = [n for n, _ in acts if n.startswith(("Send", "Grant"))]
+        text = f"{call} {short_id(ev.request_id)}"
+        if answers:
+            text += f" → {', '.join(a[len('Answer'):] for a in answers)}"
+        if records:
+            text += f"; ranks: {', '.join(records)}"
+        line = Line.SEND if r.state_before != r.state_after or answers or records else Line.REPLY
+        return [Arrow(t, engine, me, text, Kind.ENGINE, line, ids, side)]
+
     def record(self, side: str, r: LogRecord, t: float) -> list[Item]:
+        if r.machine is not None and r.machine.startswith(ENGINE_MACHINE):
+            return self.engine_call(side, r, t)
         ev = r.event
         name = type(ev).__name__
         peer = _peer(side)
@@ -594,6 +633,9 @@ def build(logs: dict[str, SideLog], selection: Selection | None = None) -> Seque
     participants = []
     if selection.proxy:
         participants.append(Participant(PROXY, "proxy", PROXY))
+    calls = {side for side in SIDES if side in logs and has_engine_calls(logs[side])}
+    if P in calls:
+        participants.append(Participant(engine_pid(P), "P's engine (scheduler)", P))
     for side in SIDES:
         engine = engines.get(side)
         label = f"{side} ({engine})" if engine and engine != side else side
@@ -601,6 +643,8 @@ def build(logs: dict[str, SideLog], selection: Selection | None = None) -> Seque
             participants.append(Participant(side, label, side))
         else:
             participants += [Participant(b.pid(side, k), f"{label} rank {k}", side) for k in ranks[side]]
+    if D in calls:
+        participants.append(Participant(engine_pid(D), "D's engine (scheduler)", D))
     return SequenceDiagram(tuple(participants), tuple(items), clock, t0, left_out, tuple(logs.values()),
                            selection, engines)
 

@@ -1,94 +1,105 @@
-"""vLLM-shaped facades over one PlaneDriver.
+"""vLLM-shaped facades for an engine that runs both halves in one process.
 
 ``KVPlaneScheduler`` has the scheduler-side methods of vLLM's
-``KVConnectorBase_V1`` and ``KVPlaneWorker`` the worker-side ones.  In vLLM
-they live in different processes and talk through the connector metadata;
-here both wrap the same driver (one engine process, TP=1), and the metadata
-still carries what the worker must start, so the shapes line up.
+``KVConnectorBase_V1`` and ``KVPlaneWorker`` the worker-side ones.  They are
+the split (``scheduler.ConnectorScheduler`` and ``worker.ConnectorWorker``)
+with one rank over one ``PlaneDriver``: the scheduler half's
+``engine_request`` machines keep every request's lifecycle, and each
+``start_load_kv`` steps the rank and hands its report back to the scheduler
+half, as a serving engine's output would.  Two differences from the split,
+both of one process: the records a call makes reach the rank at once (an
+embedder sees the lease right after ``request_finished``) except a load,
+which starts with ``start_load_kv`` as in vLLM (it and every record after
+it wait in the metadata, in order); and peers see the driver's own engine
+id (no ``/tp0`` rank suffix), TP 1.
 
 Every method takes the engine's step loop as it is: no thread is added,
-heartbeats ride ``start_load_kv`` / ``step`` (the driver fires due timers).
+heartbeats ride ``start_load_kv`` (the driver fires due timers).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import attrs
 
-from kvplane.statemachines import events as E
-from kvplane.statemachines.machines.decode_request import DecodeState
-
 from .driver import PlaneDriver
-from .params import RemoteKV
+from .records import StepMeta
+from .scheduler import ConnectorScheduler
+from .worker import ConnectorWorker
+
+# The one rank of each driver the facades were built over: both facades of a
+# driver share it (the scheduler's records in, the rank's report back).
+_SPLITS: "weakref.WeakKeyDictionary[PlaneDriver, _OneRank]" = weakref.WeakKeyDictionary()
+
+
+class _OneRank:
+    def __init__(self, driver: PlaneDriver):
+        host = driver.side_channel_url[len("tcp://"):].rsplit(":", 1)[0]
+        self.sched = ConnectorScheduler(driver.engine_id, config=driver.config, clock=driver.clock, host=host)
+        self.worker = ConnectorWorker(driver, rank_names=False)
+        self.sched.add_rank(self.worker.rank_info())
+
+
+def _one_rank(driver: PlaneDriver) -> _OneRank:
+    split = _SPLITS.get(driver)
+    if split is None:
+        split = _SPLITS[driver] = _OneRank(driver)
+    return split
 
 
 @attrs.frozen
 class ConnectorMeta:
-    """What build_connector_meta hands the workers for one step."""
+    """What build_connector_meta hands the worker: the records held back
+    since a load (applied in order by start_load_kv)."""
 
-    load: tuple[str, ...] = ()
+    steps: tuple[StepMeta, ...] = ()
 
 
 class KVPlaneScheduler:
     def __init__(self, driver: PlaneDriver):
         self.driver = driver
-        self._remote: dict[str, RemoteKV] = {}  # requests whose KV comes from a remote engine
-        self._serve_remote: set[str] = set()  # requests whose KV a remote engine will read
-        self._push: set[str] = set()  # served requests a decoder will have us WRITE (push mode)
-        self._to_load: list[str] = []
+        self.split = _one_rank(driver)
+        self.sched = self.split.sched
+        self._held: list[StepMeta] = []  # records from a load on, for start_load_kv
+
+    def _to_rank(self) -> None:
+        """The records the call made, to the rank now (one process), unless
+        a load is among them or waits already."""
+        meta = self.sched.build_connector_meta()
+        if meta.empty:
+            return
+        if self._held or meta.loads:
+            self._held.append(meta)
+        else:
+            self.split.worker.bind(meta)
 
     # ---- decode side (the consumer) -------------------------------------
     def on_new_request(self, request_id: str, kv_transfer_params: dict | None) -> None:
         """Register a request; heartbeats for its remote blocks start now."""
-        params = kv_transfer_params or {}
-        if params.get("do_remote_decode"):
-            self._serve_remote.add(request_id)
-            if params.get("push"):
-                self._push.add(request_id)
-        if not params.get("do_remote_prefill"):
-            return
-        rk = RemoteKV.from_dict(params)
-        self._remote[request_id] = rk
-        self.driver.learn_engine(rk.remote_engine_id, rk.side_channel)
-        self.driver.feed(E.NewRequest(
-            request_id=request_id, engine_id=rk.remote_engine_id, remote_request_id=rk.remote_request_id,
-            remote_block_ids=rk.remote_block_ids, remote_ranks=rk.remote_ranks,
-            expected_consumers=rk.expected_consumers, remote_expiry=rk.remote_expiry,
-            remote_renewable=rk.remote_renewable,
-            push=bool(params.get("push")),
-            remote_incarnation=rk.incarnation_of(rk.remote_ranks[0]) if len(rk.remote_ranks) == 1 else None,
-        ))
+        self.sched.on_new_request(request_id, kv_transfer_params)
+        self._to_rank()
 
     def get_num_new_matched_tokens(self, request_id: str, num_prompt_tokens: int,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens to load from the remote, whether the load is asynchronous)."""
-        if request_id not in self._remote:
-            return 0, False
-        n = max(0, num_prompt_tokens - num_computed_tokens)
-        return n, n > 0
+        return self.sched.get_num_new_matched_tokens(request_id, num_prompt_tokens, num_computed_tokens)
 
     def update_state_after_alloc(self, request_id: str, block_ids, num_external_tokens: int,
                                  awaiting: bool | None = None) -> None:
         """Blocks are allocated.  ``awaiting`` defaults to "tokens to load";
         a scheduler that also awaits a full-prefix hit passes True."""
-        if request_id not in self._remote:
-            return
-        awaiting = num_external_tokens > 0 if awaiting is None else awaiting
-        self.driver.feed(E.BlocksAllocated(
-            request_id=request_id, block_ids=block_ids, num_remote_tokens=num_external_tokens,
-            awaiting=awaiting,
-        ))
-        self._to_load.append(request_id)
+        self.sched.update_state_after_alloc(request_id, block_ids, num_external_tokens, awaiting=awaiting)
+        self._to_rank()
 
     def build_connector_meta(self) -> ConnectorMeta:
-        meta, self._to_load = ConnectorMeta(tuple(self._to_load)), []
+        self._to_rank()
+        meta, self._held = ConnectorMeta(tuple(self._held)), []
         return meta
 
     def request_running(self, request_id: str) -> None:
-        # A notify-only request runs without waiting (its table ignores this);
-        # once its notify is done it has no machine left to tell.
-        if request_id in self._remote and self._decoding(request_id):
-            self.driver.feed(E.RequestRunning(request_id=request_id))
+        self.sched.request_running(request_id)
+        self._to_rank()
 
     # ---- both sides -------------------------------------------------------
     def request_finished(self, request_id: str, block_ids, *, expected_consumers: int = 1,
@@ -98,96 +109,39 @@ class KVPlaneScheduler:
         P serving a remote decode: the blocks go under a lease and the params
         tell D where to read.  D with ``hold_for_next_turn``: the blocks stay
         under a fixed-TTL lease and the params carry its expiry (our clock).
+        A D request never allocated tells P to free now (the machine's
+        notify-only row).
         """
-        block_ids = tuple(block_ids)
-        if self._never_allocated(request_id):
-            self._release_unallocated(request_id)
-            return False, None
-        rk = self._remote.pop(request_id, None)
-        if rk is not None:
-            if self._decoding(request_id):
-                self.driver.feed(E.RequestFinished(request_id=request_id, block_ids=block_ids,
-                                                   hold_for_next_turn=hold_for_next_turn))
-            # The table decides whether the blocks are held (a notify-only
-            # request's are not): delay the free only while a lease holds them.
-            if hold_for_next_turn and self.driver.plane.get("lease", request_id) is not None:
-                return True, self._params(request_id, block_ids, 1, self._lease_expiry(request_id))
-            return False, None
-        if request_id in self._serve_remote:
-            self._serve_remote.discard(request_id)
-            self.driver.feed(E.LeaseGranted(request_id=request_id, block_ids=block_ids,
-                                            expected_consumers=expected_consumers))
-            if request_id in self._push:
-                # Push mode: the WRITE may start once the decoder's PUSH_REG
-                # is here too (either order; the push_write machine waits).
-                self._push.discard(request_id)
-                self.driver.feed(E.PushReady(request_id=request_id, block_ids=block_ids))
-            # The lease's expiry (our clock) lets a consumer that stalled see
-            # that it may be gone; heartbeats make it renewable.
-            return True, self._params(request_id, block_ids, expected_consumers, self._lease_expiry(request_id),
-                                      renewable=True)
-        return False, None
+        out = self.sched.request_finished(request_id, block_ids, expected_consumers=expected_consumers,
+                                          hold_for_next_turn=hold_for_next_turn)
+        self._to_rank()
+        return out
 
     def abort(self, request_id: str) -> None:
-        self._push.discard(request_id)
-        if self._never_allocated(request_id):
-            self._release_unallocated(request_id)
-        elif self._remote.pop(request_id, None) is not None:
-            self.driver.feed(E.Abort(request_id=request_id))
-        elif self.driver.plane.get("lease", request_id) is not None:
-            self.driver.feed(E.LeaseAbort(request_id=request_id))
-
-    def _never_allocated(self, request_id: str) -> bool:
-        """A request with remote KV that never had blocks allocated (its
-        machine still heartbeats, before any load)."""
-        machine = self.driver.plane.get("decode_request", request_id)
-        return request_id in self._remote and machine is not None and machine.state == DecodeState.HEARTBEATING
-
-    def _release_unallocated(self, request_id: str) -> None:
-        """Finished or aborted before its blocks were allocated: nothing is
-        awaited and nothing was read, so the request becomes an empty,
-        notify-only recv (as vLLM's scheduler half does): the next
-        ``start_load_kv`` tells the remote it may free its blocks now,
-        instead of holding them until its lease runs out."""
-        self.update_state_after_alloc(request_id, (), 0, awaiting=False)
-        self._remote.pop(request_id, None)
-
-    def _decoding(self, request_id: str) -> bool:
-        """Whether the request's decode machine is still live (a notify-only
-        one ends on its own, possibly before the scheduler finishes it)."""
-        return self.driver.plane.get("decode_request", request_id) is not None
-
-    def _lease_expiry(self, request_id: str) -> float | None:
-        lease = self.driver.plane.get("lease", request_id)
-        return None if lease is None else lease.expiry
-
-    def _params(self, request_id, block_ids, consumers, expiry, renewable=False) -> dict[str, Any]:
-        host, port = self.driver.side_channel_url[len("tcp://"):].rsplit(":", 1)
-        return {
-            "do_remote_prefill": True,
-            # The lease's unguessable name: only who is handed these params can act on it.
-            **RemoteKV(remote_engine_id=self.driver.engine_id, remote_host=host, remote_port=int(port),
-                       remote_request_id=self.driver.export_lease(request_id), remote_block_ids=block_ids,
-                       expected_consumers=consumers, remote_expiry=expiry,
-                       remote_renewable=renewable, remote_rank_incarnations=(self.driver.incarnation,)).to_dict(),
-        }
+        self.sched.abort(request_id)
+        self._to_rank()
 
 
 class KVPlaneWorker:
     def __init__(self, driver: PlaneDriver):
         self.driver = driver
+        self.split = _one_rank(driver)
         self._failed: set[str] = set()
 
     def register_kv_caches(self, kv_cache) -> None:
         """``kv_cache``: one tensor [num_blocks, ...] or a dict of them (one per layer)."""
-        tensors = kv_cache.values() if isinstance(kv_cache, dict) else [kv_cache]
-        for t in tensors:
-            self.driver.endpoint.register_kv_cache(t, t[0].numel() * t.element_size())
+        self.split.worker.register_kv_caches(kv_cache)
 
     def start_load_kv(self, meta: ConnectorMeta) -> None:
-        for request_id in meta.load:
-            self.driver.feed(E.StartLoad(request_id=request_id))
-        self.driver.step()
+        """Apply the step's records, step the plane, and hand the rank's
+        report to the scheduler half (a serving engine's output)."""
+        worker = self.split.worker
+        for step in meta.steps:
+            worker.bind(step)
+        worker.step()
+        freed = self.driver.freed  # the embedder's record of freed leases (a rank's report drops it)
+        self.split.sched.update_from_worker(worker.report())
+        self.driver.freed = freed
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving).  A failed recv is finished
@@ -195,13 +149,10 @@ class KVPlaneWorker:
         ``kv_load_failure_policy``: "recompute" names its blocks in
         get_block_ids_with_load_errors, "fail" names the request in
         get_failed_requests."""
-        d = self.driver
-        sending, d.finished_sending = d.finished_sending, set()
-        recving = d.finished_recving | d.failed_recving
-        if d.config.kv_load_failure_policy == "fail":
-            self._failed |= d.failed_recving
-        d.finished_recving, d.failed_recving = set(), set()
-        return sending, recving
+        sending, recving, failed = self.split.sched.get_finished()
+        if self.driver.config.kv_load_failure_policy == "fail":
+            self._failed |= failed
+        return sending, recving | failed
 
     def get_failed_requests(self) -> set[str]:
         """Requests to finish with an error (policy "fail"); empty under "recompute"."""
@@ -209,11 +160,9 @@ class KVPlaneWorker:
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        d = self.driver
-        blocks, d.load_error_blocks = d.load_error_blocks, set()
+        blocks = self.split.sched.take_load_error_blocks()
         # Under "fail" the whole request fails: no block is worth recomputing.
-        return blocks if d.config.kv_load_failure_policy == "recompute" else set()
+        return blocks if self.driver.config.kv_load_failure_policy == "recompute" else set()
 
     def shutdown(self) -> None:
-        self.driver.close()
-        self.driver.endpoint.close()
+        self.split.worker.shutdown()

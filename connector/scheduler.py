@@ -1,14 +1,19 @@
 """The scheduler-side connector: what the engine's scheduler process runs.
 
-It owns no NIXL agent, no plane and no timer: those live in each worker
-rank (``worker.ConnectorWorker``).  It keeps the request lifecycle as the
-scheduler sees it (which requests have remote KV, what to load, whether
-the recv is awaited, which blocks go under a lease), turns each engine
-call into the records of ``records.StepMeta`` for every worker rank, and
-folds the ranks' ``WorkerReport``s back into one engine-level answer: a
-request is finished sending (its blocks may be freed) only when every rank
-ended its lease, finished receiving only when every rank reported its
-recv, and failed when any rank failed or died.
+It owns no NIXL agent and no transfer: those live in each worker rank
+(``worker.ConnectorWorker``).  The request lifecycle as the scheduler sees
+it is the ``engine_request`` machine, one instance per request with remote
+KV, run in a plane of its own (``self.plane``: its instances are the one
+table of requests, its timers the machine's deadlines, its recorder the
+scheduler side's event log).  Each method is a thin translation: an engine
+call becomes the machine's event, the machine's actions become the answer
+and the records of ``records.StepMeta`` for every worker rank.  The ranks'
+``WorkerReport``s are folded into one engine-level report (a request is
+finished sending only when every rank ended its lease, finished receiving
+only when every rank reported its recv, and failed when any rank failed or
+died), which is fed back as the machine's ``RecvFinished`` /
+``SendingFinished``: one the machine refuses (not awaited, or twice) is
+counted and not reported.
 
 The lease names it hands out (the remote request id of
 ``kv_transfer_params``) are made here, so every rank names the same lease
@@ -26,12 +31,38 @@ from typing import Any, Callable, Iterable
 
 import attrs
 
+from kvplane.statemachines import engine_calls as C
+from kvplane.statemachines.base import Action
 from kvplane.statemachines.config import PlaneConfig
+from kvplane.statemachines.machines import LOGGED_MACHINES
+from kvplane.statemachines.machines.engine_request import EngineRequest, EngineState
+from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.rank_results import Outcome, RankResults
 from kvplane.statemachines.tp_mapping import TpMapping, TpMismatch
 
 from .params import BadTransferParams, RemoteKV
-from .records import (Finish, LeaseGrant, Load, NewRemoteRequest, RankInfo, StepMeta, WorkerReport, check)
+from .records import (Finish, LeaseGrant, Load, NewRemoteRequest, RankInfo, RecvFailure, StepMeta, WorkerReport,
+                      check)
+
+KIND = "engine_request"
+# Where an abort frees a lease or hold (EngineLeaseAbort) rather than ends the request.
+LEASE_STATES = (EngineState.HELD, EngineState.LEASED, EngineState.FREEING)
+# Where the engine's scheduling of the request tells the machine something
+# (elsewhere the table ignores it: not fed, so a serving engine does not log
+# every decode step of every request).
+AWAITS_SCHEDULING = (EngineState.RECV_DONE, EngineState.RECV_FAILED)
+
+
+@attrs.frozen
+class RequestInputs:
+    """What the records of one request need beyond the machine's events:
+    the remote holding its KV (a reader), whether it is served by push, and
+    how many tokens a turn-2 reader reads (the held prefix)."""
+
+    remote: RemoteKV | None = None
+    push: bool = False
+    serve: bool = False
+    read_tokens: int | None = None
 
 
 class ConnectorScheduler:
@@ -43,19 +74,26 @@ class ConnectorScheduler:
         self.clock = clock
         self.host = host
         self.ranks: dict[int, RankInfo] = {}
-        self._remote: dict[str, RemoteKV] = {}  # requests whose KV a remote engine holds
-        self._awaited: set[str] = set()  # of those, the ones whose recv the scheduler awaits
-        self._serve: dict[str, bool] = {}  # requests a remote will read from us -> push mode
+        # The engine_request machines: the one table of requests.  The plane
+        # knows every machine a log may name (its wiring is checked as a
+        # whole, and replay builds the same one); only engine_request runs.
+        self.plane = ControlPlane(self.config, machines=LOGGED_MACHINES)
         self._lease_ranks = RankResults(self.tp_size)  # leases (and holds) until every rank ended them
         self._recv_ranks = RankResults(self.tp_size)  # awaited recvs until every rank reported
         self._lost: set[int] = set()
         self._meta: dict[str, list] = _empty_meta()
+        # The engine-level reports since get_finished (the main job reads them).
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
         self.load_error_blocks: set[int] = set()
         self.fail_reasons: dict[str, str] = {}
         self.counters: Counter = Counter()
+        # What request_finished's caller asked of a grant (readers, their TP).
+        self._consumers = 1
+        self._reader_tp: int | None = None
+        self._granted: tuple[LeaseGrant | None, float] = (None, 0.0)  # the last grant, and when
+        self._lease_done: list[str] = []  # granted with every rank lost: ended at once
 
     # ------------------------------------------------------------ start-up
     def add_rank(self, info: RankInfo) -> None:
@@ -64,6 +102,70 @@ class ConnectorScheduler:
         if not 0 <= info.rank < self.tp_size:
             raise ValueError(f"rank {info.rank} out of range for TP {self.tp_size}")
         self.ranks[info.rank] = info
+
+    # ------------------------------------------------------------ the machine
+    def request(self, request_id: str) -> EngineRequest | None:
+        """The request's machine, or None (no remote KV, or its lifecycle ended)."""
+        inst: EngineRequest | None = self.plane.get(KIND, request_id)
+        return inst
+
+    def _feed(self, event: Any, inputs: RequestInputs | None = None) -> list[Action]:
+        """Hand the machine one event (after the deadlines due now); apply
+        what it sends the ranks; return all its actions (the answers)."""
+        now = self.clock()
+        self.tick(now)
+        inst = self.request(event.request_id)
+        context = inputs if inst is None else inst.context
+        out = self.plane.handle(event, now)
+        inst = self.request(event.request_id)
+        if inst is not None and inst.context is None:
+            inst.context = context
+        self._apply(event.request_id, out, context, now)
+        return out
+
+    def tick(self, now: float | None = None) -> None:
+        """Fire the machine's deadlines due now (every engine call does)."""
+        now = self.clock() if now is None else now
+        due = self.plane.fire_due(now)
+        for a in due:
+            rid = a.request_id  # type: ignore[attr-defined]  # every action of engine_calls names its request
+            inst = self.request(rid)
+            self._apply(rid, [a], None if inst is None else inst.context, now)
+
+    def _apply(self, request_id: str, out: list[Action], context: RequestInputs | None, now: float) -> None:
+        meta = self._meta
+        finish = next((a for a in out if isinstance(a, C.SendFinish)), None)
+        grant = next((a for a in out if isinstance(a, C.GrantLease)), None)
+        lease = None if grant is None else self._grant(request_id, grant.block_ids, push=bool(
+            context is not None and context.push and not grant.hold))
+        for a in out:
+            if isinstance(a, C.SendNewRemote):
+                assert context is not None and context.remote is not None
+                meta["new_requests"].append(NewRemoteRequest(request_id=request_id, remote=context.remote,
+                                                             push=context.push))
+            elif isinstance(a, C.SendLoad):
+                self._recv_ranks.expect(request_id)
+                for rank in self._lost:  # a dead rank reads nothing: the recv fails once the others reported
+                    self._fold_recv(self._recv_ranks.report(rank, request_id, False))
+                meta["loads"].append(Load(request_id=request_id, block_ids=a.block_ids,
+                                          num_remote_tokens=a.num_remote_tokens, awaiting=True))
+            elif isinstance(a, C.SendNotifyOnly):
+                meta["loads"].append(Load(request_id=request_id, block_ids=(), num_remote_tokens=0, awaiting=False))
+            elif isinstance(a, C.SendRunning):
+                meta["running"].append(request_id)
+            elif isinstance(a, C.SendAbort):
+                meta["aborts"].append(request_id)
+            elif isinstance(a, C.SendLeaseAbort):
+                meta["lease_aborts"].append(request_id)
+            elif isinstance(a, C.FlagOverdue):
+                self.counters[f"overdue: {a.what}"] += 1
+        if finish is not None:
+            hold = lease if grant is not None and grant.hold else None
+            meta["finished"].append(Finish(request_id=request_id, block_ids=finish.block_ids, hold=hold))
+        if lease is not None and grant is not None and not grant.hold:
+            meta["grants"].append(lease)
+        if lease is not None:
+            self._granted = (lease, now)
 
     # ------------------------------------------------------------ requests
     def on_new_request(self, request_id: str, kv_transfer_params: dict | None, *,
@@ -74,11 +176,10 @@ class ConnectorScheduler:
         it also serves a remote decode once finished (P's turn 2: it reads
         D's held prefix, then leases its blocks for D's read-back)."""
         params = kv_transfer_params or {}
-        if serve:
-            self._serve[request_id] = False
         if not params.get("do_remote_prefill"):
-            if params.get("do_remote_decode"):
-                self._serve[request_id] = bool(params.get("push"))
+            if params.get("do_remote_decode") or serve:
+                self._feed(C.EngineNewRequest(request_id=request_id, remote_decode=True),
+                           RequestInputs(push=bool(params.get("push"))))
             return
         rk = attrs.evolve(RemoteKV.from_dict(params), remote_public_key=server_public_key)
         try:
@@ -94,45 +195,54 @@ class ConnectorScheduler:
         push = bool(params.get("push"))
         if push and (rk.tp_size > 1 or self.tp_size > 1):
             raise BadTransferParams("kv_transfer_params: push mode needs TP 1 on both sides")
-        self._remote[request_id] = rk
-        self._meta["new_requests"].append(NewRemoteRequest(request_id=request_id, remote=rk, push=push))
+        tokens = params.get("remote_num_tokens")
+        self._feed(C.EngineNewRequest(request_id=request_id, remote_prefill=True),
+                   RequestInputs(remote=rk, push=push, serve=serve,
+                                 read_tokens=tokens if serve and isinstance(tokens, int) else None))
 
     def get_num_new_matched_tokens(self, request_id: str, num_prompt_tokens: int,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens to load from the remote, whether the load is asynchronous)."""
-        if request_id not in self._remote:
+        inst = self.request(request_id)
+        if inst is None:
             return 0, False
-        n = max(0, num_prompt_tokens - num_computed_tokens)
-        return n, n > 0
+        read = inst.context.read_tokens if inst.context is not None else None
+        if read is not None:  # a next turn reads the held prefix only; the engine computes the rest
+            num_prompt_tokens = min(read, num_prompt_tokens)
+        out = self._feed(C.EngineMatched(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
+                                         num_computed_tokens=num_computed_tokens))
+        answer = next((a for a in out if isinstance(a, C.AnswerMatched)), None)
+        return (0, False) if answer is None else (answer.num_tokens, answer.load_async)
 
     def update_state_after_alloc(self, request_id: str, block_ids: Iterable[int], num_external_tokens: int,
-                                 awaiting: bool | None = None) -> None:
+                                 awaiting: bool | None = None) -> list[Action]:
         """Blocks are allocated.  ``awaiting`` defaults to "tokens to load";
-        a scheduler that also awaits a full-prefix hit passes True."""
-        if request_id not in self._remote:
-            return
-        awaiting = num_external_tokens > 0 if awaiting is None else awaiting
-        if awaiting:
-            self._awaited.add(request_id)
-            self._recv_ranks.expect(request_id)
-            for rank in self._lost:  # a dead rank reads nothing: the recv fails once the others reported
-                self._fold_recv(self._recv_ranks.report(rank, request_id, False))
-        self._meta["loads"].append(Load(request_id=request_id, block_ids=tuple(block_ids),
-                                        num_remote_tokens=num_external_tokens, awaiting=awaiting))
+        a scheduler that also awaits a full-prefix hit passes True.
+        Returns the machine's actions (SendLoad: a read is awaited;
+        SendNotifyOnly: nothing to load)."""
+        if self.request(request_id) is None:
+            return []
+        return self._feed(C.EngineAllocated(
+            request_id=request_id, block_ids=tuple(block_ids) if num_external_tokens > 0 else (),
+            num_external_tokens=num_external_tokens, awaiting=bool(awaiting) and num_external_tokens == 0))
 
     def request_running(self, request_id: str) -> None:
-        if request_id in self._awaited:
-            self._meta["running"].append(request_id)
+        """The engine scheduled the request (fed only where the machine
+        awaits it: after its recv was reported)."""
+        inst = self.request(request_id)
+        if inst is not None and inst.state in AWAITS_SCHEDULING:
+            self._feed(C.EngineScheduled(request_id=request_id))
 
     def build_connector_meta(self) -> StepMeta:
+        self.tick()
         m, self._meta = self._meta, _empty_meta()
         return StepMeta(new_requests=m["new_requests"], loads=m["loads"], running=m["running"],
                         finished=m["finished"], grants=m["grants"], aborts=m["aborts"],
                         lease_aborts=m["lease_aborts"])
 
     def request_finished(self, request_id: str, block_ids: Iterable[int], *, expected_consumers: int = 1,
-                         reader_tp: int | None = None,
-                         hold_for_next_turn: bool = False) -> tuple[bool, dict[str, Any] | None]:
+                         reader_tp: int | None = None, hold_for_next_turn: bool = False,
+                         normal: bool = True) -> tuple[bool, dict[str, Any] | None]:
         """(delay_free, kv_transfer_params for the other side).
 
         P serving a remote decode: the blocks go under a lease on every rank
@@ -141,52 +251,48 @@ class ConnectorScheduler:
         rank's lease then awaits every reader rank that reads it.  D with
         ``hold_for_next_turn``: an awaited recv's blocks stay under a
         fixed-TTL lease on every rank for the next turn's reader.
+        ``normal``: it finished producing output (not aborted or failed).
         """
-        block_ids = tuple(block_ids)
-        rk = self._remote.pop(request_id, None)
-        if rk is not None:
-            awaited = request_id in self._awaited
-            self._awaited.discard(request_id)
-            if awaited and hold_for_next_turn:
-                self._serve.pop(request_id, None)
-                grant = self._grant(request_id, block_ids, expected_consumers, reader_tp, push=False)
-                self._meta["finished"].append(Finish(request_id=request_id, block_ids=block_ids, hold=grant))
-                expiry = self.clock() + self.config.decoder_kv_blocks_ttl
-                return True, self._params(grant, block_ids, expiry, renewable=False)
-            if awaited:
-                self._meta["finished"].append(Finish(request_id=request_id, block_ids=block_ids))
-            # else notify-only: the rank's machine ends on its own after the notify.
-            if request_id not in self._serve:
-                return False, None
-            # A turn 2 that read (or was declined) now serves its own reader.
-        if request_id in self._serve:
-            push = self._serve.pop(request_id)
-            grant = self._grant(request_id, block_ids, expected_consumers, reader_tp, push=push)
-            self._meta["grants"].append(grant)
-            expiry = self.clock() + self.config.kv_lease_duration
-            return True, self._params(grant, block_ids, expiry, renewable=True)
-        return False, None
+        inst = self.request(request_id)
+        if inst is None:
+            return False, None
+        serve = inst.context is not None and inst.context.serve
+        self._consumers, self._reader_tp, self._granted = expected_consumers, reader_tp, (None, 0.0)
+        out = self._feed(C.EngineFinished(request_id=request_id, normal=normal, block_ids=tuple(block_ids),
+                                          hold_for_next_turn=hold_for_next_turn,
+                                          serve_remote_decode=normal and serve))
+        lease, now = self._granted
+        self._consumers, self._reader_tp = 1, None
+        if lease is None or not any(type(a) is C.AnswerDelayFree for a in out):
+            return False, None
+        hold = any(isinstance(a, C.GrantLease) and a.hold for a in out)
+        term = self.config.decoder_kv_blocks_ttl if hold else self.config.kv_lease_duration
+        return True, self._params(lease, lease.block_ids, now + term, renewable=not hold)
 
     def abort(self, request_id: str) -> None:
-        self._serve.pop(request_id, None)
-        if self._remote.pop(request_id, None) is not None:
-            self._meta["aborts"].append(request_id)
-            # An awaited recv is still reported by every rank (failed).
-            self._awaited.discard(request_id)
-        elif self._lease_ranks.expecting(request_id):
-            self._meta["lease_aborts"].append(request_id)
+        """The embedder gives the request up: finished not normally (an
+        awaited recv is aborted on the ranks and still reported; one never
+        allocated tells the remote to free now), or, once finished, its
+        lease or hold freed now."""
+        inst = self.request(request_id)
+        if inst is None:
+            return
+        if inst.state in LEASE_STATES:
+            self._feed(C.EngineLeaseAbort(request_id=request_id))
+        else:
+            self.request_finished(request_id, (), normal=False)
 
-    def _grant(self, request_id: str, block_ids: tuple, consumers: int, reader_tp: int | None,
-               push: bool) -> LeaseGrant:
-        mapping = TpMapping(self.tp_size, reader_tp or self.tp_size)
+    def _grant(self, request_id: str, block_ids: tuple, push: bool) -> LeaseGrant:
+        mapping = TpMapping(self.tp_size, self._reader_tp or self.tp_size)
         self._lease_ranks.expect(request_id)
-        for rank in self._lost:  # a dead rank holds nothing
-            if self._lease_ranks.report(rank, request_id) is not None:
-                self.finished_sending.add(request_id)
+        lost = [o for rank in self._lost if (o := self._lease_ranks.report(rank, request_id)) is not None]
         # The lease's unguessable name: only who is handed the params can act on it.
-        return LeaseGrant(request_id=request_id, name=f"{request_id}-{secrets.token_hex(16)}",
-                          block_ids=block_ids, consumers_per_rank=consumers * mapping.consumers_per_holder_rank,
-                          push=push)
+        grant = LeaseGrant(request_id=request_id, name=f"{request_id}-{secrets.token_hex(16)}",
+                           block_ids=block_ids, consumers_per_rank=self._consumers * mapping.consumers_per_holder_rank,
+                           push=push)
+        if lost:  # every rank is gone: nothing holds the blocks (reported after this call)
+            self._lease_done.append(request_id)
+        return grant
 
     def _params(self, grant: LeaseGrant, block_ids: tuple, expiry: float, renewable: bool) -> dict[str, Any]:
         ports = tuple(self.ranks[r].side_channel_port for r in range(self.tp_size))
@@ -209,15 +315,16 @@ class ConnectorScheduler:
             self.counters["reports_from_lost_rank"] += 1
             return
         reasons = dict(report.fail_reasons)
-        for rid in report.finished_sending:
+        for rid in sorted(report.finished_sending):
             if self._lease_ranks.report(report.rank, rid) is not None:
-                self.finished_sending.add(rid)
-        for rid, ok in [(r, True) for r in report.finished_recving] + [(r, False) for r in report.failed_recving]:
+                self._sent(rid)
+        for rid, ok in sorted([(r, True) for r in report.finished_recving] + [(r, False) for r in report.failed_recving]):
             if not ok:
-                reason = reasons.get(rid, "failed")
+                reason = reasons.get(rid, RecvFailure.UNEXPLAINED)
                 self.fail_reasons.setdefault(rid, reason if self.tp_size == 1 else f"{reason} (rank {report.rank})")
             self._fold_recv(self._recv_ranks.report(report.rank, rid, ok))
         self.load_error_blocks |= report.load_error_blocks
+        self._flush_lease_done()
 
     def rank_lost(self, rank: int) -> None:
         """Worker rank ``rank`` died or hangs: nothing it holds is reachable
@@ -228,23 +335,51 @@ class ConnectorScheduler:
             return
         self._lost.add(rank)
         for outcome in self._lease_ranks.rank_lost(rank):
-            self.finished_sending.add(outcome.request_id)
+            self._sent(outcome.request_id)
         for outcome in self._recv_ranks.rank_lost(rank):
             self._fold_recv(outcome)
+        self._flush_lease_done()
+
+    def _sent(self, request_id: str) -> None:
+        """Every rank ended the request's lease: the machine's SendingFinished."""
+        if self._accepted(C.SendingFinished(request_id=request_id)):
+            self.finished_sending.add(request_id)
 
     def _fold_recv(self, outcome: Outcome | None) -> None:
         if outcome is None:
             return
-        if outcome.ok:
-            self.finished_recving.add(outcome.request_id)
+        rid = outcome.request_id
+        if not outcome.ok:
+            for rank in outcome.failed_ranks:
+                if rank in self._lost:
+                    self.fail_reasons.setdefault(rid, f"rank {rank} lost")
+        if not self._accepted(C.RecvFinished(request_id=rid, ok=outcome.ok)):
             return
-        for rank in outcome.failed_ranks:
-            if rank in self._lost:
-                self.fail_reasons.setdefault(outcome.request_id, f"rank {rank} lost")
-        self.failed_recving.add(outcome.request_id)
+        (self.finished_recving if outcome.ok else self.failed_recving).add(rid)
+
+    def _accepted(self, event: Any) -> bool:
+        """Feed a report; whether the machine took it (a refused one is
+        counted by the plane, and the engine is not told)."""
+        inst = self.request(event.request_id)
+        if inst is None:
+            self.counters[f"unawaited {type(event).__name__}"] += 1
+            return False
+        before = inst.state
+        self._feed(event)
+        after = self.request(event.request_id)
+        if after is not None and after.state == before:
+            self.counters[f"refused {type(event).__name__}"] += 1
+            return False
+        return True
+
+    def _flush_lease_done(self) -> None:
+        done, self._lease_done = self._lease_done, []
+        for rid in done:
+            self._sent(rid)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
+        self._flush_lease_done()
         out = self.finished_sending, self.finished_recving, self.failed_recving
         self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
         return out

@@ -230,6 +230,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
 
     # ================================================================ scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -270,7 +272,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler_side is not None
         meta = connector_output.kv_connector_worker_meta
         reports = meta.reports if isinstance(meta, KVPlaneWorkerMeta) else []
-        self.scheduler_side.update_from_workers(reports, set(connector_output.finished_recving or ()))
+        self.scheduler_side.update_from_workers(reports)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))

@@ -2,9 +2,11 @@
 
 vLLM calls it with its ``Request`` objects (read here by attribute:
 ``request_id``, ``kv_transfer_params``, ``num_prompt_tokens``,
-``num_computed_tokens``, ``status``); it drives a ``ConnectorScheduler`` and
-hands the workers one ``SchedulerStep`` per engine step.  What vLLM's
-request lifecycle means for the plane, path by path:
+``num_computed_tokens``, ``status``); it validates the params, translates
+each call into the ``ConnectorScheduler``'s (whose ``engine_request``
+machine keeps every request's lifecycle: this module keeps none) and hands
+the workers one ``SchedulerStep`` per engine step.  What vLLM's request
+lifecycle means for the plane, path by path (the machine's table):
 
 - D, remote KV, tokens to load: awaited; vLLM keeps the request in
   WAITING_FOR_REMOTE_KVS until the workers report the recv (a failed one
@@ -34,14 +36,20 @@ the blocks of its tokens, and not used here before (``param_auth``).
 """
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 import attrs
 
 from .kv_dump import DUMP_KEY, DumpKV, tag_problem
 from .param_auth import ConsumedLeases, RefusedParams, Vouched, check_for_request, prompt_digest, sign, verify
 from .params import BadTransferParams, RemoteKV
+from kvplane.statemachines import engine_calls as C
+from kvplane.statemachines.eventlog import EventLogWriter
+from kvplane.statemachines.machines.engine_request import EngineState
+
 from .records import RankInfo, StepMeta, WorkerReport
 from .scheduler import ConnectorScheduler
 from .vllm_params import TRANSFER_MODE, from_vllm, to_vllm
@@ -54,6 +62,17 @@ FINISHED_NORMALLY = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 LOG_EVERY = 1000
 # Counts the scheduler half reports to vLLM's stats (vllm_stats.COUNT_KEYS).
 STAT_KEYS = ("kvplane_refused_params", "kvplane_refused_dump_tags")
+# How often the scheduler's event log is written out (seconds; at most once a step).
+LOG_FLUSH_EVERY_S = 0.2
+
+
+def scheduler_log_path(template: str) -> str:
+    """The scheduler half's event log beside the ranks' (``kvplane_event_log``):
+    ``{rank}`` as ``scheduler``, or ``.scheduler`` before the extension."""
+    if "{rank}" in template:
+        return template.replace("{rank}", "scheduler")
+    stem, ext = os.path.splitext(template)
+    return f"{stem}.scheduler{ext}"
 
 
 @attrs.frozen
@@ -80,16 +99,16 @@ class VllmSchedulerSide:
         self.warn = warn
         self.consumed = ConsumedLeases()
         self._last_stats: dict[str, int] = {}
-        self._remote: set[str] = set()  # D: requests with remote KV (accepted params)
-        self._allocated: set[str] = set()  # of those, blocks allocated (first update_state_after_alloc)
-        self._awaited: set[str] = set()  # of those, the recv is awaited
-        self._recv_reported: set[str] = set()  # awaited recvs vLLM was told are finished
-        self._running: set[str] = set()  # of those, scheduled since (the plane was told)
-        self._dumps: list[DumpKV] = []
-        self._local_hit: dict[str, int] = {}  # D: tokens of the prompt D had cached (the read starts there)
-        self._recv_failed: set[str] = set()
-        self._turn2: dict[str, int] = {}  # P: next-turn requests reading a decoder's hold -> tokens to read
+        self._dumps: list[DumpKV] = []  # this step's, for the workers
         self.counters: Counter = Counter()
+        # The engine's calls as its machines took them (kvplane_event_log).
+        self._log_stream: TextIO | None = None
+        self.log_writer: EventLogWriter | None = None
+        self._log_flushed_at = 0.0
+        if settings.event_log is not None:
+            self._log_stream = open(scheduler_log_path(settings.event_log), "w", encoding="utf-8")
+            self.log_writer = EventLogWriter.attach(self.sched.plane, self._log_stream, flush_every=4096)
+            self._log_stream.flush()
 
     # ------------------------------------------------------------ start-up
     def add_ranks(self, infos: dict[int, RankInfo]) -> None:
@@ -121,11 +140,6 @@ class VllmSchedulerSide:
             self._refuse("kvplane_refused_params", "kvplane: request %s: unexpected %s on its kv_transfer_params "
                          "(%s); its prompt is computed locally", request.request_id, type(exc).__name__, exc)
             self._serve_anyway(request, turn2)
-            return
-        if remote or turn2:
-            self._remote.add(request.request_id)
-        if turn2:
-            self._turn2[request.request_id] = int(translated["remote_num_tokens"])
 
     def _refused(self, request: Any, exc: BadTransferParams, turn2: bool) -> None:
         self.counters["bad_transfer_params"] += 1
@@ -190,106 +204,92 @@ class VllmSchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
-        if rid not in self._remote or rid in self._allocated:
-            return 0, False
-        if num_computed_tokens:
+        tokens, load_async = self.sched.get_num_new_matched_tokens(rid, request.num_prompt_tokens,
+                                                                   num_computed_tokens)
+        if load_async and num_computed_tokens:
             self.counters["prefix_hits"] += 1
-        self._local_hit[rid] = num_computed_tokens
-        # A next turn reads the held prefix only; vLLM computes the rest.
-        tokens = min(self._turn2.get(rid, request.num_prompt_tokens), request.num_prompt_tokens)
-        return self.sched.get_num_new_matched_tokens(rid, tokens, num_computed_tokens)
+        return tokens, load_async
 
     def update_state_after_alloc(self, request: Any, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
         """``block_ids``: the newly allocated blocks the remote tokens go into
         (vLLM: the unhashed blocks of the one group), empty when there is
-        nothing to load.  vLLM calls again after the recv: ignored."""
-        rid = request.request_id
-        if rid not in self._remote or rid in self._allocated:
-            return
-        self._allocated.add(rid)
-        if num_external_tokens > 0:
-            self._awaited.add(rid)
+        nothing to load.  vLLM calls again after the recv: the machine
+        ignores it."""
+        out = self.sched.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
+        if any(isinstance(a, C.SendLoad) for a in out):
             tag = self._dump_tag(request, request.kv_transfer_params or {})
             if tag is not None and block_ids:
                 # What the read brings, saved when it is done, before D writes anything.
-                self._dumps.append(DumpKV(request_id=rid, tag=f"{tag}.recv", block_ids=block_ids, num_tokens=0,
-                                          holds_blocks=False, when="recv"))
-        else:
+                self._dumps.append(DumpKV(request_id=request.request_id, tag=f"{tag}.recv", block_ids=block_ids,
+                                          num_tokens=0, holds_blocks=False, when="recv"))
+        elif any(isinstance(a, C.SendNotifyOnly) for a in out):
             self.counters["full_prefix_hits"] += 1
-        self.sched.update_state_after_alloc(rid, block_ids if num_external_tokens > 0 else (),
-                                            num_external_tokens)
 
     def build_step(self, scheduled_ids: list[str]) -> SchedulerStep:
         for rid in scheduled_ids:
-            if rid in self._recv_reported and rid not in self._running:
-                self.sched.request_running(rid)
-                self._running.add(rid)
+            self.sched.request_running(rid)
         dumps, self._dumps = tuple(self._dumps), []
-        return SchedulerStep(meta=self.sched.build_connector_meta(), dumps=dumps)
+        step = SchedulerStep(meta=self.sched.build_connector_meta(), dumps=dumps)
+        now = time.monotonic()
+        if self.log_writer is not None and now - self._log_flushed_at >= LOG_FLUSH_EVERY_S:
+            self._log_flushed_at = now
+            self.log_writer.flush()
+        return step
+
+    def shutdown(self) -> None:
+        """Write out and close the event log."""
+        if self.log_writer is not None:
+            self.log_writer.close()
+            self.log_writer = None
+        if self._log_stream is not None:
+            self._log_stream.close()
+            self._log_stream = None
 
     def request_finished(self, request: Any, block_ids: tuple[int, ...]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         normal = getattr(request.status, "name", str(request.status)) in FINISHED_NORMALLY
-        if rid in self._remote:
-            self._remote.discard(rid)
-            turn2 = self._turn2.pop(rid, None) is not None
-            awaited = rid in self._awaited
-            self._awaited.discard(rid)
-            if rid not in self._allocated:
-                # Aborted before it was scheduled: an unawaited empty recv, so the
-                # worker tells P to free now; vLLM awaits nothing.
-                self.counters["aborted_before_alloc"] += 1
-                self.sched.update_state_after_alloc(rid, (), 0)
-                if turn2:
-                    self.sched.abort(rid)  # serves nobody
-                self.sched.request_finished(rid, ())
-                return False, None
-            self._allocated.discard(rid)
-            if awaited and rid not in self._recv_reported:
-                # Still awaited: abort the recv; it is reported (failed), and vLLM
-                # frees the blocks then.
-                self.counters["aborted_awaited_recv"] += 1
-                self.sched.abort(rid)
-                return False, None
-            self._recv_reported.discard(rid)
-            self._running.discard(rid)
-            read_ok = rid not in self._recv_failed
-            self._recv_failed.discard(rid)
-            first = self._local_hit.pop(rid, 0)
-            if turn2:
-                # P's next turn: its read is over; it serves D's read-back like a prefill.
-                if not normal or not block_ids:
-                    self.sched.abort(rid)
-                    self.sched.request_finished(rid, block_ids)
-                    return False, None
-                delay, out = self.sched.request_finished(rid, block_ids, reader_tp=self.settings.reader_tp)
-                if out is None:
-                    return False, None
-                self._maybe_dump(request, block_ids, params, normal, holds_blocks=False, first_read_token=first,
-                                 read_ok=read_ok)
-                return delay, self._vouch(request, out)
-            hold = self.settings.bidirectional and normal
-            held = self._held_blocks(request, block_ids) if hold else block_ids
-            delay, out = self.sched.request_finished(rid, held, hold_for_next_turn=hold,
-                                                     reader_tp=self.settings.reader_tp)
-            if out is not None:
-                self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok,
-                                 holds_blocks=False)
-                self._dump_hold(request, held, params)
-                return delay, self._vouch(request, out)
-            return self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok)
-        if params.get("do_remote_decode"):
-            if not normal or not block_ids:
-                self.sched.abort(rid)
-                return False, None
-            delay, out = self.sched.request_finished(rid, block_ids, reader_tp=self.settings.reader_tp)
+        inst = self.sched.request(rid)
+        if inst is None:  # no remote KV (or refused params): vLLM frees as usual
+            return self._maybe_dump(request, block_ids, params, normal)
+        state, first, context = inst.state, inst.local_hit, inst.context
+        read_ok = rid not in self.sched.fail_reasons
+        reader_tp = self.settings.reader_tp
+        if context is None or context.remote is None:  # P: a lease for the reader, finished normally with blocks
+            delay, out = self.sched.request_finished(rid, block_ids, reader_tp=reader_tp,
+                                                     normal=normal and bool(block_ids))
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False)  # the lease holds them
             self.push.granted(rid)
             return delay, self._vouch(request, out)
-        return self._maybe_dump(request, block_ids, params, normal)
+        if state == EngineState.QUEUED:
+            # Aborted before it was scheduled: the ranks tell P to free now; vLLM awaits nothing.
+            self.counters["aborted_before_alloc"] += 1
+        elif state in (EngineState.AWAITING_RECV, EngineState.OVERDUE):
+            # Still awaited: the recv is aborted and reported (failed); vLLM frees the blocks then.
+            self.counters["aborted_awaited_recv"] += 1
+        if context.serve:
+            # P's next turn: its read is over; it serves D's read-back like a prefill.
+            delay, out = self.sched.request_finished(rid, block_ids, reader_tp=reader_tp,
+                                                     normal=normal and bool(block_ids))
+            if out is None:
+                return False, None
+            self._maybe_dump(request, block_ids, params, normal, holds_blocks=False, first_read_token=first,
+                             read_ok=read_ok)
+            return delay, self._vouch(request, out)
+        hold = self.settings.bidirectional and normal
+        held = self._held_blocks(request, block_ids) if hold else block_ids
+        delay, out = self.sched.request_finished(rid, held, hold_for_next_turn=hold, reader_tp=reader_tp,
+                                                 normal=normal)
+        if out is not None:
+            self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok,
+                             holds_blocks=False)
+            self._dump_hold(request, held, params)
+            return delay, self._vouch(request, out)
+        if state not in (EngineState.RECV_DONE, EngineState.RECV_FAILED, EngineState.RUNNING, EngineState.LOCAL):
+            return False, None  # its recv never ran, or is aborted now: nothing to dump
+        return self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok)
 
     def _held_blocks(self, request: Any, block_ids: tuple[int, ...]) -> tuple[int, ...]:
         """The blocks of the tokens D computed (the ones its hold vouches for):
@@ -378,18 +378,16 @@ class VllmSchedulerSide:
         return {k: v for k, v in delta.items() if v}
 
     # ------------------------------------------------------------ worker results
-    def update_from_workers(self, reports: list[WorkerReport], finished_recving: set[str]) -> None:
-        """One step's worker reports (vLLM: the aggregated worker meta) and
-        the recvs vLLM was told are finished (its aggregated set)."""
+    def update_from_workers(self, reports: list[WorkerReport]) -> None:
+        """One step's worker reports (vLLM: the aggregated worker meta): the
+        machine's RecvFinished / SendingFinished once every rank reported.
+        vLLM acts on the workers' own sets (its aggregator); the scheduler's
+        engine-level sets are the main job's, dropped here."""
         for report in reports:
             self.sched.update_from_worker(report)
             self.push.sent(report.finished_sending)
-            self._recv_failed |= report.failed_recving & self._awaited
-        self.sched.get_finished()  # vLLM acts on the workers' own sets; these only keep the books
+        self.sched.get_finished()
         self.sched.take_load_error_blocks()
-        for rid in finished_recving:
-            if rid in self._awaited:
-                self._recv_reported.add(rid)
 
 
 def _registered(v: Vouched) -> dict[str, Any]:

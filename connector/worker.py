@@ -62,15 +62,18 @@ def recv_failure_reason(event_name: str, label: str, before: str | None) -> Recv
 
 
 class ConnectorWorker:
-    def __init__(self, driver: PlaneDriver, *, rank: int = 0, tp_size: int = 1):
+    def __init__(self, driver: PlaneDriver, *, rank: int = 0, tp_size: int = 1, rank_names: bool = True):
         """The worker observes the plane (``ControlPlane.observe``) to learn
-        why recvs fail."""
+        why recvs fail.  ``rank_names``: a remote engine's ranks are
+        ``"<engine>/tp<r>"`` (the split's); False for the single-process
+        facades, whose peers are plain engines (TP 1)."""
         TpMapping(tp_size, tp_size)  # a valid TP size
         if not 0 <= rank < tp_size:
             raise ValueError(f"rank {rank} out of range for TP {tp_size}")
         self.driver = driver
         self.rank = rank
         self.tp_size = tp_size
+        self.rank_names = rank_names
         self._subs: dict[str, tuple[str, ...]] = {}  # request -> its decode requests on this rank
         self._parent: dict[str, str] = {}  # decode request -> request
         self._results: dict[str, dict[str, bool]] = {}  # request -> reported decode requests -> ok
@@ -189,7 +192,7 @@ class ConnectorWorker:
         subs = []
         for src in sources:
             sub = rid if len(sources) == 1 else f"{rid}@tp{src.holder_rank}"
-            engine = rank_engine_id(rk.remote_engine_id, src.holder_rank)
+            engine = rank_engine_id(rk.remote_engine_id, src.holder_rank) if self.rank_names else rk.remote_engine_id
             self.driver.learn_engine(engine, rk.rank_side_channel(src.holder_rank), rk.remote_public_key)
             if not (src.remote.whole and src.local.whole):
                 self.driver.parts[sub] = ((src.remote.index, src.remote.of), (src.local.index, src.local.of))

@@ -5,8 +5,10 @@ Events are the engine's calls (``KVConnectorBase_V1``'s scheduler-side
 methods, plus the workers' aggregated per-step reports); actions are what
 the connector answers the engine (a return value) or sends every worker
 rank (a record of ``connector.records.StepMeta``).  They are kept apart
-from ``events`` / ``actions`` (the plane's alphabet, which its event log
-names) until the ``engine_request`` machine is run by the scheduler half.
+from ``events`` / ``actions`` (the plane's alphabet): the scheduler half
+(``connector.scheduler``) runs them in a plane of its own and writes its
+own event log, which ``eventlog`` reads with ``ENGINE_EVENTS`` /
+``ENGINE_ACTIONS`` beside the plane's names.
 
 Resources are the engine's obligations:
 
@@ -28,7 +30,7 @@ from typing import ClassVar, Iterable
 
 import attrs
 
-from .base import Action, Event
+from .base import Action, Event, declared
 
 MACHINE = "engine_request"
 
@@ -69,6 +71,9 @@ class EngineAllocated(Event):
     request_id: str
     block_ids: tuple = attrs.field(converter=_ids, default=())
     num_external_tokens: int = 0
+    # Awaited even with nothing to load: an embedder that waits for the
+    # ranks' notify of a full-prefix hit (the main job's await_full).
+    awaiting: bool = False
     machine: ClassVar[str] = MACHINE
 
 
@@ -94,12 +99,24 @@ class EnginePreempted(Event):
 class EngineFinished(Event):
     """request_finished: ``normal`` when it finished producing output
     (length-capped or stopped), not aborted or failed; ``hold_for_next_turn``
-    when D keeps the blocks for a bidirectional turn 2."""
+    when D keeps the blocks for a bidirectional turn 2; ``serve_remote_decode``
+    when a reader (P's turn 2) now serves a remote decode of its blocks."""
 
     request_id: str
     normal: bool = True
     block_ids: tuple = attrs.field(converter=_ids, default=())
     hold_for_next_turn: bool = False
+    serve_remote_decode: bool = False
+    machine: ClassVar[str] = MACHINE
+
+
+@attrs.define(slots=True, unsafe_hash=True, kw_only=True)
+class EngineLeaseAbort(Event):
+    """The embedder frees blocks it keeps under a lease or hold now (the
+    main job, once the other side is gone): the ranks end the lease and
+    report it sent."""
+
+    request_id: str
     machine: ClassVar[str] = MACHINE
 
 
@@ -216,3 +233,9 @@ class FlagOverdue(Action, frozen=True):
 
     request_id: str
     what: str
+
+
+# The alphabet's classes by name (the event log reads the scheduler side's
+# lines with these, beside the plane's).
+ENGINE_EVENTS: dict[str, type[Event]] = declared(Event, __name__)
+ENGINE_ACTIONS: dict[str, type[Action]] = declared(Action, __name__)

@@ -50,6 +50,7 @@ from .actions import ALL_ACTIONS
 from .base import Action, ArmTimer, CancelTimer, Event
 from .base import fields as class_fields
 from .base import runs_code_when_built
+from .engine_calls import ENGINE_ACTIONS, ENGINE_EVENTS
 from .config import PlaneConfig
 from .events import ALL_EVENTS
 from .machine import timer_action
@@ -58,7 +59,9 @@ from .observe import Step, Stimulus, cascade_effects, stimulus_actions
 LOG_VERSION = 1
 
 # Every action class, internal timer actions included, by name.
-ACTION_TYPES: dict[str, type] = {**ALL_ACTIONS, "ArmTimer": ArmTimer, "CancelTimer": CancelTimer}
+ACTION_TYPES: dict[str, type] = {**ALL_ACTIONS, **ENGINE_ACTIONS, "ArmTimer": ArmTimer, "CancelTimer": CancelTimer}
+# Every event a line may name: the plane's, and the scheduler half's (engine_calls).
+LOG_EVENTS: dict[str, type] = {**ALL_EVENTS, **ENGINE_EVENTS}
 
 
 class EventLogError(ValueError):
@@ -964,7 +967,7 @@ class _LineChecker:
         else:
             seq = n  # hand-written logs may omit it
         data = obj.get("data", {})
-        event = build(ALL_EVENTS, name, data, n, "event")
+        event = build(LOG_EVENTS, name, data, n, "event")
         recorded = "state_after" in obj or "actions" in obj
         actions = obj.get("actions")
         if recorded:

@@ -23,7 +23,7 @@ import attrs
 
 from .config import PlaneConfig
 from .eventlog import EventLog, read_log
-from .machines import MACHINES
+from .machines import LOGGED_MACHINES
 from .replay import ReplayResult, replay
 from .machine import Machine
 from .observe import Step
@@ -38,7 +38,7 @@ COLD_KINDS = frozenset({"heartbeat"})
 def obligations(machines: dict[str, Machine] | None = None) -> dict[str, dict[str, frozenset[str]]]:
     """kind -> state -> hot resources held there (from the specs' ``holds``)."""
     out: dict[str, dict[str, frozenset[str]]] = {}
-    for kind, m in (machines or MACHINES).items():
+    for kind, m in (machines or LOGGED_MACHINES).items():
         if kind in COLD_KINDS:
             continue
         out[kind] = {s.name: frozenset(s.holds) - COLD for s in m.spec.states if frozenset(s.holds) - COLD}

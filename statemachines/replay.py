@@ -33,7 +33,7 @@ from .base import TimerFired
 from .config import PlaneConfig
 from .eventlog import EventLog, EventLogError, LogRecord, LogStream, action_json, read_log, same_actions
 from .events import EngineAcquire, EngineRelease
-from .machines import MACHINES
+from .machines import LOGGED_MACHINES
 from .machines.heartbeat import KIND as HEARTBEAT
 from .plane import ControlPlane
 from .machine import Machine
@@ -149,7 +149,7 @@ def replay(source, config: PlaneConfig | None = None, *, machines: dict[str, Mac
     cfg = config or log_config or PlaneConfig()
     result = ReplayResult(config=cfg)
     counts = _Counts(result, observer)
-    table = dict(machines or MACHINES)
+    table = dict(machines or LOGGED_MACHINES)
     # Observing a transition costs a Step: without a caller's observer only
     # the kinds the counts read are observed.
     watched = table if observer is not None else {k: m for k, m in table.items() if k in _Counts.KINDS}

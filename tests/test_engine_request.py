@@ -29,6 +29,7 @@ BY_GUARD = {
     ER.hold_for_next_turn: C.EngineFinished(request_id=RID, normal=True, block_ids=(4, 5, 6),
                                             hold_for_next_turn=True),
     ER.recv_ok: C.RecvFinished(request_id=RID, ok=True),
+    ER.serves: C.EngineFinished(request_id=RID, normal=True, block_ids=(4, 5, 6), serve_remote_decode=True),
 }
 PLAIN = {
     C.EngineNewRequest: C.EngineNewRequest(request_id=RID),
@@ -39,6 +40,7 @@ PLAIN = {
     C.EngineFinished: C.EngineFinished(request_id=RID, normal=False, block_ids=(4, 5, 6)),
     C.RecvFinished: C.RecvFinished(request_id=RID, ok=False),
     C.SendingFinished: C.SendingFinished(request_id=RID),
+    C.EngineLeaseAbort: C.EngineLeaseAbort(request_id=RID),
 }
 
 # How to reach each state with the engine's calls ("timer": its deadline fires).
@@ -330,7 +332,7 @@ def test_preempted_after_its_recv_it_loads_nothing_again():
 
 def test_the_alphabet_is_the_engine_calls_and_the_reports():
     calls = {C.EngineNewRequest, C.EngineMatched, C.EngineAllocated, C.EngineScheduled, C.EnginePreempted,
-             C.EngineFinished}
+             C.EngineFinished, C.EngineLeaseAbort}
     assert set(ER.SPEC.events) == calls | {C.RecvFinished, C.SendingFinished, TimerFired}
     assert all(e.machine == "engine_request" for e in calls | {C.RecvFinished, C.SendingFinished})
     assert ER.SPEC.created_by == (C.EngineNewRequest,)

@@ -65,7 +65,7 @@ class Engine:
         self.recving |= recving
         self.failed |= failed
         report = self.worker.take_report()
-        self.sched.update_from_workers([report] if report else [], recving)
+        self.sched.update_from_workers([report] if report else [])
 
     @property
     def driver(self):
@@ -96,7 +96,7 @@ class Deployment:
         d.sched.on_new_request(a)
         n, load_async = d.sched.get_num_new_matched_tokens(a, 0)
         if n == 0:
-            assert not load_async and rid not in d.sched._remote
+            assert not load_async and d.sched.sched.request(rid) is None  # refused: no machine
             d.sched.update_state_after_alloc(a, D_BLOCKS, 0)
             a.num_computed_tokens = TOKENS
             assert d.sched.request_finished(a, D_BLOCKS)[1] is None

@@ -196,7 +196,7 @@ def test_both_prefill_and_decode_flags_are_refused_and_leave_nothing(pd):
     p, d = pd
     params = dict(grant(p), do_remote_decode=True)
     assert not accepted(d, params)
-    assert d.sched._serve == {} and d.build_step([]).meta.empty
+    assert d.sched.plane.live()["engine_request"] == 0 and d.build_step([]).meta.empty
 
 
 def test_sign_and_verify_directly():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvplane.connector.param_auth import AUTH_KEY
-from kvplane.connector.records import RankInfo
+from kvplane.connector.records import RankInfo, WorkerReport
 from kvplane.connector.vllm_scheduler import VllmSchedulerSide
 from kvplane.connector.vllm_settings import settings_from
 from kvplane.statemachines.config import ConfigError
@@ -52,7 +52,7 @@ def hold(p: VllmSchedulerSide, d: VllmSchedulerSide) -> dict:
     d.on_new_request(a)
     assert d.get_num_new_matched_tokens(a, 0) == (len(PROMPT), True)
     d.update_state_after_alloc(a, (5, 6, 7), len(PROMPT))
-    d.update_from_workers([], {"t1d"})
+    d.update_from_workers([WorkerReport(rank=0, finished_recving={"t1d"})])
     d.build_step(["t1d"])
     a.num_computed_tokens = len(PROMPT) + len(ANSWER) - 1
     delay, held = d.request_finished(a, (5, 6, 7, 8, 9))  # one block more than the tokens need
@@ -81,7 +81,7 @@ def test_d_holds_in_nixl_keys_and_p_reads_the_whole_blocks_of_the_prefix(tmp_pat
     (new,) = p.build_step([]).meta.new_requests
     assert new.remote.remote_block_ids == (5, 6, 7) and new.remote.remote_renewable is False
     p.update_state_after_alloc(r, (11, 12, 13), n)
-    p.update_from_workers([], {"t2p"})
+    p.update_from_workers([WorkerReport(rank=0, finished_recving={"t2p"})])
     p.build_step(["t2p"])
     r.num_computed_tokens = len(prompt2)
     delay, back = p.request_finished(r, (11, 12, 13, 14, 15, 16))

@@ -7,7 +7,7 @@ import pytest
 
 from kvplane.connector.kv_dump import DUMP_KEY
 from kvplane.connector.params import BadTransferParams
-from kvplane.connector.records import RankInfo
+from kvplane.connector.records import RankInfo, WorkerReport
 from kvplane.connector.vllm_params import from_vllm, to_vllm
 from kvplane.connector.vllm_scheduler import VllmSchedulerSide
 from kvplane.connector.vllm_settings import settings_from
@@ -127,7 +127,7 @@ def test_awaited_recv_runs_only_after_vllm_heard_of_it():
     assert [n.request_id for n in step.meta.new_requests] == ["a"]
     assert [(ld.request_id, ld.block_ids, ld.awaiting) for ld in step.meta.loads] == [("a", (7, 8, 9), True)]
     assert step.meta.running == ()  # scheduled ids before the recv is reported are not "running"
-    d.update_from_workers([], {"a"})
+    d.update_from_workers([WorkerReport(rank=0, finished_recving={"a"})])
     assert d.build_step(["a"]).meta.running == ("a",)
     assert d.build_step(["a"]).meta.running == ()  # once
     delay, params = d.request_finished(r, (7, 8, 9, 10))

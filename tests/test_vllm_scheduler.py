@@ -10,11 +10,11 @@ statuses, block pool, outputs) and, where the plane's answer is what proves
 a behaviour, on the records the scheduler half sends the ranks.  D's
 params always come from P's own ``request_finished``.  Every test ends
 with vLLM told of each recv and each send at most once (a second report
-trips an assertion of vLLM's engine core), and with the ``engine_request``
-machine, run as a shadow on the same calls (``engine_shadow``), having
-answered and sent exactly what the connector did.
+trips an assertion of vLLM's engine core), with the scheduler half's
+``engine_request`` machines having refused no call or report, and with its
+event log replaying to the same actions.
 
-Needs vLLM (skipped with the reason without it); 15-35 s here, vLLM's
+Needs vLLM (skipped with the reason without it); 30-60 s here, vLLM's
 import included.
 """
 from __future__ import annotations
@@ -36,6 +36,13 @@ if importlib.util.find_spec("vllm") is not None:
 
     from kvplane.connector.records import RecvFailure, WorkerReport
     from kvplane.connector.vllm import KVPlaneWorkerMeta
+    from kvplane.app import sequence_model
+    from kvplane.app.checks import cmd_check_log, cmd_replay
+    from kvplane.app.sequence_mermaid import check as check_mermaid
+    from kvplane.app.sequence_mermaid import render as render_sequence
+    from kvplane.app.sequence_model import SideLog
+    from kvplane.statemachines.eventlog import read_log
+    from kvplane.statemachines.replay import replay
 
 PROMPT = 40  # tokens: 3 blocks of 16 (the last one partial)
 
@@ -60,8 +67,13 @@ def engines(clock):
         engine.close()
     for engine in made:
         assert engine.told_once(), (engine.name, engine.seen_recving, engine.seen_failed, engine.seen_sending)
-        # The engine_request machine, fed the same calls, answered and sent the same.
-        assert engine.shadow.mismatches == [], (engine.name, engine.shadow.mismatches)
+        # The scheduler half's machines took every call and report the engine made.
+        assert list(engine.side.sched.plane.anomalies) == [], (engine.name, list(engine.side.sched.plane.anomalies))
+        # Its event log replays: the machines make the same actions again.
+        lines = engine.log.lines() if engine.log is not None else []
+        if len(lines) > 1:  # beyond its config header
+            replayed = replay(lines)
+            assert replayed.divergence is None, (engine.name, str(replayed.divergence))
 
 
 def settle(clock, engines, seconds, until, dt=0.05) -> bool:
@@ -149,6 +161,38 @@ def test_a_repeated_update_state_after_alloc_loads_nothing_twice(engines, clock)
     assert calls[0] == PROMPT and len(calls) >= 2 and calls[1:] == [0] * (len(calls) - 1)
     assert len(d.records("loads")) == 1 and d.records("running") == ["d-r1"]
     assert d.empty()
+
+
+def test_the_scheduler_half_logs_the_engine_calls_and_its_log_replays(engines, clock, tmp_path):
+    _, p, d = engines(d_extra={"kvplane_event_log": str(tmp_path / "d.{rank}.jsonl")})
+    decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    d.step()
+    assert settle(clock, (p, d), 2, lambda: d.empty() and p.empty())
+    d.connector.shutdown()  # vLLM's Scheduler.shutdown: the log is written out
+    path = tmp_path / "d.scheduler.jsonl"
+    log = read_log(str(path))
+    assert [type(r.event).__name__ for r in log.records] == [
+        "EngineNewRequest", "EngineMatched", "EngineAllocated", "RecvFinished", "EngineAllocated", "EngineScheduled",
+        "EngineFinished"]
+    assert all(r.machine == "engine_request:d-r1" for r in log.records)
+    assert log.records[-1].state_after == "ENDED"
+    assert cmd_replay(str(path)) == 0 and cmd_check_log(str(path)) == 0
+    # Drawn beside the wire messages: the engine calls D's scheduler half, which answers and tells the ranks.
+    diagram = sequence_model.build({"D": SideLog("D", log.records)})
+    assert diagram.participants[-1].id == "D_engine"
+    calls = [a.text for a in diagram.arrows if a.kind == "engine"]
+    assert calls[0].startswith("NewRequest d-r1; ranks: SendNewRemote") and "Matched d-r1 → Matched" in calls[1]
+    assert any(c.startswith("finished_recving d-r1") for c in calls)
+    check_mermaid(render_sequence(diagram))
+    # The machine decides again on replay: a tampered call gets other answers.
+    lines = path.read_text().splitlines()
+    (i,) = [n for n, line in enumerate(lines) if '"EngineMatched"' in line]
+    lines[i] = lines[i].replace('"num_computed_tokens":0', '"num_computed_tokens":16')
+    tampered = replay(lines).divergence
+    assert tampered is not None and tampered.what == "actions"
+    (tmp_path / "tampered.jsonl").write_text("\n".join(lines) + "\n")
+    assert cmd_replay(str(tmp_path / "tampered.jsonl")) == 1
 
 
 # ------------------------------------------------------------------ remote decode (P)

@@ -63,7 +63,7 @@ class Engine:
         self.finished["recving"] |= recving
         self.finished["failed"] |= failed
         report = self.worker.take_report()
-        self.sched.update_from_workers([report] if report else [], recving)
+        self.sched.update_from_workers([report] if report else [])
 
 
 @pytest.fixture

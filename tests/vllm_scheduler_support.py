@@ -44,7 +44,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvplane.connector.vllm import KVPlaneConnector, KVPlaneHandshake, KVPlaneMetadata, KVPlaneWorkerMeta
 
-from engine_shadow import EngineShadow
+from kvplane.statemachines.eventlog import MemoryLog
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -141,7 +141,12 @@ class Engine:
         self.connector = connector
         self.side = connector.scheduler_side
         self.side.sched.clock = clock  # the lease expiry it states, in the ranks' clock
-        self.shadow = EngineShadow(connector, clock)  # the engine_request machine beside the connector
+        # The scheduler half's event log (the engine's calls as its machine took them).
+        # (in memory unless the engine writes it: kvplane_event_log).
+        self.log: MemoryLog | None = None
+        if self.side.log_writer is None:
+            self.log = MemoryLog(config=connector.settings.plane)
+            self.side.sched.plane.recorder = self.log
         self.workers: list[ConnectorWorker] = []
         self.kv: list[torch.Tensor] = []
         for r in range(tp):
@@ -259,9 +264,12 @@ def through_the_wire(record: Any) -> Any:
 
 
 def engine_pair(clock, *, p_tp: int = 1, d_tp: int = 1, policy: str = "fail", d_blocks: int = NUM_BLOCKS,
-                **kw) -> tuple[LoopbackFabric, Engine, Engine]:
+                d_extra: dict | None = None, **kw) -> tuple[LoopbackFabric, Engine, Engine]:
+    """``d_extra``: D's own kv_connector_extra_config keys (beside ``extra``, both's)."""
     fabric = LoopbackFabric()
     pk, dk = zmq.curve_keypair(), zmq.curve_keypair()
     p = Engine(fabric, "P", clock, tp=p_tp, policy=policy, keypair=pk, peers={"D": dk[0]}, **kw)
+    if d_extra:
+        kw = dict(kw, extra={**kw.get("extra", {}), **d_extra})
     d = Engine(fabric, "D", clock, tp=d_tp, policy=policy, keypair=dk, peers={"P": pk[0]}, num_blocks=d_blocks, **kw)
     return fabric, p, d

@@ -31,14 +31,14 @@ watchdog that flags it, never frees it.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
 from ..base import Instance, TimerFired
 from ..emit import emits
 from ..engine_calls import (
-    AnswerDelayFree, AnswerFinished, AnswerMatched, EngineAllocated, EngineFinished, EngineMatched,
+    AnswerDelayFree, AnswerFinished, AnswerMatched, EngineAllocated, EngineFinished, EngineLeaseAbort, EngineMatched,
     EngineNewRequest, EnginePreempted, EngineScheduled, FlagOverdue, GrantLease, RecvFinished, SendAbort,
     SendFinish, SendingFinished, SendLeaseAbort, SendLoad, SendNewRemote, SendNotifyOnly, SendRunning,
 )
@@ -55,11 +55,21 @@ class EngineRequest(Instance):
     KIND: ClassVar[str] = "engine_request"
     block_ids: tuple = ()
     num_external_tokens: int = 0
+    # The prompt tokens the engine had computed when it asked (its local
+    # prefix hit: the read starts there).
+    local_hit: int = 0
     # When the machine steps in (the state's deadline; moved on each stage).
     bound: float = 0.0
+    # The embedder's inputs for the records it builds from the actions (the
+    # remote's params); never read by the table, not compared, not logged.
+    context: Any = attrs.field(default=None, eq=False)
 
 
 # ----------------------------------------------------------------- effects
+def _matched(r: EngineRequest, ev: EngineMatched, cfg, now) -> None:
+    r.local_hit = ev.num_computed_tokens
+
+
 def _awaiting(r: EngineRequest, ev: EngineAllocated, cfg, now) -> None:
     """Keep the allocation; the ranks report the recv by now + recv_timeout."""
     r.block_ids = ev.block_ids
@@ -101,8 +111,13 @@ def producer(r, ev: EngineNewRequest, cfg, now) -> bool:
 
 
 def external_tokens(r, ev: EngineAllocated, cfg, now) -> bool:
-    """tokens to load > 0"""
-    return ev.num_external_tokens > 0
+    """tokens to load > 0, or awaited anyway"""
+    return ev.num_external_tokens > 0 or ev.awaiting
+
+
+def serves(r, ev: EngineFinished, cfg, now) -> bool:
+    """finished normally, with blocks, serving a remote decode"""
+    return ev.normal and ev.serve_remote_decode and bool(ev.block_ids)
 
 
 def leased(r, ev: EngineFinished, cfg, now) -> bool:
@@ -252,7 +267,7 @@ STATES = (
 )
 
 EVENTS = (EngineNewRequest, EngineMatched, EngineAllocated, EngineScheduled, EnginePreempted, EngineFinished,
-          RecvFinished, SendingFinished, TimerFired)
+          RecvFinished, SendingFinished, TimerFired, EngineLeaseAbort)
 
 CALLS = EVENTS[1:6]  # the engine's calls after on_new_request
 AFTER_RECV = [S.RECV_DONE, S.RECV_FAILED, S.RUNNING]
@@ -263,13 +278,15 @@ NOT_HELD = [s for s in S if s not in (S.NEW, S.HELD, S.LEASED, S.FREEING, S.ENDE
 TABLE = rows(
     on(S.NEW, EngineNewRequest, S.QUEUED, send_new_remote, when=consumer),
     on(S.NEW, EngineNewRequest, S.PREFILLING, when=producer),
-    error(S.NEW, EngineNewRequest, "a request without remote KV has no engine machine"),
+    # Neither role: the engine computes it alone; nothing to keep (the
+    # plane's creation rule: every creating row is a transition).
+    on(S.NEW, EngineNewRequest, S.ENDED),
     error(S.NEW, CALLS, "no call precedes on_new_request"),
     error(S.NEW, [RecvFinished, SendingFinished], "a report for a request the engine never sent"),
     error([s for s in S if s not in (S.NEW, S.ENDED)], EngineNewRequest, "on_new_request twice"),
 
     # ---- consumer: allocation decides what the engine awaits.
-    on(S.QUEUED, EngineMatched, S.QUEUED, answer_remote_tokens),
+    on(S.QUEUED, EngineMatched, S.QUEUED, answer_remote_tokens, do=_matched),
     on(S.QUEUED, EngineAllocated, S.AWAITING_RECV, send_load, when=external_tokens, do=_awaiting,
        acquires={"recv_report"}),
     on(S.QUEUED, EngineAllocated, S.LOCAL, send_notify_only),
@@ -300,10 +317,14 @@ TABLE = rows(
     error([S.RECV_DONE, S.RECV_FAILED], EnginePreempted, "only a running request is preempted"),
     ignore([S.RUNNING, S.LOCAL, S.PREFILLING], EnginePreempted,
            "computed again by the engine from scratch; nothing to load again, nothing granted yet"),
-    *(rows(on(s, EngineFinished, S.HELD, send_finish, grant_hold, answer_delay_free, when=hold_for_next_turn,
+    # A reader that serves a remote decode once done (P's turn 2): its
+    # blocks go under a lease like a prefill's.
+    *(rows(on(s, EngineFinished, S.LEASED, send_finish, grant_lease, answer_delay_free, when=serves, do=_leased),
+           on(s, EngineFinished, S.HELD, send_finish, grant_hold, answer_delay_free, when=hold_for_next_turn,
               do=_held),
            on(s, EngineFinished, S.ENDED, send_finish, answer_free_now))
       for s in AFTER_RECV),
+    on(S.LOCAL, EngineFinished, S.LEASED, grant_lease, answer_delay_free, when=serves, do=_leased),
     on(S.LOCAL, EngineFinished, S.ENDED, answer_free_now),
 
     # ---- producer: finished normally, its blocks go under a lease.
@@ -316,6 +337,11 @@ TABLE = rows(
     on(S.LEASED, TimerFired, S.LEASED, flag_lease_overdue, do=_watch_again),
     on(S.FREEING, TimerFired, S.FREEING, flag_lease_overdue, do=_grace),
     error(ENGINE_DONE, CALLS, "a call after request_finished"),
+    # The embedder frees a lease or hold early (its readers are gone).
+    on([S.HELD, S.LEASED], EngineLeaseAbort, S.FREEING, send_lease_abort, do=_grace),
+    ignore(S.FREEING, EngineLeaseAbort, "already aborted on the ranks"),
+    error([s for s in S if s not in (S.HELD, S.LEASED, S.FREEING, S.ENDED)], EngineLeaseAbort,
+          "no lease or hold to abort"),
 
     # ---- reports nothing awaits: the engine core would trip on them.
     error(NOT_AWAITED, RecvFinished, "a recv reported that the engine does not await (or reported twice)"),
