@@ -23,8 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # The folders the wheel installs under kvplane/ (diagrams/ is data only).
 LAYERS = ("statemachines", "transport", "connector", "app", "diagrams")
-# What a wheel built for the base install may lack: the extras' packages.
-OPTIONAL = frozenset({"torch", "vllm", "nixl", "nixl_cu12", "nixl_cu13"})
+# What the base install may lack: the extras' packages (transitions: the reference extra).
+OPTIONAL = frozenset({"torch", "vllm", "nixl", "nixl_cu12", "nixl_cu13", "transitions"})
 
 
 def test_kvplane_links_every_layer_and_only_those():
