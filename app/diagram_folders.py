@@ -19,10 +19,14 @@ class DiagramsUnavailable(RuntimeError):
 
 def checkout_dir() -> Path | None:
     """The checkout's ``diagrams/`` when this code runs from a checkout
-    (app/ beside pyproject.toml and statemachines/), else None."""
-    root = Path(__file__).resolve().parent.parent
-    if (root / "pyproject.toml").is_file() and (root / "statemachines" / "__init__.py").is_file():
-        return root / "diagrams"
+    (app/ beside pyproject.toml and statemachines/), else None.  Searched
+    upwards, so that it holds at any depth of app/'s subpackages."""
+    here = Path(__file__).resolve()
+    for root in here.parents:
+        if (root / "app").is_dir() and here.is_relative_to(root / "app"):
+            if (root / "pyproject.toml").is_file() and (root / "statemachines" / "__init__.py").is_file():
+                return root / "diagrams"
+            return None
     return None
 
 

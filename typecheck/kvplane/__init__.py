@@ -1,1 +1,0 @@
-../../kvplane/__init__.py
