@@ -61,8 +61,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def _diagrams(args) -> int:
-    from kvplane.app import diagram_folders as folders
-    from kvplane.app import diagrams
+    from kvplane.app.offline import diagram_folders as folders
+    from kvplane.app.offline import diagrams
 
     try:
         if args.check:
@@ -97,19 +97,19 @@ def _diagrams(args) -> int:
 
 
 def _replay(args) -> int:
-    from kvplane.app.checks import cmd_replay
+    from kvplane.app.offline.checks import cmd_replay
 
     return cmd_replay(args.log, json_out=args.json)
 
 
 def _check_log(args) -> int:
-    from kvplane.app.checks import cmd_check_log
+    from kvplane.app.offline.checks import cmd_check_log
 
     return cmd_check_log(args.log, args.grace, json_out=args.json)
 
 
 def _explore(args) -> int:
-    from kvplane.app.checks import cmd_explore
+    from kvplane.app.offline.checks import cmd_explore
 
     return cmd_explore(args)
 
@@ -132,26 +132,26 @@ def _run(args) -> int:
             print("kvplane run: --engine vllm: vLLM is not installed: from the checkout, run scripts/install-vllm "
                   "(see docs/vllm.md)", file=sys.stderr)
             return 2
-        from kvplane.app.vllm_run import cmd_run_vllm
+        from kvplane.app.vllm.run import cmd_run_vllm
 
         return cmd_run_vllm(args)
     for flag in ("connector", "late_forward", "bidirectional", "late_turn2"):
         if hasattr(args, flag):
             print(f"kvplane run: --{flag.replace('_', '-')} needs --engine vllm", file=sys.stderr)
             return 2
-    from kvplane.app.orchestrator import cmd_run
+    from kvplane.app.job.orchestrator import cmd_run
 
     return cmd_run(args)
 
 
 def _proxy(args) -> int:
-    from kvplane.app.vllm_proxy import cmd_proxy
+    from kvplane.app.vllm.proxy import cmd_proxy
 
     return cmd_proxy(args)
 
 
 def _sequence(args) -> int:
-    from kvplane.app.sequence import cmd_sequence
+    from kvplane.app.sequence_diagrams.command import cmd_sequence
 
     return cmd_sequence(args)
 
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
     c.set_defaults(fn=_check_log)
 
-    from kvplane.app.checks import add_explore_arguments
+    from kvplane.app.offline.checks import add_explore_arguments
 
     e = sub.add_parser("explore", help="model-check the composed machines with faults (every interleaving up to a depth)", formatter_class=HelpFormatter,
                        description="Explore every interleaving of the composed P and D machines, with faults, up "
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_explore_arguments(e)
     e.set_defaults(fn=_explore)
 
-    from kvplane.app.options import add_placement_arguments, add_run_arguments
+    from kvplane.app.job.options import add_placement_arguments, add_run_arguments
 
     run = sub.add_parser("run", help="the main job: a prefill and a decode process exchanging KV over real NIXL",
                          formatter_class=HelpFormatter,
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement_arguments(run)
     run.set_defaults(fn=_run)
 
-    from kvplane.app.vllm_proxy import add_proxy_arguments
+    from kvplane.app.vllm.proxy import add_proxy_arguments
 
     px = sub.add_parser("proxy", help="a disaggregated-serving proxy for vLLM engines (P, then D)",
                         formatter_class=HelpFormatter,
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_arguments(px)
     px.set_defaults(fn=_proxy)
 
-    from kvplane.app.vllm_attack import add_attack_arguments, cmd_attack
+    from kvplane.app.vllm.attack import add_attack_arguments, cmd_attack
 
     at = sub.add_parser("attack", help="hostile requests straight to two vLLM engines' APIs (kvplane, nixl or both)",
                         formatter_class=HelpFormatter,
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_attack_arguments(at)
     at.set_defaults(fn=cmd_attack)
 
-    from kvplane.app.sequence import add_sequence_arguments
+    from kvplane.app.sequence_diagrams.command import add_sequence_arguments
 
     sq = sub.add_parser("sequence", help="both sides' event logs as one Mermaid sequence diagram",
                         formatter_class=p.formatter_class,

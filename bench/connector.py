@@ -3,7 +3,7 @@
 ``python -m bench connector`` (opt-in: four vLLM engines, minutes) or
 ``python -m bench.connector [--concurrency C ...] [--requests N ...] [--idle S] [--no-serve]``.
 
-Four real vLLM engines at once on the tiny model (``app.vllm_model``): a P/D
+Four real vLLM engines at once on the tiny model (``app.vllm.model``): a P/D
 pair with kvplane's connector and a P/D pair with vLLM's NixlConnector, both
 loaded from ``bench.connector_timed`` (each KVConnectorBase_V1 per-step method
 timed the same way, summed per engine step, written per step to a file).  P
@@ -151,7 +151,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _load(pair: dict, model: Path, prompts: list[list[int]], concurrency: int) -> tuple[list[float], int]:
-    from kvplane.app.vllm_proxy import disaggregated
+    from kvplane.app.vllm.proxy import disaggregated
 
     def one(prompt: list[int]) -> float:
         body = {"model": str(model), "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
@@ -192,9 +192,9 @@ def serve_bench(proxy_url: str, model: Path, out: Path, prompts: int, concurrenc
 def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: float, serve: bool,
             say: Any = print, json_path: str | None = None) -> dict[str, Any]:
     """Start the four engines, run the phases, stop them; the raw figures."""
-    from kvplane.app.vllm_engines import EngineProcess, EngineSpec, kvplane_secret_config, split_cores, wait_healthy
-    from kvplane.app.vllm_model import write_tiny_model
-    from kvplane.app.vllm_run import _free_ports
+    from kvplane.app.vllm.engines import EngineProcess, EngineSpec, kvplane_secret_config, split_cores, wait_healthy
+    from kvplane.app.vllm.model import write_tiny_model
+    from kvplane.app.vllm.run import _free_ports
 
     @attrs.frozen(kw_only=True)
     class TimedSpec(EngineSpec):
@@ -269,7 +269,7 @@ def _step_results(result: dict[str, Any], phases: list[Phase], dirs: dict) -> No
 
 
 def _serve_both(engines: dict, model: Path, work: Path, say: Any) -> dict:
-    from kvplane.app.vllm_run import _free_ports
+    from kvplane.app.vllm.run import _free_ports
 
     out: dict[str, Any] = {}
     for connector in CONNECTORS:

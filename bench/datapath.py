@@ -4,7 +4,7 @@ Runs the main job (default workload; ``--quick``: 16 requests) from this
 checkout and reads its summary: every transfer the ranks posted, timed from
 post to the poll that saw it done, and the bare NIXL READ of the same sizes
 that D's rank 0 makes beside them: one of each job READ's size, the next time it is idle
-(``app/bare_read.py``).
+(``app/job/bare_read.py``).
 """
 from __future__ import annotations
 

@@ -35,10 +35,10 @@ def run(quick: bool) -> list[Table]:
         return [Table(key="vllm.targets", title="targets: vllm", columns=["target", "measured", "goal", "met"],
                       rows=[["kvplane TTFT p50 / NixlConnector TTFT p50 (vLLM, one run)",
                              "not run: vLLM is not installed (scripts/install-vllm)", "<= 1.05x", "NO"]])]
-    from kvplane.app.vllm_engines import EngineProcess, EngineSpec, kvplane_secret_config, split_cores, wait_healthy
-    from kvplane.app.vllm_model import write_tiny_model
-    from kvplane.app.vllm_proxy import disaggregated
-    from kvplane.app.vllm_run import _free_ports
+    from kvplane.app.vllm.engines import EngineProcess, EngineSpec, kvplane_secret_config, split_cores, wait_healthy
+    from kvplane.app.vllm.model import write_tiny_model
+    from kvplane.app.vllm.proxy import disaggregated
+    from kvplane.app.vllm.run import _free_ports
 
     rounds = 12 if quick else 40
     work = Path(tempfile.mkdtemp(prefix="kvplane-bench-vllm-"))

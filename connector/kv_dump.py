@@ -1,5 +1,5 @@
 """Save the KV of a finished request's tokens: the input of the vLLM job's
-KV check (``app/kv_check.py``).
+KV check (``app/vllm/kv_check.py``).
 
 vLLM's CPU KV cache is one tensor per layer shaped
 ``[num_blocks, 2 (K, V), block_size, kv_heads * head_dim]``; the file holds

@@ -1,5 +1,5 @@
 """One worker rank, assembled: what the main job's rank process
-(``app/rank_worker.py``) and vLLM's worker (``connector/vllm_worker.py``)
+(``app/ranks/worker.py``) and vLLM's worker (``connector/vllm_worker.py``)
 both build.
 
 A rank is the engine seen as ``"<engine>/tp<r>"`` by its peers: its own

@@ -97,7 +97,7 @@ def _q(text: str) -> str:
 
 
 def render_composition_dot(specs: dict[str, Spec]) -> str:
-    """DOT text (``app.diagrams`` runs ``dot`` on it for the SVG)."""
+    """DOT text (``app.offline.diagrams`` runs ``dot`` on it for the SVG)."""
     lines = ['digraph "composition" {',
              '  graph [rankdir=TB, label="composition", labelloc=t, fontname=Helvetica, nodesep=0.3, ranksep=1.2];',
              '  node [shape=box, style="rounded", fontname=Helvetica];',

@@ -3,7 +3,7 @@
 Both are drawn from ``diagram_model``: top to bottom, the initial state
 marked (not in an error colour), terminal states with a double border,
 timers with their default values, numbered action lists and the timers
-legend beside the drawing.  Text only: ``app.diagrams`` writes the files
+legend beside the drawing.  Text only: ``app.offline.diagrams`` writes the files
 and runs ``dot`` for the SVG.
 """
 from __future__ import annotations

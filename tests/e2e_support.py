@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvplane.app.options import RunOptions
-from kvplane.app.orchestrator import run_job
+from kvplane.app.job.options import RunOptions
+from kvplane.app.job.orchestrator import run_job
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,9 +10,9 @@ import json
 import attrs
 import pytest
 
-from kvplane.app.checks import violation_note_path, write_counterexamples, write_violation_notes
+from kvplane.app.offline.checks import violation_note_path, write_counterexamples, write_violation_notes
 from kvplane.app.cli import build_parser, main, version
-from kvplane.app.progress import ExploreProgress, explore_line
+from kvplane.app.offline.progress import ExploreProgress, explore_line
 from kvplane.statemachines.explorer import SearchProgress, explore
 from kvplane.statemachines.machine import compile_machine
 from kvplane.statemachines.machines import MACHINES, lease
@@ -232,7 +232,7 @@ def _run_summary(**over) -> dict:
 def _table_text(summary: dict) -> str:
     from rich.console import Console
 
-    from kvplane.app.report import summary_table
+    from kvplane.app.job.report import summary_table
 
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(summary_table(summary))
@@ -240,7 +240,7 @@ def _table_text(summary: dict) -> str:
 
 
 def test_a_failed_check_says_why_in_the_table():
-    from kvplane.app.report import check_reasons
+    from kvplane.app.job.report import check_reasons
 
     s = _run_summary()
     s["check_reasons"] = check_reasons(s)
@@ -268,9 +268,9 @@ def test_the_wall_time_is_given_with_and_without_start_up():
 
 
 def test_the_progress_count_names_its_unit():
-    from kvplane.app.options import RunOptions
-    from kvplane.app.orchestrator import progress_unit
-    from kvplane.app.workload import make_stream
+    from kvplane.app.job.options import RunOptions
+    from kvplane.app.job.orchestrator import progress_unit
+    from kvplane.app.job.workload import make_stream
 
     opts = RunOptions(requests=48)
     reqs = make_stream(opts)

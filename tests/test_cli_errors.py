@@ -168,7 +168,7 @@ def test_nothing_was_written_where_it_could_not_be():
 
 def test_run_without_torch_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
     """torch is the `run` extra: the core installs without it."""
-    from kvplane.app import orchestrator
+    from kvplane.app.job import orchestrator
 
     monkeypatch.setattr(orchestrator, "torch_installed", lambda: False)
     _refused(capsys, ["run", "--out", str(tmp_path / "run")], "pip install -e '.[run]' --extra-index-url")

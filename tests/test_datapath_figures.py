@@ -6,9 +6,9 @@ import attrs
 import pytest
 
 from bench.datapath import GOAL, TARGET, tables
-from kvplane.app.bare_read import size_sample
-from kvplane.app.report import data_path
-from kvplane.app.transfer_stats import TransferStats, nearest_rank
+from kvplane.app.job.bare_read import size_sample
+from kvplane.app.job.report import data_path
+from kvplane.app.job.transfer_stats import TransferStats, nearest_rank
 from kvplane.transport.transfer_times import TransferSample, TransferTimes
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import attrs
 
-from kvplane.app import diagram_folders, diagrams
+from kvplane.app.offline import diagram_folders, diagrams
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.machines import SPECS
 from kvplane.statemachines.render_machine import machine_texts, mermaid_safe

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplane.app.options import RunError, RunOptions
+from kvplane.app.job.options import RunError, RunOptions
 from e2e_support import SCENARIOS, run_scenario
 
 LEASE = 6.0
@@ -271,7 +271,7 @@ def test_run_without_nixl_is_one_clear_line(tmp_path, capsys, monkeypatch):
     """NIXL is an extra: without it, `kvplane run` says how to install it and starts nothing."""
     import multiprocessing
 
-    from kvplane.app import orchestrator
+    from kvplane.app.job import orchestrator
     from kvplane.app.cli import main
 
     monkeypatch.setattr(orchestrator, "nixl_installed", lambda: False)
@@ -328,7 +328,7 @@ def test_a_crashed_child_does_not_hang_the_parent(tmp_path):
     import threading
     import time
 
-    from kvplane.app.orchestrator import Orchestrator
+    from kvplane.app.job.orchestrator import Orchestrator
 
     overload = 30.0
     orch = Orchestrator(RunOptions(out=str(tmp_path), quiet=True, requests=8, overload=overload, timeout=300.0,

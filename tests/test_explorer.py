@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kvplane.app.checks import write_counterexamples, write_violation
+from kvplane.app.offline.checks import write_counterexamples, write_violation
 from kvplane.statemachines.base import TimerFired
 from kvplane.statemachines.eventlog import read_log
 from kvplane.statemachines.events import EngineActivity, EngineReady
@@ -422,7 +422,7 @@ def test_states_merged_by_the_signature_agree_on_the_read_gate(skew):
 
 
 def test_cli_stall_option():
-    from kvplane.app.checks import cmd_explore
+    from kvplane.app.offline.checks import cmd_explore
 
     assert cmd_explore(["--requests", "read", "--depth", "6", "--stall"]) == 0
     assert cmd_explore(["--requests", "read", "--depth", "6", "--stall", "3.5"]) == 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kvplane.app.checks import cmd_explore, write_violation
+from kvplane.app.offline.checks import cmd_explore, write_violation
 from kvplane.statemachines import engine_calls as C
 from kvplane.statemachines.emit import emits
 from kvplane.statemachines.events import Abort

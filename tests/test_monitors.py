@@ -67,7 +67,7 @@ def test_a_recorded_log_the_machines_do_not_reproduce_fails_the_check(tmp_path, 
     report; the log must still fail, naming the divergence, as replay does."""
     import json
 
-    from kvplane.app.checks import cmd_check_log, cmd_replay
+    from kvplane.app.offline.checks import cmd_check_log, cmd_replay
 
     p = ControlPlane()
     log = MemoryLog(config=p.config)

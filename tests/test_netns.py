@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.app import netns
-from kvplane.app.options import rate
+from kvplane.app.job import netns
+from kvplane.app.job.options import rate
 from kvplane.statemachines.replay import replay
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
-"""app.plane_cpu: the plane's CPU time as `kvplane run` reports it per request."""
-from kvplane.app.plane_cpu import PlaneCpu
+"""app.job.plane_cpu: the plane's CPU time as `kvplane run` reports it per request."""
+from kvplane.app.job.plane_cpu import PlaneCpu
 from kvplane.statemachines import events as E
 from kvplane.statemachines.plane import ControlPlane
 

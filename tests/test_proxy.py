@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from kvplane.app.vllm_proxy import make_app
+from kvplane.app.vllm.proxy import make_app
 
 REPO = Path(__file__).resolve().parent.parent
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_block_ids": [1, 2]}
@@ -162,7 +162,7 @@ def test_the_jobs_client_sends_one_request_id_to_p_and_d():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from kvplane.app.vllm_proxy import disaggregated
+    from kvplane.app.vllm.proxy import disaggregated
 
     seen: list[tuple[str, str | None]] = []
 

@@ -114,7 +114,7 @@ def test_bad_input_raises():
 
 
 def test_cli_exit_codes(tmp_path, capsys):
-    from kvplane.app.checks import cmd_check_log, cmd_explore, cmd_replay
+    from kvplane.app.offline.checks import cmd_check_log, cmd_explore, cmd_replay
 
     _, lines = recorded_session()
     good = tmp_path / "good.jsonl"

@@ -12,10 +12,10 @@ import attrs
 import pytest
 
 from kvplane.app import cli
-from kvplane.app import sequence as S
-from kvplane.app.checks import write_violation
-from kvplane.app.sequence_mermaid import MermaidSyntaxError, check, escape, render
-from kvplane.app.sequence_model import Arrow, Kind, Line, Note, Selection
+from kvplane.app.sequence_diagrams import command as S
+from kvplane.app.offline.checks import write_violation
+from kvplane.app.sequence_diagrams.mermaid import MermaidSyntaxError, check, escape, render
+from kvplane.app.sequence_diagrams.model import Arrow, Kind, Line, Note, Selection
 from kvplane.statemachines.explorer import explore
 from kvplane.statemachines.machine import compile_machine
 from kvplane.statemachines.machines import MACHINES, lease
@@ -208,8 +208,8 @@ def test_counterexample_is_written_as_a_sequence_diagram(tmp_path):
 def test_run_writes_sample_diagrams_that_parse(tmp_path):
     """A short real run (two processes, NIXL): sequence.mmd for the first
     requests, and ``kvplane sequence`` on its logs prints a diagram that parses."""
-    from kvplane.app.options import RunOptions
-    from kvplane.app.orchestrator import nixl_installed, run_job
+    from kvplane.app.job.options import RunOptions
+    from kvplane.app.job.orchestrator import nixl_installed, run_job
 
     if not nixl_installed():
         pytest.skip("NIXL is not installed (kvplane run needs it)")

@@ -9,8 +9,8 @@ import time
 import pytest
 import zmq
 
-from kvplane.app.rank_group import RankGroup
-from kvplane.app.rank_messages import Fill, RankOptions, Verify
+from kvplane.app.ranks.group import RankGroup
+from kvplane.app.ranks.messages import Fill, RankOptions, Verify
 from kvplane.connector.scheduler import ConnectorScheduler
 from kvplane.statemachines.config import PlaneConfig
 

@@ -226,4 +226,4 @@ def test_only_the_facades_import_vllm():
     importing = sorted(str(p.relative_to(root)) for folder in ("statemachines", "transport", "connector", "app")
                        for p in (root / folder).rglob("*.py")
                        if re.search(r"^\s*(from|import) vllm\b", p.read_text(), re.M))
-    assert importing == ["app/vllm_nixl_dump.py", "connector/vllm.py"]
+    assert importing == ["app/vllm/nixl_dump.py", "connector/vllm.py"]

@@ -1,5 +1,5 @@
 """Hostile requests straight to two real vLLM engines with kvplane's connector
-(issue 30): ``app/vllm_attack.py``, the same session ``kvplane attack`` runs.
+(issue 30): ``app/vllm/attack.py``, the same session ``kvplane attack`` runs.
 
 Both engines are started once (1-3 minutes here) and every attack runs in
 that one session (a few minutes more); the tests below each judge one
@@ -27,7 +27,7 @@ FLOOD_SLACK_S = 5.0
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    from kvplane.app.vllm_attack import run_attacks
+    from kvplane.app.vllm.attack import run_attacks
 
     # The engines import the connector from this checkout.
     old = os.environ.get("PYTHONPATH")

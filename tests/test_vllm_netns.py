@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.app import netns
+from kvplane.app.job import netns
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed: run scripts/install-vllm to include these tests")

@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 
-from kvplane.app.kv_check import check_all
+from kvplane.app.vllm.kv_check import check_all
 from kvplane.connector.kv_dump import DUMP_KEY
 from kvplane.connector.vllm_scheduler import VllmSchedulerSide
 from kvplane.connector.vllm_settings import settings_from

@@ -36,11 +36,11 @@ if importlib.util.find_spec("vllm") is not None:
 
     from kvplane.connector.records import RecvFailure, WorkerReport
     from kvplane.connector.vllm import KVPlaneWorkerMeta
-    from kvplane.app import sequence_model
-    from kvplane.app.checks import cmd_check_log, cmd_replay
-    from kvplane.app.sequence_mermaid import check as check_mermaid
-    from kvplane.app.sequence_mermaid import render as render_sequence
-    from kvplane.app.sequence_model import SideLog
+    from kvplane.app.sequence_diagrams import model as sequence_model
+    from kvplane.app.offline.checks import cmd_check_log, cmd_replay
+    from kvplane.app.sequence_diagrams.mermaid import check as check_mermaid
+    from kvplane.app.sequence_diagrams.mermaid import render as render_sequence
+    from kvplane.app.sequence_diagrams.model import SideLog
     from kvplane.statemachines.eventlog import read_log
     from kvplane.statemachines.replay import replay
 

@@ -10,7 +10,7 @@ half hands them to vLLM, aggregated over the ranks by vLLM's own
 per scheduled request back into ``update_from_output``.  A test may edit
 what a rank hands vLLM (drop, repeat, add) to inject faults.
 
-The model is a local tiny config (``app.vllm_model``): nothing is
+The model is a local tiny config (``app.vllm.model``): nothing is
 downloaded, no weights are loaded.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def secret_file() -> str:
 
 @functools.cache
 def model_config() -> ModelConfig:
-    from kvplane.app.vllm_model import write_tiny_model
+    from kvplane.app.vllm.model import write_tiny_model
 
     folder = write_tiny_model(tempfile.mkdtemp(prefix="kvplane-tiny-"))
     return ModelConfig(model=str(folder), dtype="bfloat16", seed=0, max_model_len=4096)

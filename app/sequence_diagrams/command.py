@@ -18,11 +18,11 @@ from typing import TextIO
 import attrs
 from kvplane.statemachines.eventlog import EmptyLog, EventLogError, MalformedLine, read_log
 
-from .options import finite_float, int_at_least
+from ..job.options import finite_float, int_at_least
 
-from . import sequence_model as model
-from .sequence_mermaid import check, render
-from .sequence_model import D, P, Selection, SequenceDiagram, SideLog
+from . import model
+from .mermaid import check, render
+from .model import D, P, Selection, SequenceDiagram, SideLog
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
 JSON_SCHEMA = 1  # as the --json of replay, check-log and explore

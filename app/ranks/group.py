@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 from kvplane.connector.scheduler import ConnectorScheduler
 
-from .rank_messages import RankCrashed, RankOptions, RankReady, RankStep, RankSummary, Step, Stop
-from .rank_worker import rank_main
+from .messages import RankCrashed, RankOptions, RankReady, RankStep, RankSummary, Step, Stop
+from .worker import rank_main
 
 STARTUP_TIMEOUT_S = 120.0  # NIXL agent creation, UCX, torch import on a busy machine
 # A rank reports at least every 0.2 s; one silent this long hangs (SIGSTOP, a

@@ -121,7 +121,7 @@ class RankSummary:
     bare_reads: tuple[TransferSample, ...] = ()
     bare_read_error: str | None = None
     cpu_s: float = 0.0  # the process's CPU time over its life
-    plane_cpu_s: float = 0.0  # CPU time inside the plane's handle and fire_due (app.plane_cpu)
+    plane_cpu_s: float = 0.0  # CPU time inside the plane's handle and fire_due (app.job.plane_cpu)
     plane_gc_s: float = 0.0  # of plane_cpu_s: garbage collections that ran inside those calls
     plane_apart_s: float = 0.0  # inside those calls, the job's own observers (not in plane_cpu_s)
     waits: dict = attrs.Factory(dict)  # loop passes that found nothing to do, by how they waited

@@ -43,8 +43,8 @@ import attrs
 from kvplane.connector.kv_dump import DUMP_KEY
 
 from .kv_check import verdict, _load
-from .vllm_run import VllmRun, VllmRunOptions, _status, _usage
-from .vllm_workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO
+from .run import VllmRun, VllmRunOptions, _status, _usage
+from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO
 
 # d first: D has not connected to P yet (a connected engine never handshakes again).
 ATTACKS = ("d_address", "e_dump_path", "f_forged_completion", "c_replay", "b_foreign", "b_short", "b_reversed",

@@ -50,9 +50,9 @@ from kvplane.statemachines.machines import MACHINES
 from kvplane.statemachines.observe import observed
 from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed
 
-from .messages import handlers
-from .plane_cpu import PlaneCpu
-from .rank_messages import (TO_RANK, Fill, Poison, RankCrashed, RankOptions, RankReady, RankStep, RankSummary, Step,
+from ..job.messages import handlers
+from ..job.plane_cpu import PlaneCpu
+from .messages import (TO_RANK, Fill, Poison, RankCrashed, RankOptions, RankReady, RankStep, RankSummary, Step,
                             Stop, Verify)
 
 POISON = -1.0
@@ -128,7 +128,7 @@ class RankWorker:
         self._bare_done: tuple = ()
         self._bare_error: str | None = None
         if opts.measure_bare_read:
-            from .bare_read import BareReader
+            from ..job.bare_read import BareReader
 
             try:
                 self._bare = BareReader(self.shard * self.kv.element_size(), max(1, opts.num_blocks // 2),

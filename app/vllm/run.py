@@ -39,13 +39,13 @@ import attrs
 from kvplane.connector.kv_dump import DUMP_KEY
 
 from .kv_check import check_all, check_turn2_reads
-from .netns import HostNet, NetnsUnavailable
-from .vllm_engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
+from ..job.netns import HostNet, NetnsUnavailable
+from .engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
                            split_cores, wait_healthy)
-from .vllm_model import CONFIG as TINY_CONFIG
-from .vllm_model import write_tiny_model
-from .vllm_proxy import ProxyError, disaggregated, post_json
-from .vllm_workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
+from .model import CONFIG as TINY_CONFIG
+from .model import write_tiny_model
+from .proxy import ProxyError, disaggregated, post_json
+from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
 # decoder_kv_blocks_ttl of a --bidirectional run (vLLM's default, 480 s, would hold
@@ -701,7 +701,7 @@ def cmd_run_vllm(args: Any) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from .vllm_report import print_report, side_by_side
+    from .report import print_report, side_by_side
 
     console = Console()
     try:

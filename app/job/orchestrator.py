@@ -737,7 +737,7 @@ def _run_job(opts: RunOptions, *, console=None, hosts: HostNet | None = None) ->
         json.dump(summary, f, indent=1, default=str)
     summary["summary_path"] = path
     # Sequence diagrams of a few requests, drawn from the finished event logs.
-    from .sequence import write_run_samples
+    from ..sequence_diagrams.command import write_run_samples
     summary["sequence_diagrams"] = write_run_samples(opts.out, summary["logs"]["P"], summary["logs"]["D"])
     return summary
 

@@ -169,7 +169,7 @@ def build_summary(orch: RunRecord) -> dict:
                                     *((r, f"decode{r[1:]}") for r in decoders if r != "D"))},
         "requests_detail": [attrs.asdict(r, filter=lambda a, v: a.name != "hold_params") for r in orch.reqs],
     }
-    # The plane's CPU (recorder on) per request sent, each side summed over its ranks (app.plane_cpu).
+    # The plane's CPU (recorder on) per request sent, each side summed over its ranks (app.job.plane_cpu).
     sent = sum(t1.values()) - t1["skipped"]
     summary["plane_cpu_us_per_request"] = {role: round(side.plane_cpu_s / sent * 1e6, 1) if side and sent else None
                                            for role, side in (("P", P), ("D", D))}

@@ -23,7 +23,7 @@ from kvplane.statemachines.explorer import ENGINE_FAULTS, PROFILES, RANK_FAULTS,
 from kvplane.statemachines.monitors import DEFAULT_GRACE, check_log
 from kvplane.statemachines.replay import Divergence, replay
 
-from .options import finite_float, int_at_least
+from ..job.options import finite_float, int_at_least
 from .progress import PLAIN_EVERY_S, ExploreProgress
 
 OK, FAILED, BAD_INPUT = 0, 1, 2
@@ -257,7 +257,7 @@ def write_violation(v: Violation, prefix: str) -> list[str]:
     paths.  Also writes the counterexample as a sequence diagram,
     ``<prefix>.mmd`` (not in the list: the list is what replays); from the
     rank world one per D rank, ``<prefix>.D<r>.mmd``."""
-    from kvplane.app.sequence import violation_diagram
+    from kvplane.app.sequence_diagrams.command import violation_diagram
 
     paths = []
     for name, lines in v.logs.items():

@@ -30,12 +30,12 @@ SHUTDOWN_GRACE_S = 20
 CONNECTORS = {
     # name -> (kv_connector, kv_connector_module_path)
     "kvplane": ("KVPlaneConnector", "kvplane.connector.vllm"),
-    "nixl": ("DumpingNixlConnector", "kvplane.app.vllm_nixl_dump"),
+    "nixl": ("DumpingNixlConnector", "kvplane.app.vllm.nixl_dump"),
 }
 # The push-mode classes (vLLM selects NixlPushConnector by its class name; so does kvplane).
 PUSH_CONNECTORS = {
     "kvplane": ("KVPlanePushConnector", "kvplane.connector.vllm"),
-    "nixl": ("DumpingNixlPushConnector", "kvplane.app.vllm_nixl_dump"),
+    "nixl": ("DumpingNixlPushConnector", "kvplane.app.vllm.nixl_dump"),
 }
 
 

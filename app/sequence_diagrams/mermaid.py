@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from .sequence_model import Arrow, Line, SequenceDiagram
+from .model import Arrow, Line, SequenceDiagram
 
 INDENT = "    "
 _SAFE = re.compile(r"[A-Za-z0-9 _.,+\-()\[\]/=*'@~|!?^$]")

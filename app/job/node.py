@@ -40,7 +40,7 @@ from kvplane.connector.ranks import base_engine_id
 from kvplane.statemachines.lifecycle_counts import LifecycleCounts
 
 from .placement import enter as enter_placement
-from .rank_messages import Fill, Poison, RankOptions, Verify
+from ..ranks.messages import Fill, Poison, RankOptions, Verify
 
 # Tokens per KV block: prompt lengths are whole blocks in this synthetic job.
 BLOCK_TOKENS = 16
@@ -103,7 +103,7 @@ class Node:
     def __init__(self, role: str, conn, opts: NodeOptions):
         from kvplane.connector.scheduler import ConnectorScheduler
 
-        from .rank_group import RankGroup
+        from ..ranks.group import RankGroup
 
         self.role = role
         self.conn = conn

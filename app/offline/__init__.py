@@ -1,0 +1,3 @@
+"""The commands that run no engine: replay, check-log, explore (with its progress line) and
+diagrams.
+"""

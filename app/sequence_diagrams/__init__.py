@@ -1,0 +1,3 @@
+"""`kvplane sequence`: both sides' event logs as one Mermaid sequence diagram (the model, the
+Mermaid text, the command).
+"""
