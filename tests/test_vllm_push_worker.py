@@ -6,60 +6,15 @@ params of the other mode are refused."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
 
 from kvplane.app.vllm.kv_check import check_all
 from kvplane.connector.kv_dump import DUMP_KEY
-from kvplane.connector.vllm_scheduler import VllmSchedulerSide
-from kvplane.connector.vllm_settings import settings_from
-from kvplane.connector.vllm_worker import VllmWorkerSide
 from kvplane.statemachines.replay import replay
-from vllm_support import Req as VllmRequest
-from vllm_support import deployment_secret, run_until
-
-BLOCKS, BLOCK_TOKENS, WIDTH = 32, 16, 8
-
-
-def Req(request_id: str, kv_transfer_params: dict | None, **kw) -> VllmRequest:
-    return VllmRequest(request_id, kv_transfer_params, **{"num_prompt_tokens": 40, "num_computed_tokens": 40, **kw})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Engine:
-    """One engine's scheduler half and worker half, stepped as vLLM's loop does."""
-
-    def __init__(self, name: str, tmp, seed: int, mode: str = "push", **extra):
-        self.name = name
-        self.settings = settings_from({"kvplane_event_log": str(tmp / f"{name}.events.jsonl"),
-                                       "kvplane_status_file": str(tmp / f"{name}.status.json"),
-                                       "kvplane_kv_dump_dir": str(tmp),
-                                       "kvplane_secret_file": deployment_secret(tmp), **extra},
-                                      side_channel_port=free_port())
-        self.sched = VllmSchedulerSide(name, self.settings, transfer_mode=mode)
-        self.worker = VllmWorkerSide(name, self.settings)
-        g = torch.Generator().manual_seed(seed)
-        self.kv = {f"layer{i}": torch.randn(BLOCKS, 2, BLOCK_TOKENS, WIDTH, generator=g).to(torch.bfloat16)
-                   for i in range(2)}
-        self.worker.register_kv_caches(self.kv)
-        self.sched.add_ranks({0: self.worker.rank_info()})
-        self.finished: dict[str, set[str]] = {"sending": set(), "recving": set(), "failed": set()}
-
-    def step(self, scheduled=()) -> None:
-        self.worker.bind(self.sched.build_step(list(scheduled)))
-        sending, recving, failed, _ = self.worker.results()
-        self.finished["sending"] |= sending
-        self.finished["recving"] |= recving
-        self.finished["failed"] |= failed
-        report = self.worker.take_report()
-        self.sched.update_from_workers([report] if report else [], recving)
+from vllm_engine_support import Engine, Req
+from vllm_support import run_until
 
 
 @pytest.fixture
@@ -67,7 +22,7 @@ def engines(tmp_path):
     made: list[Engine] = []
 
     def make(name: str, seed: int, **kw) -> Engine:
-        e = Engine(name, tmp_path, seed, **kw)
+        e = Engine(name, tmp_path, seed, **{"mode": "push", **kw})
         made.append(e)
         return e
 

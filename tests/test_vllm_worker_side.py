@@ -6,64 +6,17 @@ event logs are what the vLLM job relies on."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
 
 from kvplane.app.vllm.kv_check import check_all
 from kvplane.connector.kv_dump import DUMP_KEY, DumpKV
-from kvplane.connector.vllm_scheduler import VllmSchedulerSide
 from kvplane.connector.vllm_settings import settings_from
 from kvplane.connector.vllm_worker import VllmWorkerSide
 from kvplane.statemachines.replay import replay
-from vllm_support import Req as VllmRequest
-from vllm_support import deployment_secret, run_until
-
-BLOCKS, BLOCK_TOKENS, WIDTH = 32, 16, 8
-
-
-def Req(request_id: str, kv_transfer_params: dict | None, **kw) -> VllmRequest:
-    """A 40-token prompt, all computed: what these engines pass."""
-    return VllmRequest(request_id, kv_transfer_params, **{"num_prompt_tokens": 40, "num_computed_tokens": 40, **kw})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kv_layers(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}": torch.randn(BLOCKS, 2, BLOCK_TOKENS, WIDTH, generator=g).to(torch.bfloat16)
-            for i in range(2)}
-
-
-class Engine:
-    def __init__(self, name: str, tmp, seed: int, **extra):
-        if "kvplane_keypair" not in extra and "kvplane_insecure" not in extra:
-            extra["kvplane_secret_file"] = deployment_secret(tmp)
-        self.settings = settings_from({"kvplane_event_log": str(tmp / f"{name}.events.jsonl"),
-                                       "kvplane_status_file": str(tmp / f"{name}.status.json"),
-                                       "kvplane_kv_dump_dir": str(tmp), **extra},
-                                      side_channel_port=free_port())
-        self.sched = VllmSchedulerSide(name, self.settings)
-        self.worker = VllmWorkerSide(name, self.settings)
-        self.kv = kv_layers(seed)
-        self.worker.register_kv_caches(self.kv)
-        self.sched.add_ranks({0: self.worker.rank_info()})
-        self.finished: dict[str, set[str]] = {"sending": set(), "recving": set(), "failed": set()}
-
-    def step(self, scheduled=()) -> None:
-        """One engine step: metadata to the worker, results back."""
-        self.worker.bind(self.sched.build_step(list(scheduled)))
-        sending, recving, failed, _ = self.worker.results()
-        self.finished["sending"] |= sending
-        self.finished["recving"] |= recving
-        self.finished["failed"] |= failed
-        report = self.worker.take_report()
-        self.sched.update_from_workers([report] if report else [])
+from vllm_engine_support import Engine, Req, free_port
+from vllm_support import run_until
 
 
 @pytest.fixture
