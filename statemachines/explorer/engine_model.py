@@ -64,7 +64,7 @@ from ..rank_results import RankResults
 from .checks import Found
 from .config import ExploreConfig
 from .model import Model
-from .moves import Deliver, EngineCall, Inject, Late, Move, Tick, TickLosing, WorkerOutput
+from .moves import Deliver, EngineCall, Move, Tick, TickLosing, WorkerOutput
 from .ranks import RankModel, RankWorld, ResultsFactory
 from .world import ARRIVED, World
 
@@ -211,7 +211,6 @@ class EngineModel(RankModel):
     def moves(self, w: World) -> list[Move]:
         assert isinstance(w, EngineWorld)
         out: list[Move] = []
-        cfg = self.cfg
         urgent = bool(w.net)
         for i in range(self.n):
             for name in self._calls(w, i):
@@ -221,21 +220,9 @@ class EngineModel(RankModel):
         for side in ("D", "P"):
             if w.inbox[side]:
                 out.append(WorkerOutput(side))
-        seen = set()
-        faults_left = w.faults < cfg.max_faults
-        for j, m in enumerate(w.net):
-            if m in seen:
-                continue
-            seen.add(m)
-            out.append(Deliver(j))
-            if faults_left:
-                out.extend(Inject(f, j) for f in m.FAULTS if f in cfg.faults)
-        for j in range(len(w.stalled)):
-            out.append(Late(j))
-        if not w.net and not w.inbox["D"] and not w.inbox["P"] and self._next_time(w) is not None:
-            out.append(Tick())
-            if faults_left and "lose" in cfg.faults:
-                out.extend(TickLosing(src, rank) for src, rank in self._hb_due_pairs(w))
+        out.extend(self._network_moves(w))
+        if not w.net and not w.inbox["D"] and not w.inbox["P"]:
+            out.extend(self._tick_moves(w))
         return out
 
     def drain_move(self, w: World) -> Move | None:

@@ -256,6 +256,33 @@ class RankModel(Model):
             return None
         return step
 
+    def _network_moves(self, w: World) -> list[Move]:
+        """Deliver each distinct message in flight (or inject a fault into
+        it, while faults are left), and let each stalled one arrive late."""
+        cfg = self.cfg
+        out: list[Move] = []
+        seen = set()
+        faults_left = w.faults < cfg.max_faults
+        for j, m in enumerate(w.net):
+            if m in seen:
+                continue
+            seen.add(m)
+            out.append(Deliver(j))
+            if faults_left:
+                out.extend(Inject(f, j) for f in m.FAULTS if f in cfg.faults)
+        out.extend(Late(j) for j in range(len(w.stalled)))
+        return out
+
+    def _tick_moves(self, w: RankWorld) -> list[Move]:
+        """Time passes to the next deadline (with a heartbeat batch lost, while
+        faults are left); the caller knows when nothing else can happen first."""
+        if self._next_time(w) is None:
+            return []
+        out: list[Move] = [Tick()]
+        if w.faults < self.cfg.max_faults and "lose" in self.cfg.faults:
+            out.extend(TickLosing(src, rank) for src, rank in self._hb_due_pairs(w))
+        return out
+
     def moves(self, w: World) -> list[Move]:
         assert isinstance(w, RankWorld)
         out: list[Move] = []
@@ -269,23 +296,12 @@ class RankModel(Model):
                 step = self._enabled_step(w, i, 1)
                 if step is not None:
                     out.append(Schedule(step, i))
-        seen = set()
+        out.extend(self._network_moves(w))
         faults_left = w.faults < cfg.max_faults
-        for j, m in enumerate(w.net):
-            if m in seen:
-                continue
-            seen.add(m)
-            out.append(Deliver(j))
-            if faults_left:
-                out.extend(Inject(f, j) for f in m.FAULTS if f in cfg.faults)
-        for j in range(len(w.stalled)):
-            out.append(Late(j))
         if faults_left and "crash" in cfg.faults and not w.down and any(ph != NEW for ph in w.phase):
             out.extend(CrashRank(n) for n in self.plane_names)
-        if not w.net and self._next_time(w) is not None:
-            out.append(Tick())
-            if faults_left and "lose" in cfg.faults:
-                out.extend(TickLosing(src, rank) for src, rank in self._hb_due_pairs(w))
+        if not w.net:
+            out.extend(self._tick_moves(w))
         return out
 
     def _hb_due_pairs(self, w: RankWorld) -> list[tuple[str, int]]:
