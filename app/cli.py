@@ -128,12 +128,17 @@ def _run(args) -> int:
                 return 2
         import importlib.util
 
+        from kvplane.app.vllm.run import cmd_run_vllm, options_from_args
+
+        try:  # nonsense options first: refused whether or not vLLM is installed
+            options_from_args(args)
+        except ValueError as exc:
+            print(f"kvplane run: {exc}", file=sys.stderr)
+            return 2
         if importlib.util.find_spec("vllm") is None:
             print("kvplane run: --engine vllm: vLLM is not installed: from the checkout, run scripts/install-vllm "
                   "(see docs/vllm.md)", file=sys.stderr)
             return 2
-        from kvplane.app.vllm.run import cmd_run_vllm
-
         return cmd_run_vllm(args)
     for flag in ("connector", "late_forward", "bidirectional", "late_turn2"):
         if hasattr(args, flag):

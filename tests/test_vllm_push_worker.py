@@ -186,5 +186,8 @@ def test_a_push_reg_without_the_deployments_mac_is_refused(engines):
 def test_the_vllm_job_refuses_push_where_it_does_not_run(extra, capsys):
     from kvplane.app.cli import main
 
+    # Refused before anything starts, whether or not vLLM is installed: one line on stderr.
     assert main(["run", "--engine", "vllm", "--push", *extra]) == 2
-    assert "--push runs with --prefill-tp 1 and --decode-tp 1, without --bidirectional" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1
+    assert "--push runs with --prefill-tp 1 and --decode-tp 1, without --bidirectional" in err

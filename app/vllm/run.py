@@ -707,7 +707,7 @@ def cmd_run_vllm(args: Any) -> int:
     try:
         opts = options_from_args(args)
     except ValueError as exc:
-        console.print(f"[red]kvplane run: {escape(str(exc))}[/red]", soft_wrap=True)
+        Console(stderr=True).print(f"[red]kvplane run: {escape(str(exc))}[/red]", soft_wrap=True)
         return 2
     quiet = opts.quiet
 
