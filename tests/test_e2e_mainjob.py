@@ -313,10 +313,13 @@ def test_timeout_abandons_in_flight_work_and_holds_nothing(e2e_dir):
     assert ab["requests_not_sent"] > 0 and ab["in_flight_turn1"] > 0
     t1 = s["requests"]["turn1"]
     assert t1["abandoned"] == ab["requests_not_sent"] + ab["in_flight_turn1"]
-    # P released every lease nobody would read; none is left live.
+    # Every lease nobody would read ended; none is left live. Two paths race, both right: D aborts
+    # its queued decodes before allocation and tells P to free at once (the lease is consumed), or
+    # P's abandonment releases the lease first (aborted, counted by P as released).
     le = s["leases"]
     assert le["live"] == 0 and le["granted"] == le["consumed"] + le["expired"] + le["aborted"]
-    assert ab["P"].get("leases_released", 0) == le["aborted"] > 0
+    assert ab["P"].get("leases_released", 0) == le["aborted"]
+    assert le["aborted"] > 0 or ab["D"]["queued_decodes"] > 0
     assert s["holds"].get("aborted", 0) == ab["D"].get("holds_released", 0)
 
 
