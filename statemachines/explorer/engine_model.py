@@ -52,7 +52,7 @@ after a preemption vLLM's local cache is assumed gone (0 computed).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from .. import actions as A
 from .. import engine_calls as C
@@ -133,17 +133,7 @@ class EngineWorld(RankWorld):
     inbox: dict[str, tuple]
 
     def clone(self) -> "EngineWorld":
-        w = EngineWorld.__new__(EngineWorld)
-        for name in World.__slots__ + RankWorld.__slots__:
-            setattr(w, name, getattr(self, name))
-        w.planes = dict(self.planes)
-        w.owned = set()
-        w.phase, w.phase2 = list(self.phase), list(self.phase2)
-        w.activity = dict(self.activity)
-        w.hold_expiry, w.p_expiry = list(self.hold_expiry), list(self.p_expiry)
-        w.reports = dict(self.reports)
-        w.sent, w.recv = list(self.sent), list(self.recv)
-        w.ahead = None
+        w = cast(EngineWorld, super().clone())
         w.machines = dict(self.machines)
         w.vd, w.vp, w.recvs = list(self.vd), list(self.vp), list(self.recvs)
         w.pending = dict(self.pending)

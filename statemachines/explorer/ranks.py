@@ -83,7 +83,7 @@ class RankWorld(World):
     recv: list[bool]
 
     def clone(self) -> "RankWorld":
-        w = RankWorld.__new__(RankWorld)
+        w = type(self).__new__(type(self))  # a subclass (EngineWorld) adds its own fields
         for name in World.__slots__:
             setattr(w, name, getattr(self, name))
         w.planes = dict(self.planes)
