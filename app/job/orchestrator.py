@@ -252,6 +252,15 @@ class Orchestrator:
                     if not c.killed and c.summary is None:
                         self.errors.append(f"{c.role} exited unexpectedly (exit code {c.proc.exitcode})")
 
+    def _kill(self, c: _Child) -> None:
+        """SIGKILL an engine and wait for it; what it sent before it died is
+        still in the pipe, so it is read before the engine counts as dead."""
+        c.killed = True
+        _signal_engine(c, signal.SIGKILL)
+        c.proc.join(timeout=5.0)
+        self._drain(c)
+        c.dead = True
+
     def _drain(self, c: _Child) -> None:
         try:
             while c.conn.poll(0):
@@ -509,11 +518,7 @@ class Orchestrator:
             return
         self.phase = f"decode {'killed' if kind == 'kill' else 'hung'}: P reclaims"
         if kind == "kill":
-            d.killed = True
-            _signal_engine(d, signal.SIGKILL)
-            d.proc.join(timeout=5.0)
-            self._drain(d)  # outcomes D sent before it died are still in the pipe
-            d.dead = True
+            self._kill(d)
             for r in self.reqs:
                 if r.sent and r.turn1 is None:
                     r.turn1, r.detail = "failed", "decode killed"
@@ -580,11 +585,7 @@ class Orchestrator:
         self.fault.update(engine=engine_id_of(role), engines_left=len(self.decoders) - 1)
         in_flight = []
         self.phase = f"decode engine {engine_id_of(role)} killed: the others carry on"
-        victim.killed = True
-        _signal_engine(victim, signal.SIGKILL)
-        victim.proc.join(timeout=5.0)
-        self._drain(victim)  # outcomes it sent before it died are still in the pipe
-        victim.dead = True
+        self._kill(victim)
         for r in self.reqs:
             if r.decoder != role:
                 continue
