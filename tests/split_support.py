@@ -19,6 +19,15 @@ BLOCKS = 16
 HEADS, HEAD_ELEMS = 4, 32  # every block holds HEADS heads of HEAD_ELEMS floats, sharded over the ranks
 
 
+def shutdown_all(workers) -> None:
+    """Shut every worker down, whatever one of them raises (a test's teardown)."""
+    for w in workers:
+        try:
+            w.shutdown()
+        except Exception:
+            pass
+
+
 def through_the_wire(record):
     """What the other process gets: a copy, sharing nothing."""
     return pickle.loads(pickle.dumps(record))
@@ -102,11 +111,7 @@ class SplitEngine:
                 for h in w.driver.plane.held() if h[0] not in ("remote_engine", "heartbeat")]
 
     def close(self) -> None:
-        for w in self.workers:
-            try:
-                w.shutdown()
-            except Exception:
-                pass
+        shutdown_all(self.workers)
 
 
 def engine_pair(p_tp: int, d_tp: int, clock, **cfg_fields):

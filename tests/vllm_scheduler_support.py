@@ -45,6 +45,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvplane.connector.vllm import KVPlaneConnector, KVPlaneHandshake, KVPlaneMetadata, KVPlaneWorkerMeta
 
 from kvplane.statemachines.eventlog import MemoryLog
+from split_support import shutdown_all
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -251,11 +252,7 @@ class Engine:
         return all(len(seen) == len(set(seen)) for seen in (self.seen_recving, self.seen_failed, self.seen_sending))
 
     def close(self) -> None:
-        for w in self.workers:
-            try:
-                w.shutdown()
-            except Exception:
-                pass
+        shutdown_all(self.workers)
 
 
 def through_the_wire(record: Any) -> Any:
