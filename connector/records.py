@@ -12,10 +12,11 @@ misreading each other.
 """
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 import attrs
+
+from kvplane.statemachines.recv_failure import RecvFailure
 
 from .params import RemoteKV
 
@@ -44,23 +45,6 @@ def _id_set(value: Any) -> frozenset[str]:
 
 def _int_set(value: Any) -> frozenset[int]:
     return frozenset(value)
-
-
-class RecvFailure(StrEnum):
-    """Why a rank reported a recv failed.  The values are the words reports
-    and summaries print (a member compares equal to its value)."""
-
-    DECLINED = "declined by the expiry gate"
-    TRANSFER_FAILED = "transfer failed"
-    ABORTED = "aborted"
-    TRANSFER_DEADLINE = "transfer deadline (timeout or the remote blocks' validity)"
-    HANDSHAKE_TIMEOUT = "handshake did not complete in time"
-    PUSH_TIMEOUT = "push did not arrive in time"
-    RECV_TIMEOUT = "recv timed out"
-    HANDSHAKE_FAILED = "handshake failed"
-    ENGINE_LOST = "engine lost"
-    INTERNAL_ERROR = "internal error on its params"  # its set-up raised (the worker's last line)
-    UNEXPLAINED = "failed"  # no rule above names the stimulus (the worker counts these)
 
 
 def _reasons(value: Any) -> tuple[tuple[str, RecvFailure], ...]:

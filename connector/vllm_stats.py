@@ -22,11 +22,8 @@ from typing import Any
 
 from kvplane.statemachines import events as E
 from kvplane.statemachines.actions import FreeBlocks, ReportRecv
+from kvplane.statemachines.recv_failure import RecvFailure
 from kvplane.statemachines.stats import PROTOCOL_VIOLATION, Anomaly, FailClosed
-
-from .worker import recv_failure_reason
-
-DECLINED = "declined by the expiry gate"
 
 COUNT_KEYS = (
     "num_successful_transfers", "bytes_transferred", "num_failed_transfers", "num_failed_notifications",
@@ -56,7 +53,7 @@ class PlaneTally:
                 self.counts[f"leases_{action.reason}"] += 1
             elif isinstance(action, ReportRecv) and not action.ok:
                 self.counts["kvplane_failed_recvs"] += 1
-                if recv_failure_reason(type(event).__name__, step.machine, step.state_before) == DECLINED:
+                if action.reason == RecvFailure.DECLINED:
                     self.counts["kvplane_declined_reads"] += 1
 
 

@@ -33,38 +33,10 @@ log = logging.getLogger("kvplane.worker")
 MAX_HOLDER_RANKS_SCANNED = 64
 
 
-# Which reason a timer means, by the decode request's state when it fired.
-_TIMEOUTS = {"READING": RecvFailure.TRANSFER_DEADLINE, "HANDSHAKING": RecvFailure.HANDSHAKE_TIMEOUT,
-             "AWAITING_PUSH": RecvFailure.PUSH_TIMEOUT}
-
-
-def recv_failure_reason(event_name: str, label: str, before: str | None) -> RecvFailure:
-    """Why a recv was reported failed, from the stimulus whose effects
-    reported it (the machine that took it, and its state before)."""
-    kind = label.split(":", 1)[0]
-    if kind == "decode_request":
-        if event_name == "StartLoad":  # the engine was connected: the gate ran at once
-            return RecvFailure.DECLINED
-        if event_name == "ReadFailed":
-            return RecvFailure.TRANSFER_FAILED
-        if event_name == "Abort":
-            return RecvFailure.ABORTED
-        if event_name == "TimerFired":
-            return _TIMEOUTS.get(before or "", RecvFailure.RECV_TIMEOUT)
-    if kind == "remote_engine":
-        if event_name == "HandshakeOk":  # connected now: the waiting requests' gate ran
-            return RecvFailure.DECLINED
-        if event_name in ("HandshakeFailed", "TimerFired"):
-            return RecvFailure.HANDSHAKE_FAILED
-    if event_name == "PeerDisconnected":
-        return RecvFailure.ENGINE_LOST
-    return RecvFailure.UNEXPLAINED
-
-
 class ConnectorWorker:
     def __init__(self, driver: PlaneDriver, *, rank: int = 0, tp_size: int = 1, rank_names: bool = True):
-        """The worker observes the plane (``ControlPlane.observe``) to learn
-        why recvs fail.  ``rank_names``: a remote engine's ranks are
+        """The worker observes the plane (``ControlPlane.observe``) to keep
+        why each recv failed (the reason its ``ReportRecv`` names).  ``rank_names``: a remote engine's ranks are
         ``"<engine>/tp<r>"`` (the split's); False for the single-process
         facades, whose peers are plain engines (TP 1)."""
         TpMapping(tp_size, tp_size)  # a valid TP size
@@ -258,8 +230,7 @@ class ConnectorWorker:
     def _observe(self, step) -> None:
         for a in step.actions:
             if isinstance(a, ReportRecv) and not a.ok:
+                # The first of a request's sub-reads to fail names why (the table
+                # names a reason on every failed report).
                 rid = self._parent.get(a.request_id, a.request_id)
-                reason = recv_failure_reason(type(step.event).__name__, step.machine, step.state_before)
-                if reason is RecvFailure.UNEXPLAINED:
-                    self.counters[f"unexplained_recv_failure:{type(step.event).__name__}"] += 1
-                self._fail_reason.setdefault(rid, reason)
+                self._fail_reason.setdefault(rid, RecvFailure(a.reason or RecvFailure.UNEXPLAINED))

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 
 from .base import Action, declared
+from .recv_failure import RecvFailure
 
 
 # ------------------------------------------------------------- heartbeats (internal)
@@ -154,12 +155,19 @@ class SendPushRegistration(Action, frozen=True):
 
 
 # ------------------------------------------------------------------- scheduler
-class ReportRecv(Action, frozen=True):
-    """Tell the scheduler an awaited recv finished; reported exactly once."""
+class ReportRecv(Action, frozen=True, omit_defaults=True):
+    """Tell the scheduler an awaited recv finished; reported exactly once.
+    A failed one names why (``reason``; None when ``ok``).
+
+    ``omit_defaults``: the event log writes ``reason`` only when set, so a
+    success reads as before the field existed, and a recorded line without
+    it (an older log) reads as None.  ``failed_block_ids`` has no default,
+    so it is always written, as it always was."""
 
     request_id: str
     ok: bool
-    failed_block_ids: tuple = ()
+    failed_block_ids: tuple
+    reason: RecvFailure | None = None
     releases: ClassVar[frozenset[str]] = frozenset({"report"})
 
 

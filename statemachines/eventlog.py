@@ -47,6 +47,7 @@ import msgspec
 import orjson
 
 from .actions import ALL_ACTIONS
+from .recv_failure import RecvFailure
 from .base import Action, ArmTimer, CancelTimer, Event
 from .base import fields as class_fields
 from .base import runs_code_when_built
@@ -133,16 +134,27 @@ def action_json(actions: Iterable) -> list:
 
 
 def same_actions(recorded: list, actions: Sequence) -> bool:
-    """``recorded == action_json(actions)``, without building the lists."""
+    """``recorded == action_json(actions)``, without building the lists; a
+    field written only when set (``omit_defaults``) that a line lacks is not
+    compared (a line written before the field existed: ``ReportRecv.reason``)."""
     if len(recorded) != len(actions):
         return False
     plains = _PLAINS
     for entry, a in zip(recorded, actions):
         cls = a.__class__
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == cls.__name__
-                and entry[1] == (plains.get(cls) or _plain_getter(cls))(a)):
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == cls.__name__):
+            return False
+        written = (plains.get(cls) or _plain_getter(cls))(a)
+        if entry[1] != written and not _same_but_unwritten(entry[1], written, cls):
             return False
     return True
+
+
+def _same_but_unwritten(recorded: Any, written: dict, cls: type) -> bool:
+    """Whether ``recorded`` is ``written`` less fields it may lack (see same_actions)."""
+    unwritten = [n for n, _ in _omitted_defaults(cls) if n in written and n not in recorded] \
+        if isinstance(recorded, dict) else []
+    return bool(unwritten) and recorded == {k: v for k, v in written.items() if k not in unwritten}
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
@@ -151,20 +163,43 @@ _PLAINS: dict[type, Callable[[Any], dict]] = {}
 
 def _plain_getter(cls: type) -> Callable[[Any], dict]:
     """The fields dict of an instance of ``cls`` as its JSON round trip reads:
-    scalars are taken as they are, anything else made plain."""
+    scalars are taken as they are, anything else made plain; a Struct with
+    ``omit_defaults`` leaves out the fields at their default, as it is written."""
     get = _PLAINS.get(cls)
     if get is None:
         names = _field_names(cls)
+        omitted = _omitted_defaults(cls)
 
-        def get(o: Any) -> dict:
+        def every_field(o: Any) -> dict:
             out = {}
             for n in names:
                 v = getattr(o, n)
                 out[n] = v if v.__class__ in _SCALARS else _plain(v)
             return out
 
-        _PLAINS[cls] = get
+        def written_fields(o: Any) -> dict:
+            out = every_field(o)
+            for n, default in omitted:
+                if getattr(o, n) == default:
+                    del out[n]
+            return out
+
+        get = _PLAINS[cls] = written_fields if omitted else every_field
     return get
+
+
+_OMITTED: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _omitted_defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(field, default) of each field msgspec leaves out at its default (a
+    Struct with ``omit_defaults``: ``ReportRecv.reason``)."""
+    omitted = _OMITTED.get(cls)
+    if omitted is None:
+        config = getattr(cls, "__struct_config__", None)
+        omitted = _OMITTED[cls] = () if config is None or not config.omit_defaults else tuple(
+            (a.name, a.default) for a in class_fields(cls) if a.default is not attrs.NOTHING)
+    return omitted
 
 
 def _plain(value: Any) -> Any:
@@ -575,6 +610,8 @@ _TUPLE_ELEMENTS = {
     "ranks": _INDEX, "remote_ranks": _INDEX, "request_ids": _STR, "samples": _SAMPLE,
 }
 _MAX_VALUE_DEPTH = 4  # lists in lists in a field: a (kind, key) requester is two deep
+# Fields typed by an enum, by the type's name: a value must be one of its values.
+_ENUM_VALUES: dict[str, frozenset[str]] = {"RecvFailure": frozenset(RecvFailure)}
 
 
 def _is_number(v: Any) -> TypeGuard[int | float]:
@@ -625,10 +662,15 @@ def _value_problem(name: str, options: tuple[str, ...], v: Any) -> str | None:
             if bad is _OK:
                 return None
             return f"element {_short(bad)} is not {kind or 'a scalar or a list of them'}"
+        if opt in _ENUM_VALUES:
+            if v.__class__ is str and v in _ENUM_VALUES[opt]:
+                return None
+            continue
         if opt not in ("str", "bool", "int", "float", "tuple", "None") and _hashable_json(v):
             return None  # Any (timer keys) and types this reader has no rule for
     names = {"tuple": "a list", "None": "null", "str": "a string", "bool": "a bool", "int": "an integer",
              "float": "a number"}
+    names.update({o: f"one of the {o} values" for o in _ENUM_VALUES})
     want = " or ".join(names.get(o, "a scalar or a list of them") for o in options)
     return f"must be {want}, got {_json_type(v)}"
 
@@ -678,6 +720,7 @@ _FAST_CHECKS: dict[tuple[str, ...], Callable[[Any], bool]] = {
     ("float",): lambda v: v.__class__ is float or v.__class__ is int,
     ("float", "None"): lambda v: v is None or v.__class__ is float or v.__class__ is int,
     ("Any",): lambda v: v.__class__ is str,  # timer keys: mostly string ids
+    ("RecvFailure", "None"): lambda v: v is None or (v.__class__ is str and v in _ENUM_VALUES["RecvFailure"]),
 }
 _FAST_BUILDS: dict[type, Callable[[dict], dict | None]] = {}
 

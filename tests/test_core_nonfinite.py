@@ -17,6 +17,7 @@ import pytest
 
 from core_support import connect, names, new_request, of_type, plane, run_timers
 from kvplane.statemachines import actions as A
+from kvplane.statemachines.recv_failure import RecvFailure
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import ConfigError, PlaneConfig
 from kvplane.statemachines.machines import decode_request, push_write
@@ -147,7 +148,7 @@ def test_no_read_against_a_non_finite_expiry_or_offset(renewable, what, bad):
     expiry, offset = (bad, 0.0) if what == "expiry" else (100.0, bad)
     d, out = _read_through_plane(remote_expiry=expiry, offset=offset, renewable=renewable)
     assert of_type(out, A.PostRead) == []
-    assert A.ReportRecv("r1", False, (1, 2)) in out
+    assert A.ReportRecv("r1", False, (1, 2), RecvFailure.DECLINED) in out
     assert d.held() == [] or all(h[0] in ("remote_engine", "heartbeat") for h in d.held())
 
 
@@ -160,7 +161,7 @@ def test_handshake_samples_that_are_not_numbers_are_not_taken():
     # Only bad samples: the offset is unknown, and the gate declines on it.
     d, out = _read_through_plane(remote_expiry=100.0, offset=NAN)
     assert math.isnan(d.get("remote_engine", "P0").clock_offset)
-    assert of_type(out, A.PostRead) == [] and A.ReportRecv("r1", False, (1, 2)) in out
+    assert of_type(out, A.PostRead) == [] and A.ReportRecv("r1", False, (1, 2), RecvFailure.DECLINED) in out
     # A later good sample replaces it.
     connect(d, "P0", 2.0, offset=1.5)
     assert d.get("remote_engine", "P0").clock_offset == 1.5

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from core_support import connect, held_by, names, new_request, of_type, plane, run_timers
 from kvplane.statemachines import actions as A
+from kvplane.statemachines.recv_failure import RecvFailure
 from kvplane.statemachines import events as E
 from kvplane.statemachines.base import TimerFired
 from kvplane.statemachines.config import PlaneConfig
@@ -56,7 +57,7 @@ def test_duplicate_and_late_events_are_counted_ignores():
     assert p.stats[Ignored("decode_request", "READING", "NewRequest")] == 1
     assert p.stats[Ignored("decode_request", "READING", "StartLoad")] == 1
     out = p.handle(E.ReadDone(request_id="r1"), 2.0)
-    assert of_type(out, A.ReportRecv) == [A.ReportRecv("r1", True)]
+    assert of_type(out, A.ReportRecv) == [A.ReportRecv("r1", True, ())]
     # Late duplicate completion and late failure: ignored, no second report.
     assert p.handle(E.ReadDone(request_id="r1"), 3.0) == []
     assert p.handle(E.ReadFailed(request_id="r1"), 3.0) == []
@@ -89,7 +90,7 @@ def test_protocol_error_fails_the_decode_request_closed():
     reading(p)
     assert p.get("remote_engine", P0).refs >= {("decode_request", "r1")}
     out = p.handle(E.RequestFinished(request_id="r1"), 1.0)  # finished before its recv was reported
-    assert out == [A.ReleaseXfer("r1", True), A.ReportRecv("r1", False, (1, 2))]
+    assert out == [A.ReleaseXfer("r1", True), A.ReportRecv("r1", False, (1, 2), RecvFailure.ABORTED)]
     assert p.get("decode_request", "r1") is None
     assert p.stats[Anomaly("protocol_violation", "decode_request", "RequestFinished")] == 1
     assert p.stats[FailClosed("decode_request")] == 1

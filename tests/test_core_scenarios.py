@@ -12,6 +12,7 @@ import pytest
 
 from core_support import connect, heartbeats_to_leases, held_by, names, new_request, of_type, plane, run_timers
 from kvplane.statemachines import actions as A
+from kvplane.statemachines.recv_failure import RecvFailure
 from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.heartbeat_phase import phase
@@ -246,7 +247,7 @@ def test_turn2_read_gate(remote_expiry, offset, now, allowed):
         assert r.get("decode_request", "t2").state == "READING"
     else:
         assert names(out) == ["ReportRecv"]
-        assert out[0] == A.ReportRecv("t2", False, (4, 5))
+        assert out[0] == A.ReportRecv("t2", False, (4, 5), RecvFailure.DECLINED)
         assert held_by(r, "t2") == []
         assert r.heartbeats.registered(D_ENGINE) == ()
 
@@ -350,7 +351,7 @@ def test_push_end_to_end_with_the_decoder():
     assert (write.remote_request_id, write.remote_block_ids) == ("r1", (1, 2))
     # The WRITE lands; P learns from its transfer, D from the notification.
     assert of_type(p.handle(E.WriteDone(request_id="p1"), 3.0), A.FreeBlocks)
-    assert d.handle(E.PushDone(request_id=write.remote_request_id), 3.0) == [A.ReportRecv("r1", True)]
+    assert d.handle(E.PushDone(request_id=write.remote_request_id), 3.0) == [A.ReportRecv("r1", True, ())]
     assert held_by(d.plane, "r1") == [] and held_by(p.plane, "p1") == []
 
 
@@ -366,7 +367,7 @@ def test_push_completion_from_a_stranger_is_refused_by_the_table():
         out = d.handle(E.PushDone(request_id="r1", sender="mallory"), 1.0)
         assert out == [A.RefuseForeignSender("r1", "mallory", "push_done_foreign_sender")]
     assert d.plane.get("decode_request", "r1").state == "AWAITING_PUSH"
-    assert d.handle(E.PushDone(request_id="r1", sender=P_ENGINE), 2.0) == [A.ReportRecv("r1", True)]
+    assert d.handle(E.PushDone(request_id="r1", sender=P_ENGINE), 2.0) == [A.ReportRecv("r1", True, ())]
     # Late or duplicate, from anyone: ignored, counted.
     assert d.handle(E.PushDone(request_id="r1", sender="mallory"), 3.0) == []
 
@@ -379,7 +380,7 @@ def test_push_never_arrives_fails_the_decoder_recv():
     d.until(1000.0)
     cfg = d.plane.config
     assert [(t, a) for t, a in d.log if isinstance(a, A.ReportRecv)] == [
-        (min(cfg.recv_timeout, cfg.push_registration_timeout), A.ReportRecv("r1", False, (1, 2)))]
+        (min(cfg.recv_timeout, cfg.push_registration_timeout), A.ReportRecv("r1", False, (1, 2), RecvFailure.PUSH_TIMEOUT))]
     # The registration told P when D would give up.
     assert reg.deadline == min(cfg.recv_timeout, cfg.push_registration_timeout)
     assert held_by(d.plane, "r1") == []
@@ -464,7 +465,7 @@ def test_hung_write_is_cancelled_before_the_decoder_gives_up(d_ahead, decoder_bo
     ((cancelled_at, cancel),) = [(t, a) for t, a in p.log if isinstance(a, A.ReleaseXfer)]
     assert cancel.cancel is True
     ((gave_up_at, report),) = [(t, a) for t, a in d.log if isinstance(a, A.ReportRecv)]
-    assert report == A.ReportRecv("r1", False, (1, 2)) and gave_up_at == reg.deadline
+    assert report == A.ReportRecv("r1", False, (1, 2), RecvFailure.PUSH_TIMEOUT) and gave_up_at == reg.deadline
     # In P's clock D gives up at gave_up_at - d_ahead; the WRITE was over a margin before.
     margin = _push_margin(p.plane.config)
     assert gave_up_at - d_ahead - cancelled_at == pytest.approx(margin) and margin > 0
@@ -754,7 +755,7 @@ def test_push_whose_lease_expired_fails_the_decoder_recv_and_holds_nothing():
     p.until(1000.0)
     assert p.sent(A.PostWrite) == []
     ((t, report),) = [(t, a) for t, a in d.log if isinstance(a, A.ReportRecv)]
-    assert report == A.ReportRecv("r1", False, (1, 2)) and t == reg.deadline
+    assert report == A.ReportRecv("r1", False, (1, 2), RecvFailure.PUSH_TIMEOUT) and t == reg.deadline
     assert d.plane.held() == [] and p.plane.held() == []
 
 

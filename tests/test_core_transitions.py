@@ -17,6 +17,7 @@ import copy
 import pytest
 
 from kvplane.statemachines import events as E
+from kvplane.statemachines.actions import ReportRecv
 from kvplane.statemachines.base import ArmTimer, CancelTimer, TimerFired
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.machines import MACHINES
@@ -329,10 +330,11 @@ def exercise(kind, idx):
             assert built.cancel is True
         if declared.name == "release_xfer":
             assert built.cancel is False
-        if declared.name == "report_failed":
+        if isinstance(built, ReportRecv) and declared.name != "report_done":
             assert built.ok is False and built.failed_block_ids == tuple(inst.block_ids)
+            assert declared.name == f"report_{built.reason.name.lower()}", "a failed report names its reason"
         if declared.name == "report_done":
-            assert built.ok is True
+            assert built.ok is True and built.reason is None
     dest = machine.states[row.dest]
     if dest.deadline is not None:
         assert inst.deadline is not None

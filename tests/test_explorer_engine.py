@@ -108,7 +108,7 @@ def _report_on_abort_after_done():
     request is aborted: the worker's second report of one recv."""
     def change(e):
         if e.event is Abort and e.src in decode_request.FINISHED_RECV and e.src != "RUNNING":
-            return attrs.evolve(e, actions=e.actions + (decode_request.report_failed,))
+            return attrs.evolve(e, actions=e.actions + (decode_request.report_aborted,))
         return e
     spec = _rows(decode_request, change)
     with pytest.raises(MachineDefinitionError):

@@ -22,12 +22,13 @@ from ..actions import (
     SendPushRegistration, StartHeartbeat, StopHeartbeat,
 )
 from ..base import Instance, TimerFired
-from ..emit import emits
+from ..emit import Emit, emits
 from ..events import (
     Abort, BlocksAllocated, EngineLost, EngineReady, NewRequest, PushDone, ReadDone, ReadFailed,
     RequestFinished, RequestRunning, StartLoad,
 )
-from ..spec import Spec, State
+from ..recv_failure import RecvFailure
+from ..spec import MachineDefinitionError, Spec, State
 from ..table import error, ignore, on, rows
 from .engine_refs import acquire_engine, note_activity, release_engine
 from .transfers import cancel_xfer, release_xfer
@@ -214,13 +215,29 @@ def supersede_engine(r: DecodeRequest, ev, cfg, now) -> SupersedeEngine:
 
 @emits(ReportRecv)
 def report_done(r: DecodeRequest, ev, cfg, now) -> ReportRecv:
-    return ReportRecv(r.key, ok=True)
+    return ReportRecv(r.key, ok=True, failed_block_ids=())
 
 
-@emits(ReportRecv)
-def report_failed(r: DecodeRequest, ev, cfg, now) -> ReportRecv:
-    """Failed, naming the blocks whose load failed."""
-    return ReportRecv(r.key, ok=False, failed_block_ids=r.block_ids)
+def report_failed(reason: RecvFailure) -> Emit:
+    """The row entry reporting the recv failed for ``reason``, naming the
+    blocks whose load failed (one builder per reason: ``report_<reason>``)."""
+    def build(r: DecodeRequest, ev, cfg, now) -> ReportRecv:
+        return ReportRecv(r.key, ok=False, failed_block_ids=r.block_ids, reason=reason)
+    build.__name__ = build.__qualname__ = f"report_{reason.name.lower()}"
+    return emits(ReportRecv)(build)
+
+
+# The reasons this table reports, each where it happens.
+report_declined = report_failed(RecvFailure.DECLINED)
+report_other_incarnation = report_failed(RecvFailure.OTHER_INCARNATION)
+report_transfer_failed = report_failed(RecvFailure.TRANSFER_FAILED)
+report_aborted = report_failed(RecvFailure.ABORTED)
+report_transfer_deadline = report_failed(RecvFailure.TRANSFER_DEADLINE)
+report_handshake_timeout = report_failed(RecvFailure.HANDSHAKE_TIMEOUT)
+report_push_timeout = report_failed(RecvFailure.PUSH_TIMEOUT)
+report_recv_timeout = report_failed(RecvFailure.RECV_TIMEOUT)
+report_handshake_failed = report_failed(RecvFailure.HANDSHAKE_FAILED)
+report_engine_lost = report_failed(RecvFailure.ENGINE_LOST)
 
 
 @emits(GrantHold)
@@ -290,7 +307,12 @@ AWAITING_RECV = [S.HEARTBEATING, S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT, S.
 NO_ENGINE_WAIT = [s for s in ACTIVE if s not in (S.HANDSHAKING, S.NOTIFYING)]
 NO_XFER = [s for s in ACTIVE if s != S.READING]
 NO_PUSH = [s for s in ACTIVE if s != S.AWAITING_PUSH]
-GIVE_UP = (stop_heartbeat, release_engine, report_failed)
+
+
+def give_up(report: Emit) -> tuple[Emit, ...]:
+    """Stop waiting on the remote and report the recv failed (``report``: why)."""
+    return stop_heartbeat, release_engine, report
+
 
 TABLE = rows(
     on(S.NEW, NewRequest, S.HEARTBEATING, start_heartbeat, do=_accept),
@@ -317,11 +339,11 @@ TABLE = rows(
        when=older_incarnation, do=_superseded),
     # Another incarnation than the holder's holds none of its blocks: read
     # nothing, tell it nothing (the holder's lease ends on its own).
-    on(S.HANDSHAKING, EngineReady, S.RECV_FAILED, *GIVE_UP, when=other_incarnation),
+    on(S.HANDSHAKING, EngineReady, S.RECV_FAILED, *give_up(report_other_incarnation), when=other_incarnation),
     # A full prefix hit reads nothing remote, so the expiry gate does not apply.
     on(S.HANDSHAKING, EngineReady, S.RECV_DONE, send_notif, stop_heartbeat, release_engine, report_done,
        when=full_prefix_hit),
-    on(S.HANDSHAKING, EngineReady, S.RECV_FAILED, *GIVE_UP, when=remote_blocks_expired),
+    on(S.HANDSHAKING, EngineReady, S.RECV_FAILED, *give_up(report_declined), when=remote_blocks_expired),
     on(S.HANDSHAKING, EngineReady, S.AWAITING_PUSH, send_push_registration, when=push_mode, do=_awaiting_push),
     on(S.HANDSHAKING, EngineReady, S.READING, post_read, do=_reading),
     on(S.NOTIFYING, EngineReady, S.NOTIFYING, release_engine, supersede_engine, acquire_engine,
@@ -332,19 +354,24 @@ TABLE = rows(
 
     # A full prefix hit loads nothing: the recv is done even when P cannot be
     # told (no block failed to load; P's lease then runs out on its own).
+    # Lost while connecting: the handshake failed (refused, timed out, or
+    # backing off after one); lost once connected: the engine is gone.
     *(rows(on(S.HANDSHAKING, ev, S.RECV_DONE, stop_heartbeat, release_engine, report_done, when=full_prefix_hit),
-           on(S.HANDSHAKING, ev, S.RECV_FAILED, *GIVE_UP))
-      for ev in (EngineLost, TimerFired)),
+           on(S.HANDSHAKING, ev, S.RECV_FAILED, *give_up(report)))
+      for ev, report in ((EngineLost, report_handshake_failed), (TimerFired, report_handshake_timeout))),
     on(S.NOTIFYING, [EngineLost, TimerFired], S.RELEASED, stop_heartbeat, release_engine),
-    on(S.READING, [EngineLost, TimerFired], S.RECV_FAILED, cancel_xfer, *GIVE_UP),
-    on(S.AWAITING_PUSH, [EngineLost, TimerFired], S.RECV_FAILED, *GIVE_UP),
-    on([S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT], TimerFired, S.RECV_FAILED, stop_heartbeat, report_failed),
+    on(S.READING, EngineLost, S.RECV_FAILED, cancel_xfer, *give_up(report_engine_lost)),
+    on(S.READING, TimerFired, S.RECV_FAILED, cancel_xfer, *give_up(report_transfer_deadline)),
+    on(S.AWAITING_PUSH, EngineLost, S.RECV_FAILED, *give_up(report_engine_lost)),
+    on(S.AWAITING_PUSH, TimerFired, S.RECV_FAILED, *give_up(report_push_timeout)),
+    on([S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT], TimerFired, S.RECV_FAILED, stop_heartbeat,
+       report_recv_timeout),
     ignore([s for s in ACTIVE if s not in (S.HANDSHAKING, S.NOTIFYING, S.READING, S.AWAITING_PUSH)], EngineLost,
            "the request holds no reference to the engine here"),
 
     # Transfer results.
     on(S.READING, ReadDone, S.RECV_DONE, release_xfer, note_activity, stop_heartbeat, release_engine, report_done),
-    on(S.READING, ReadFailed, S.RECV_FAILED, release_xfer, *GIVE_UP),
+    on(S.READING, ReadFailed, S.RECV_FAILED, release_xfer, *give_up(report_transfer_failed)),
     ignore(NO_XFER, [ReadDone, ReadFailed], "late completion of a transfer already released"),
     # Only the engine it reads from may say its WRITE landed; a stranger's
     # completion changes nothing (refused, counted by the embedder).
@@ -369,12 +396,30 @@ TABLE = rows(
 
     # Abort: release everything held; an awaited recv is still reported.
     on([S.HEARTBEATING, S.NOTIFY_ONLY], Abort, S.ABORTED, stop_heartbeat),
-    on([S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT], Abort, S.ABORTED, stop_heartbeat, report_failed),
+    on([S.WAITING_FOR_REMOTE_KVS, S.FULL_PREFIX_HIT], Abort, S.ABORTED, stop_heartbeat, report_aborted),
     on(S.NOTIFYING, Abort, S.ABORTED, stop_heartbeat, release_engine),
-    on([S.HANDSHAKING, S.AWAITING_PUSH], Abort, S.ABORTED, *GIVE_UP),
-    on(S.READING, Abort, S.ABORTED, cancel_xfer, *GIVE_UP),
+    on([S.HANDSHAKING, S.AWAITING_PUSH], Abort, S.ABORTED, *give_up(report_aborted)),
+    on(S.READING, Abort, S.ABORTED, cancel_xfer, *give_up(report_aborted)),
     on(FINISHED_RECV, Abort, S.ABORTED),
 )
+
+
+
+def check_reports_name_a_reason(table: tuple) -> None:
+    """Definition time: every row's failed report names why, and a
+    successful one names nothing (each builder is built once on a probe)."""
+    probe = DecodeRequest(key="probe", state=S.NEW)
+    for row in table:
+        for entry in getattr(row, "actions", ()):
+            if entry.action is ReportRecv:
+                built = entry.build(probe, None, None, 0.0)
+                if built.ok == (built.reason is not None):
+                    raise MachineDefinitionError(
+                        f"decode_request: {row.src} x {row.event.__name__}: {entry.name} reports ok={built.ok} "
+                        f"with reason {built.reason!r} (a failed report names its reason, a success none)")
+
+
+check_reports_name_a_reason(TABLE)
 
 SPEC = Spec(
     name="decode_request",
