@@ -47,6 +47,8 @@ from .records import (Finish, LeaseGrant, Load, NewRemoteRequest, RankInfo, Recv
 KIND = "engine_request"
 # Where an abort frees a lease or hold (EngineLeaseAbort) rather than ends the request.
 LEASE_STATES = (EngineState.HELD, EngineState.LEASED, EngineState.FREEING)
+# Where a producer's (P's) blocks are under a lease the ranks have not all ended.
+PRODUCER_LEASE_STATES = (EngineState.LEASED, EngineState.FREEING)
 # Where the engine's scheduling of the request tells the machine something
 # (elsewhere the table ignores it: not fed, so a serving engine does not log
 # every decode step of every request).
@@ -389,6 +391,14 @@ class ConnectorScheduler:
         return blocks
 
     # ------------------------------------------------------------ reports
+    def pushes_pending(self) -> bool:
+        """Whether a lease this engine serves by push (P) is not ended on
+        every rank yet: its WRITE may still be to come (read from the
+        machines: a producer's request in a lease state, granted for push)."""
+        return any(inst.state in PRODUCER_LEASE_STATES and inst.context is not None and inst.context.push
+                   and (inst.context.remote is None or inst.context.serve)
+                   for inst in self.plane.instances[KIND].values())
+
     def waiting_on(self, request_id: str) -> tuple[int, ...]:
         """The ranks that have not ended the request's lease yet."""
         return self._lease_ranks.waiting_on(request_id)

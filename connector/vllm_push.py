@@ -24,39 +24,26 @@ Params of the other mode are refused on either side (computed locally):
 a push P and a pull D, or the reverse, do not pair.  Push runs at TP 1 and
 without ``bidirectional_kv_xfer`` (NixlPushConnector refuses that too).
 
-This module keeps the scheduler half's push books; it imports no vLLM.
+Whether P still has push work (vLLM's ``has_pending_push_work``: an idle
+engine does not step, and without it the end of a WRITE would reach vLLM,
+which frees the blocks, only with the next request) is read from the
+``engine_request`` machines (``ConnectorScheduler.pushes_pending``): no
+set of its own.  This module says what the scheduler half registers of a
+request in push mode; it imports no vLLM.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 
-class PushPending:
-    """P's leases whose push is not over, for vLLM's ``has_pending_push_work``
-    (an idle engine does not step: without it, the end of a WRITE would reach
-    vLLM, which frees the blocks, only with the next request)."""
+def serve_params(params: dict[str, Any], *, push: bool) -> dict[str, Any]:
+    """What the split scheduler reads of a request that is not a remote
+    prefill: whether it serves a remote decode, and how (the engine's mode
+    ``push``, never the client's)."""
+    return {"do_remote_decode": bool(params.get("do_remote_decode")), "push": push}
 
-    def __init__(self, *, enabled: bool):
-        self.enabled = enabled
-        self._leases: set[str] = set()
 
-    def serve_params(self, params: dict[str, Any]) -> dict[str, Any]:
-        """What the split scheduler reads of a request that is not a remote
-        prefill: whether it serves a remote decode, and how (the engine's
-        mode, never the client's)."""
-        return {"do_remote_decode": bool(params.get("do_remote_decode")), "push": self.enabled}
-
-    def receive_params(self, registered: dict[str, Any]) -> dict[str, Any]:
-        """D's accepted params with the engine's mode (``from_vllm`` refused
-        the other one)."""
-        return dict(registered, push=self.enabled)
-
-    def granted(self, request_id: str) -> None:
-        if self.enabled:
-            self._leases.add(request_id)
-
-    def sent(self, finished_sending: Iterable[str]) -> None:
-        self._leases.difference_update(finished_sending)
-
-    def pending(self) -> bool:
-        return bool(self._leases)
+def receive_params(registered: dict[str, Any], *, push: bool) -> dict[str, Any]:
+    """D's accepted params with the engine's mode (``from_vllm`` refused
+    the other one)."""
+    return dict(registered, push=push)

@@ -53,7 +53,7 @@ from kvplane.statemachines.machines.engine_request import EngineState
 from .records import RankInfo, StepMeta, WorkerReport
 from .scheduler import ConnectorScheduler
 from .vllm_params import TRANSFER_MODE, from_vllm, to_vllm
-from .vllm_push import PushPending
+from .vllm_push import receive_params, serve_params
 from .vllm_settings import VllmSettings
 
 # vLLM's RequestStatus names of a request that finished producing output.
@@ -92,7 +92,7 @@ class VllmSchedulerSide:
         blocks, P WRITEs: ``vllm_push``), the engine's connector class's."""
         self.settings = settings
         self.transfer_mode = transfer_mode
-        self.push = PushPending(enabled=transfer_mode == "push")
+        self.push = transfer_mode == "push"
         self.sched = ConnectorScheduler(engine_id, tp_size=tp_size, config=settings.plane,
                                         host=settings.side_channel_host)
         self.block_size = block_size
@@ -131,7 +131,7 @@ class VllmSchedulerSide:
                                           serve=turn2)
             else:
                 # Only the engine decides push or pull (a client's "push" key is not read).
-                self.sched.on_new_request(request.request_id, self.push.serve_params(params))
+                self.sched.on_new_request(request.request_id, serve_params(params, push=self.push))
         except BadTransferParams as exc:
             self._refused(request, exc, turn2)
             return
@@ -182,7 +182,7 @@ class VllmSchedulerSide:
                                     f"{request.num_prompt_tokens} of {self.block_size} a block")
             if turn2:  # read as a remote prefill of the held prefix
                 translated = self._whole_blocks(dict(translated, do_remote_prefill=True, do_remote_decode=False))
-            return self.push.receive_params(translated), None
+            return receive_params(translated, push=self.push), None
         vouched = verify(translated, keys)
         check_for_request(vouched, prompt_token_ids=getattr(request, "prompt_token_ids", None),
                           num_prompt_tokens=request.num_prompt_tokens, block_size=self.block_size, prefix=turn2)
@@ -191,7 +191,7 @@ class VllmSchedulerSide:
             registered = self._whole_blocks(registered)
         RemoteKV.from_dict(registered)  # well formed before its lease name is spent
         self.consumed.consume(vouched.lease_name, vouched.term, self.sched.clock())
-        return self.push.receive_params(registered), vouched.key.curve_public
+        return receive_params(registered, push=self.push), vouched.key.curve_public
 
     def _whole_blocks(self, registered: dict) -> dict:
         """A held prefix as P reads it: its whole blocks only (the last held
@@ -261,7 +261,6 @@ class VllmSchedulerSide:
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False)  # the lease holds them
-            self.push.granted(rid)
             return delay, self._vouch(request, out)
         if state == EngineState.QUEUED:
             # Aborted before it was scheduled: the ranks tell P to free now; vLLM awaits nothing.
@@ -367,7 +366,7 @@ class VllmSchedulerSide:
     def has_pending_push_work(self) -> bool:
         """Push mode, P: leased blocks whose WRITE is not over keep the
         engine stepping (vLLM's hook), so their end reaches vLLM at once."""
-        return self.push.pending()
+        return self.push and self.sched.pushes_pending()
 
     def stats(self) -> dict[str, int]:
         """The scheduler half's counts since the last call (vLLM's
@@ -385,7 +384,6 @@ class VllmSchedulerSide:
         engine-level sets are the main job's, dropped here."""
         for report in reports:
             self.sched.update_from_worker(report)
-            self.push.sent(report.finished_sending)
         self.sched.get_finished()
         self.sched.take_load_error_blocks()
 

@@ -127,6 +127,29 @@ def test_no_push_by_ds_deadline_fails_the_recv_and_nothing_stays_held(engines, t
         assert result.ok, (result.divergence, result.held)
 
 
+def test_pending_push_work_is_read_from_the_machines(engines):
+    """has_pending_push_work is P's engine_request machines in a lease state
+    granted for push (no set of the connector's): not while prefilling, not
+    for D's awaited push, still while an aborted lease is being freed, not
+    once every rank ended it."""
+    p, d = engines("prefill-0", 1), engines("decode-0", 2)
+    x = Req("x", {"do_remote_decode": True})
+    p.sched.on_new_request(x)
+    assert p.sched.sched.request("x").state == "PREFILLING" and not p.sched.has_pending_push_work()
+    _, params = p.sched.request_finished(x, (3, 4, 5))
+    assert p.sched.sched.request("x").state == "LEASED" and p.sched.has_pending_push_work()
+    a = Req("a", dict(params))
+    d.sched.on_new_request(a)
+    d.sched.get_num_new_matched_tokens(a, 0)
+    d.sched.update_state_after_alloc(a, (10, 11, 12), 40)
+    assert d.sched.sched.request("a").state == "AWAITING_RECV" and not d.sched.has_pending_push_work()
+    p.step()
+    p.sched.sched.abort("x")  # P gives the lease up: its ranks free the blocks, then report
+    assert p.sched.sched.request("x").state == "FREEING" and p.sched.has_pending_push_work()
+    run_until(lambda: "x" in p.finished["sending"], p, d)
+    assert p.sched.sched.request("x") is None and not p.sched.has_pending_push_work()
+
+
 @pytest.mark.parametrize("p_mode,d_mode", [("push", "pull"), ("pull", "push")])
 def test_params_of_the_other_mode_are_refused_and_computed_locally(engines, p_mode, d_mode):
     p, d = engines("prefill-0", 1, mode=p_mode), engines("decode-0", 2, mode=d_mode)
