@@ -257,7 +257,7 @@ class VllmSchedulerSide:
         reader_tp = self.settings.reader_tp
         if context is None or context.remote is None:  # P: a lease for the reader, finished normally with blocks
             delay, out = self.sched.request_finished(rid, block_ids, reader_tp=reader_tp,
-                                                     normal=normal and bool(block_ids))
+                                                     normal=self._offers_its_prompt(request, block_ids, normal))
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False)  # the lease holds them
@@ -271,7 +271,7 @@ class VllmSchedulerSide:
         if context.serve:
             # P's next turn: its read is over; it serves D's read-back like a prefill.
             delay, out = self.sched.request_finished(rid, block_ids, reader_tp=reader_tp,
-                                                     normal=normal and bool(block_ids))
+                                                     normal=self._offers_its_prompt(request, block_ids, normal))
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False, first_read_token=first,
@@ -289,6 +289,21 @@ class VllmSchedulerSide:
         if state not in (EngineState.RECV_DONE, EngineState.RECV_FAILED, EngineState.RUNNING, EngineState.LOCAL):
             return False, None  # its recv never ran, or is aborted now: nothing to dump
         return self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok)
+
+    def _offers_its_prompt(self, request: Any, block_ids: tuple[int, ...], normal: bool) -> bool:
+        """Whether P leases its blocks to a reader: finished normally, with
+        blocks, and holding its whole prompt's KV.  vLLM finishes a request
+        only after its last prefill chunk (a middle chunk samples nothing),
+        so ``num_computed_tokens`` is then the prompt, preempted or not; a
+        request that ends short of it is not offered (fail closed: its
+        blocks are freed now, the reader computes the prompt), since params
+        for fewer tokens than the prompt are params no reader accepts."""
+        if not (normal and block_ids):
+            return False
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            self.counters["partial_prefill_not_offered"] += 1
+            return False
+        return True
 
     def _held_blocks(self, request: Any, block_ids: tuple[int, ...]) -> tuple[int, ...]:
         """The blocks of the tokens D computed (the ones its hold vouches for):

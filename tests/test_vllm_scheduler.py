@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 if importlib.util.find_spec("vllm") is not None:
     from vllm.v1.engine import FinishReason
     from vllm.v1.request import RequestStatus
-    from vllm_scheduler_support import Engine, engine_pair, new_request
+    from vllm_scheduler_support import TOKEN, Engine, engine_pair, new_request
 
     from kvplane.connector.records import RecvFailure, WorkerReport
     from kvplane.connector.vllm import KVPlaneWorkerMeta
@@ -528,11 +528,11 @@ def test_a_wider_d_than_p_is_refused_and_computed_locally(engines, clock):
     assert p.workers[0].driver.counters["blocks_freed_expired"] == 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found when the signed params (issue 30) met this test: after this preemption P's request finishes with "
-    "num_computed_tokens 32 of its 40 prompt tokens, P signs 32, and D refuses the params as not its prompt's "
-    "(fail closed: D recomputes, P's lease waits for its expiry); P should sign what its blocks hold"))
 def test_p_preempted_while_prefilling_grants_once_when_it_finishes(engines, clock):
+    """After a preemption in chunked prefill vLLM computes the prompt again
+    from 0 and finishes the request only after its last chunk: P signs the
+    whole prompt (40 tokens, 3 blocks) and D reads it.  (A harness that
+    sampled a token on a middle chunk once made vLLM finish at 32 of 40.)"""
     # Prefill in chunks of 16 tokens; vLLM preempts P's request after the first.
     _, p, d = engines(max_num_batched_tokens=16)
     req = p.add(new_request("r1", num_tokens=PROMPT, max_tokens=1, params={"do_remote_decode": True}))
@@ -542,10 +542,29 @@ def test_p_preempted_while_prefilling_grants_once_when_it_finishes(engines, cloc
     assert p.status("r1") == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
     assert settle(clock, (p,), 1, lambda: bool(p.finished("r1")))
     (done,) = p.finished("r1")
-    assert req.num_preemptions == 1 and done.kv_transfer_params is not None
+    assert req.num_preemptions == 1 and req.num_computed_tokens == PROMPT
+    params = done.kv_transfer_params
+    assert params is not None and params["remote_num_tokens"] == PROMPT and len(params["remote_block_ids"][0]) == 3
     p.step()
     assert [g.request_id for g in p.records("grants")] == ["r1"]
-    decode(d, "r1", done.kv_transfer_params)
+    decode(d, "r1", params)
     assert settle(clock, (p, d), 3, lambda: bool(d.finished("d-r1")) and p.empty())
     assert settle(clock, (p, d), 1, lambda: d.empty())
+    assert d.side.counters["bad_transfer_params"] == 0 and d.seen_recving == ["d-r1"] and d.seen_failed == []
     assert p.held() == [] and d.held() == []
+
+
+def test_p_finished_short_of_its_prompt_offers_nothing_and_frees_now(engines, clock, monkeypatch):
+    """Fail closed: a P request that finishes holding less than its prompt
+    (an engine that samples on a middle chunk: vLLM then finishes it at 32
+    of 40) gets no params and no lease; its blocks are freed at once."""
+    _, p, _ = engines(max_num_batched_tokens=16)
+    monkeypatch.setattr(p, "_sampled", lambda rid: [TOKEN] if p.sched.requests[rid].num_computed_tokens >= 32 else [])
+    req = p.add(new_request("r1", num_tokens=PROMPT, max_tokens=1, params={"do_remote_decode": True}))
+    assert settle(clock, (p,), 1, lambda: bool(p.finished("r1")))
+    (done,) = p.finished("r1")
+    assert req.num_computed_tokens == 32 and done.kv_transfer_params is None
+    assert p.side.counters["partial_prefill_not_offered"] == 1
+    p.step()
+    assert p.records("grants") == [] and p.side.sched.request("r1") is None
+    assert p.held() == [] and p.empty()

@@ -201,7 +201,7 @@ class Engine:
                 kv_out = self.edit(r, kv_out)
             per_rank.append(ModelRunnerOutput(
                 req_ids=scheduled, req_id_to_index={rid: i for i, rid in enumerate(scheduled)},
-                sampled_token_ids=[self._sampled(out, rid) for rid in scheduled], kv_connector_output=kv_out))
+                sampled_token_ids=[self._sampled(rid) for rid in scheduled], kv_connector_output=kv_out))
         merged = self.aggregator.aggregate(per_rank)
         assert merged is not None
         seen = merged.kv_connector_output
@@ -212,13 +212,16 @@ class Engine:
         for outputs in self.sched.update_from_output(out, merged).values():
             self.outputs.extend(outputs.outputs)
 
-    def _sampled(self, out: Any, request_id: str) -> list[int]:
+    def _sampled(self, request_id: str) -> list[int]:
         request = self.sched.requests.get(request_id)
         if request is None:
             return []
         # A step that ends the prompt samples one token; a middle chunk none.
-        done = request.num_computed_tokens + out.num_scheduled_tokens[request_id] >= request.num_tokens
-        return [TOKEN] if done else []
+        # schedule() already counted this step's tokens in num_computed_tokens
+        # (_update_after_schedule), so a middle chunk is one still short of
+        # num_tokens: vLLM's own is_prefill_chunk, and the model runner's
+        # discard_request_mask (its seq_len < num_tokens).
+        return [] if request.is_prefill_chunk else [TOKEN]
 
     # ------------------------------------------------------------ what it shows
     def status(self, request_id: str) -> RequestStatus | None:
