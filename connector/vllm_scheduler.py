@@ -37,6 +37,7 @@ the blocks of its tokens, and not used here before (``param_auth``).
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import Counter
 from typing import Any, Callable, TextIO
@@ -66,11 +67,18 @@ STAT_KEYS = ("kvplane_refused_params", "kvplane_refused_dump_tags")
 LOG_FLUSH_EVERY_S = 0.2
 
 
+# A rank field of a log template, with the word naming it (``rank{rank}``,
+# ``rank_{rank}``, ``tp{rank}``): the scheduler half is no rank.
+_RANK_FIELD = re.compile(r"(?:rank|tp)[-_]?\{rank\}", re.IGNORECASE)
+
+
 def scheduler_log_path(template: str) -> str:
     """The scheduler half's event log beside the ranks' (``kvplane_event_log``):
-    ``{rank}`` as ``scheduler``, or ``.scheduler`` before the extension."""
+    ``{rank}``, with a ``rank``/``tp`` word before it, as ``scheduler``
+    (``prefill.rank{rank}.events.jsonl``: ``prefill.scheduler.events.jsonl``),
+    or ``.scheduler`` before the extension."""
     if "{rank}" in template:
-        return template.replace("{rank}", "scheduler")
+        return _RANK_FIELD.sub("scheduler", template).replace("{rank}", "scheduler")
     stem, ext = os.path.splitext(template)
     return f"{stem}.scheduler{ext}"
 

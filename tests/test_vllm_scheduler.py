@@ -38,6 +38,7 @@ if importlib.util.find_spec("vllm") is not None:
     from kvplane.connector.vllm import KVPlaneWorkerMeta
     from kvplane.app.sequence_diagrams import model as sequence_model
     from kvplane.app.offline.checks import cmd_check_log, cmd_replay
+    from kvplane.app.vllm.run import log_name
     from kvplane.app.sequence_diagrams.mermaid import check as check_mermaid
     from kvplane.app.sequence_diagrams.mermaid import render as render_sequence
     from kvplane.app.sequence_diagrams.model import SideLog
@@ -164,13 +165,17 @@ def test_a_repeated_update_state_after_alloc_loads_nothing_twice(engines, clock)
 
 
 def test_the_scheduler_half_logs_the_engine_calls_and_its_log_replays(engines, clock, tmp_path):
-    _, p, d = engines(d_extra={"kvplane_event_log": str(tmp_path / "d.{rank}.jsonl")})
+    # The vLLM job's template at TP > 1: the scheduler half's log is named for it, not as a rank.
+    template = log_name("decode", "events.jsonl", tp=2)
+    assert template == "decode.rank{rank}.events.jsonl"
+    _, p, d = engines(d_extra={"kvplane_event_log": str(tmp_path / template)})
     decode(d, "r1", prefill(p, "r1"))
     assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
     d.step()
     assert settle(clock, (p, d), 2, lambda: d.empty() and p.empty())
     d.connector.shutdown()  # vLLM's Scheduler.shutdown: the log is written out
-    path = tmp_path / "d.scheduler.jsonl"
+    path = tmp_path / "decode.scheduler.events.jsonl"
+    assert sorted(f.name for f in tmp_path.glob("*scheduler*")) == [path.name]
     log = read_log(str(path))
     assert [type(r.event).__name__ for r in log.records] == [
         "EngineNewRequest", "EngineMatched", "EngineAllocated", "RecvFinished", "EngineAllocated", "EngineScheduled",

@@ -12,6 +12,7 @@ import torch
 
 from kvplane.app.vllm.kv_check import check_all
 from kvplane.connector.kv_dump import DUMP_KEY, DumpKV
+from kvplane.connector.vllm_scheduler import scheduler_log_path
 from kvplane.connector.vllm_settings import settings_from
 from kvplane.connector.vllm_worker import VllmWorkerSide
 from kvplane.statemachines.replay import replay
@@ -144,3 +145,14 @@ def test_layers_must_agree(tmp_path):
             w.register_kv_caches({"a": torch.zeros(4, 2, 4, 4), "b": torch.zeros(4, 2, 4, 2)})
     finally:
         w.shutdown()
+
+
+@pytest.mark.parametrize("template,path", [
+    ("prefill.rank{rank}.events.jsonl", "prefill.scheduler.events.jsonl"),  # the vLLM job's at TP > 1
+    ("d.{rank}.jsonl", "d.scheduler.jsonl"),
+    ("logs/rank_{rank}.jsonl", "logs/scheduler.jsonl"),
+    ("d.tp{rank}.jsonl", "d.scheduler.jsonl"),
+    ("decode.events.jsonl", "decode.events.scheduler.jsonl"),  # no {rank}: before the extension
+])
+def test_the_scheduler_log_is_named_for_the_scheduler_not_as_a_rank(template, path):
+    assert scheduler_log_path(template) == path
