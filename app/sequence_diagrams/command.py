@@ -180,8 +180,8 @@ def add_sequence_arguments(p) -> None:
     p.add_argument("p_log", metavar="P.jsonl", help="the prefill side's event log")
     p.add_argument("d_log", metavar="D.jsonl", help="the decode side's event log")
     p.add_argument("--p-scheduler", default=None, metavar="PS.jsonl",
-                   help="P's scheduler-half log (kvplane_event_log's .scheduler file): the engine's calls, drawn "
-                        "beside the wire messages")
+                   help="P's scheduler-half log (kvplane_event_log's scheduler file, e.g. "
+                        "prefill.scheduler.events.jsonl): the engine's calls, drawn beside the wire messages")
     p.add_argument("--d-scheduler", default=None, metavar="DS.jsonl", help="D's scheduler-half log")
     p.add_argument("-o", "--out", default=None, help="write this .mmd file (and an .svg when mmdc is on PATH) "
                                                      "instead of printing to stdout")
