@@ -165,6 +165,22 @@ class AnswerDelayFree(Action, frozen=True):
     acquires: ClassVar[frozenset[str]] = frozenset({"delayed_free"})
 
 
+# ------------------------------------------------- the engine's get_finished
+class TellRecvFinished(Action, frozen=True):
+    """get_finished names the request's recv: finished_recving, or also
+    failed_recving (``ok`` False)."""
+
+    request_id: str
+    ok: bool
+
+
+class TellSendingFinished(Action, frozen=True):
+    """get_finished names the request in finished_sending: the engine frees
+    the blocks it kept."""
+
+    request_id: str
+
+
 # ------------------------------------------------------- records to the ranks
 class SendNewRemote(Action, frozen=True):
     """NewRemoteRequest: every rank starts a decode request (and its heartbeats)."""

@@ -26,12 +26,15 @@ class Outcome:
     request_id: str
     ok: bool
     failed_ranks: tuple[int, ...] = ()
+    # Why it failed: the first failed report's reason (a lost rank: "rank <r> lost").
+    reason: str | None = None
 
 
 @attrs.define
 class _Pending:
     reported: set = attrs.Factory(set)
     failed: set = attrs.Factory(set)
+    reason: str | None = None
 
 
 @attrs.define
@@ -57,8 +60,9 @@ class RankResults:
         """Stop waiting (the request is gone); later reports are ignored."""
         self._pending.pop(request_id, None)
 
-    def report(self, rank: int, request_id: str, ok: bool = True) -> Outcome | None:
-        """Rank ``rank`` is done with ``request_id``; the outcome once every rank is."""
+    def report(self, rank: int, request_id: str, ok: bool = True, reason: str | None = None) -> Outcome | None:
+        """Rank ``rank`` is done with ``request_id`` (``reason``: why it
+        failed, when it did); the outcome once every rank is."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
             self.ignored[BAD_RANK] += 1
             return None
@@ -72,6 +76,7 @@ class RankResults:
         pending.reported.add(rank)
         if not ok:
             pending.failed.add(rank)
+            pending.reason = pending.reason or reason
         return self._done(request_id, pending)
 
     def rank_lost(self, rank: int) -> list[Outcome]:
@@ -81,6 +86,7 @@ class RankResults:
             if rank not in pending.reported:
                 pending.reported.add(rank)
                 pending.failed.add(rank)
+                pending.reason = pending.reason or f"rank {rank} lost"
                 done = self._done(rid, pending)
                 if done is not None:
                     outcomes.append(done)
@@ -100,4 +106,5 @@ class RankResults:
         if len(pending.reported) < self.num_ranks:
             return None
         del self._pending[request_id]
-        return Outcome(request_id, ok=not pending.failed, failed_ranks=tuple(sorted(pending.failed)))
+        return Outcome(request_id, ok=not pending.failed, failed_ranks=tuple(sorted(pending.failed)),
+                       reason=pending.reason if pending.failed else None)

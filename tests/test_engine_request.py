@@ -261,7 +261,8 @@ def test_d_lifecycle_as_vllm_calls_it():
         C.EngineFinished(request_id=RID, normal=True, block_ids=(1, 2, 3)),
     ])
     assert out == [C.SendNewRemote(RID), C.AnswerMatched(RID, 40, True), C.SendLoad(RID, (1, 2, 3), 40),
-                   C.SendRunning(RID), C.SendFinish(RID, (1, 2, 3)), C.AnswerFinished(RID)]
+                   C.TellRecvFinished(RID, True), C.SendRunning(RID), C.SendFinish(RID, (1, 2, 3)),
+                   C.AnswerFinished(RID)]
     assert drive.inst.state == S.ENDED
 
 
@@ -277,7 +278,7 @@ def test_p_lifecycle_as_vllm_calls_it():
     assert drive.inst.state == S.LEASED
     with pytest.raises(ProtocolViolation):
         drive(C.RecvFinished(request_id=RID))  # P awaits no recv
-    drive(C.SendingFinished(request_id=RID))
+    assert C.TellSendingFinished(RID) in drive(C.SendingFinished(request_id=RID))  # get_finished names it
     assert drive.inst.state == S.ENDED
 
 
@@ -291,7 +292,8 @@ def test_aborted_before_allocation_tells_p_and_awaits_nothing():
 def test_aborted_while_awaited_waits_for_the_one_report():
     drive, out = run(PATHS[S.AWAITING_RECV] + [C.EngineFinished(request_id=RID, normal=False)])
     assert out[-2:] == [C.SendAbort(RID), C.AnswerFinished(RID)] and drive.inst.state == S.ABORTING
-    drive(C.RecvFinished(request_id=RID, ok=False))
+    # The engine keeps the blocks until get_finished names the recv (failed).
+    assert C.TellRecvFinished(RID, False) in drive(C.RecvFinished(request_id=RID, ok=False))
     assert drive.inst.state == S.ENDED
 
 

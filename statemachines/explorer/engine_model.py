@@ -299,7 +299,8 @@ class EngineModel(RankModel):
                 translate(self, w, key, a)
             elif isinstance(a, (C.AnswerMatched, C.AnswerFinished, C.AnswerDelayFree)):
                 answers.append(a)
-            elif not isinstance(a, (ArmTimer, CancelTimer, C.FlagOverdue)):  # a flag is the embedder's log
+            # A flag is the embedder's log; the Tell* name what the model's vLLM was just told (its update_from_output).
+            elif not isinstance(a, (ArmTimer, CancelTimer, C.FlagOverdue, C.TellRecvFinished, C.TellSendingFinished)):
                 raise TypeError(f"engine model bug: no translation for {type(a).__name__}")
         return answers
 

@@ -16,6 +16,10 @@ which the validator proves are each ended exactly once on every path:
   abort or an empty unawaited load (aborted before allocation: the ranks
   tell P to free now).
 
+The machine's Tell* actions are what the engine's ``get_finished`` names
+(finished_recving, failed_recving, finished_sending): each accepted report
+tells it once.
+
 Preemption: vLLM frees a preempted request's blocks and computes it again
 from scratch, asking for matched tokens again.  After its recv the
 connector answers 0 (the remote's blocks may be gone; the prompt is
@@ -41,6 +45,7 @@ from ..engine_calls import (
     AnswerDelayFree, AnswerFinished, AnswerMatched, EngineAllocated, EngineFinished, EngineLeaseAbort, EngineMatched,
     EngineNewRequest, EnginePreempted, EngineScheduled, FlagOverdue, GrantLease, RecvFinished, SendAbort,
     SendFinish, SendingFinished, SendLeaseAbort, SendLoad, SendNewRemote, SendNotifyOnly, SendRunning,
+    TellRecvFinished, TellSendingFinished,
 )
 from ..spec import Spec, State
 from ..table import error, ignore, on, rows
@@ -60,6 +65,9 @@ class EngineRequest(Instance):
     local_hit: int = 0
     # When the machine steps in (the state's deadline; moved on each stage).
     bound: float = 0.0
+    # Whether every rank read (None: no recv reported); kept for what the
+    # embedder records of the request when it finishes (a KV dump's read_ok).
+    recv_ok: bool | None = None
     # The embedder's inputs for the records it builds from the actions (the
     # remote's params); never read by the table, not compared, not logged.
     context: Any = attrs.field(default=None, eq=False)
@@ -75,6 +83,10 @@ def _awaiting(r: EngineRequest, ev: EngineAllocated, cfg, now) -> None:
     r.block_ids = ev.block_ids
     r.num_external_tokens = ev.num_external_tokens
     r.bound = now + cfg.recv_timeout + GRACE_S
+
+
+def _recv_reported(r: EngineRequest, ev: RecvFinished, cfg, now) -> None:
+    r.recv_ok = ev.ok
 
 
 def _grace(r: EngineRequest, ev, cfg, now) -> None:
@@ -156,6 +168,17 @@ def answer_free_now(r, ev, cfg, now) -> AnswerFinished:
 @emits(AnswerDelayFree)
 def answer_delay_free(r, ev: EngineFinished, cfg, now) -> AnswerDelayFree:
     return AnswerDelayFree(r.key, ev.block_ids)
+
+
+# ------------------------------------------------- the engine's get_finished
+@emits(TellRecvFinished)
+def tell_recv(r, ev: RecvFinished, cfg, now) -> TellRecvFinished:
+    return TellRecvFinished(r.key, ev.ok)
+
+
+@emits(TellSendingFinished)
+def tell_sent(r, ev: SendingFinished, cfg, now) -> TellSendingFinished:
+    return TellSendingFinished(r.key)
 
 
 # ------------------------------------------------------- records to the ranks
@@ -296,14 +319,14 @@ TABLE = rows(
 
     error([S.AWAITING_RECV, S.OVERDUE], [EngineMatched, EngineAllocated, EngineScheduled, EnginePreempted],
           "the engine holds a request waiting for remote KV back from scheduling"),
-    on(S.AWAITING_RECV, RecvFinished, S.RECV_DONE, when=recv_ok),
-    on(S.AWAITING_RECV, RecvFinished, S.RECV_FAILED),
+    on(S.AWAITING_RECV, RecvFinished, S.RECV_DONE, tell_recv, when=recv_ok, do=_recv_reported),
+    on(S.AWAITING_RECV, RecvFinished, S.RECV_FAILED, tell_recv, do=_recv_reported),
     on(S.AWAITING_RECV, EngineFinished, S.ABORTING, send_abort, answer_free_now, do=_grace),
     on(S.AWAITING_RECV, TimerFired, S.OVERDUE, send_abort, do=_grace),
-    on(S.OVERDUE, RecvFinished, S.LOCAL),
+    on(S.OVERDUE, RecvFinished, S.LOCAL, tell_recv, do=_recv_reported),
     on(S.OVERDUE, EngineFinished, S.ABORTING, answer_free_now),
     on(S.OVERDUE, TimerFired, S.OVERDUE, flag_recv_overdue, do=_grace),
-    on(S.ABORTING, RecvFinished, S.ENDED),
+    on(S.ABORTING, RecvFinished, S.ENDED, tell_recv),
     on(S.ABORTING, TimerFired, S.ABORTING, flag_recv_overdue, do=_grace),
 
     # After the recv: rescheduled (recompute after a failed recv, or after
@@ -332,7 +355,7 @@ TABLE = rows(
     on(S.PREFILLING, EngineFinished, S.ENDED, answer_free_now),
 
     # ---- the blocks the engine keeps: freed on one finished_sending.
-    on([S.HELD, S.LEASED, S.FREEING], SendingFinished, S.ENDED),
+    on([S.HELD, S.LEASED, S.FREEING], SendingFinished, S.ENDED, tell_sent),
     on(S.HELD, TimerFired, S.FREEING, send_lease_abort, do=_grace),
     on(S.LEASED, TimerFired, S.LEASED, flag_lease_overdue, do=_watch_again),
     on(S.FREEING, TimerFired, S.FREEING, flag_lease_overdue, do=_grace),
