@@ -127,6 +127,7 @@ class KVPlaneWorker:
         self.driver = driver
         self.split = _one_rank(driver)
         self._failed: set[str] = set()
+        self._load_errors: set[int] = set()  # the last get_finished's (vLLM asks right after it)
 
     def register_kv_caches(self, kv_cache) -> None:
         """``kv_cache``: one tensor [num_blocks, ...] or a dict of them (one per layer)."""
@@ -149,10 +150,12 @@ class KVPlaneWorker:
         ``kv_load_failure_policy``: "recompute" names its blocks in
         get_block_ids_with_load_errors, "fail" names the request in
         get_failed_requests."""
-        sending, recving, failed = self.split.sched.get_finished()
+        report = self.split.sched.get_finished()
+        failed = set(report.failed_ids)
+        self._load_errors |= set(report.load_error_blocks)
         if self.driver.config.kv_load_failure_policy == "fail":
             self._failed |= failed
-        return sending, recving | failed
+        return set(report.finished_sending), set(report.finished_recving) | failed
 
     def get_failed_requests(self) -> set[str]:
         """Requests to finish with an error (policy "fail"); empty under "recompute"."""
@@ -160,7 +163,7 @@ class KVPlaneWorker:
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        blocks = self.split.sched.take_load_error_blocks()
+        blocks, self._load_errors = self._load_errors, set()
         # Under "fail" the whole request fails: no block is worth recomputing.
         return blocks if self.driver.config.kv_load_failure_policy == "recompute" else set()
 

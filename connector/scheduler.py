@@ -13,7 +13,11 @@ finished sending only when every rank ended its lease, finished receiving
 only when every rank reported its recv, and failed when any rank failed or
 died), which is fed back as the machine's ``RecvFinished`` /
 ``SendingFinished``: one the machine refuses (not awaited, or twice) is
-counted and not reported.
+counted and not reported.  What the machines tell the engine (their
+Tell* actions) goes into one ``EngineReport``, the outbox each
+``get_finished`` empties: beside the machines, the per-request tables here
+are only the ranks' aggregation (``RankResults``: a request leaves it once
+every rank answered) and that outbox.
 
 The lease names it hands out (the remote request id of
 ``kv_transfer_params``) are made here, so every rank names the same lease
@@ -40,6 +44,7 @@ from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.rank_results import Outcome, RankResults
 from kvplane.statemachines.tp_mapping import TpMapping, TpMismatch
 
+from .engine_report import EngineReport
 from .params import BadTransferParams, RemoteKV
 from .records import (Finish, LeaseGrant, Load, NewRemoteRequest, RankInfo, RecvFailure, StepMeta, WorkerReport,
                       check)
@@ -84,12 +89,8 @@ class ConnectorScheduler:
         self._recv_ranks = RankResults(self.tp_size)  # awaited recvs until every rank reported
         self._lost: set[int] = set()
         self._meta: dict[str, list] = _empty_meta()
-        # The engine-level reports since get_finished (the main job reads them).
-        self.finished_sending: set[str] = set()
-        self.finished_recving: set[str] = set()
-        self.failed_recving: set[str] = set()
-        self.load_error_blocks: set[int] = set()
-        self.fail_reasons: dict[str, str] = {}
+        # What get_finished tells the engine next (built from the machines' Tell* actions).
+        self._outbox = EngineReport()
         self.counters: Counter = Counter()
         # What request_finished's caller asked of a grant (readers, their TP).
         self._consumers = 1
@@ -148,7 +149,7 @@ class ConnectorScheduler:
             elif isinstance(a, C.SendLoad):
                 self._recv_ranks.expect(request_id)
                 for rank in self._lost:  # a dead rank reads nothing: the recv fails once the others reported
-                    self._fold_recv(self._recv_ranks.report(rank, request_id, False))
+                    self._fold_recv(self._recv_ranks.report(rank, request_id, False, f"rank {rank} lost"))
                 meta["loads"].append(Load(request_id=request_id, block_ids=a.block_ids,
                                           num_remote_tokens=a.num_remote_tokens, awaiting=True))
             elif isinstance(a, C.SendNotifyOnly):
@@ -321,11 +322,12 @@ class ConnectorScheduler:
             if self._lease_ranks.report(report.rank, rid) is not None:
                 self._sent(rid)
         for rid, ok in sorted([(r, True) for r in report.finished_recving] + [(r, False) for r in report.failed_recving]):
+            reason: str | None = None
             if not ok:
                 reason = reasons.get(rid, RecvFailure.UNEXPLAINED)
-                self.fail_reasons.setdefault(rid, reason if self.tp_size == 1 else f"{reason} (rank {report.rank})")
-            self._fold_recv(self._recv_ranks.report(report.rank, rid, ok))
-        self.load_error_blocks |= report.load_error_blocks
+                reason = reason if self.tp_size == 1 else f"{reason} (rank {report.rank})"
+            self._fold_recv(self._recv_ranks.report(report.rank, rid, ok, reason))
+        self._outbox = self._outbox.load_errors(report.load_error_blocks)
         self._flush_lease_done()
 
     def rank_lost(self, rank: int) -> None:
@@ -344,51 +346,39 @@ class ConnectorScheduler:
 
     def _sent(self, request_id: str) -> None:
         """Every rank ended the request's lease: the machine's SendingFinished."""
-        if self._accepted(C.SendingFinished(request_id=request_id)):
-            self.finished_sending.add(request_id)
+        for a in self._report(C.SendingFinished(request_id=request_id)):
+            if isinstance(a, C.TellSendingFinished):
+                self._outbox = self._outbox.sent(a.request_id)
 
     def _fold_recv(self, outcome: Outcome | None) -> None:
         if outcome is None:
             return
-        rid = outcome.request_id
-        if not outcome.ok:
-            for rank in outcome.failed_ranks:
-                if rank in self._lost:
-                    self.fail_reasons.setdefault(rid, f"rank {rank} lost")
-        if not self._accepted(C.RecvFinished(request_id=rid, ok=outcome.ok)):
-            return
-        (self.finished_recving if outcome.ok else self.failed_recving).add(rid)
+        for a in self._report(C.RecvFinished(request_id=outcome.request_id, ok=outcome.ok)):
+            if isinstance(a, C.TellRecvFinished):
+                self._outbox = (self._outbox.received(a.request_id) if a.ok else
+                                self._outbox.failed(a.request_id, outcome.reason or RecvFailure.UNEXPLAINED))
 
-    def _accepted(self, event: Any) -> bool:
-        """Feed a report; whether the machine took it (a refused one is
-        counted by the plane, and the engine is not told)."""
-        inst = self.request(event.request_id)
-        if inst is None:
+    def _report(self, event: Any) -> list[Action]:
+        """Feed a report; the machine's actions (one it refuses tells the
+        engine nothing: counted here, and by the plane)."""
+        if self.request(event.request_id) is None:
             self.counters[f"unawaited {type(event).__name__}"] += 1
-            return False
-        before = inst.state
-        self._feed(event)
-        after = self.request(event.request_id)
-        if after is not None and after.state == before:
+            return []
+        out = self._feed(event)
+        if not any(isinstance(a, (C.TellRecvFinished, C.TellSendingFinished)) for a in out):
             self.counters[f"refused {type(event).__name__}"] += 1
-            return False
-        return True
+        return out
 
     def _flush_lease_done(self) -> None:
         done, self._lease_done = self._lease_done, []
         for rid in done:
             self._sent(rid)
 
-    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) since the last call."""
+    def get_finished(self) -> EngineReport:
+        """What the engine is told since the last call (the outbox, emptied)."""
         self._flush_lease_done()
-        out = self.finished_sending, self.finished_recving, self.failed_recving
-        self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
-        return out
-
-    def take_load_error_blocks(self) -> set[int]:
-        blocks, self.load_error_blocks = self.load_error_blocks, set()
-        return blocks
+        report, self._outbox = self._outbox, EngineReport()
+        return report
 
     # ------------------------------------------------------------ reports
     def pushes_pending(self) -> bool:
@@ -398,6 +388,16 @@ class ConnectorScheduler:
         return any(inst.state in PRODUCER_LEASE_STATES and inst.context is not None and inst.context.push
                    and (inst.context.remote is None or inst.context.serve)
                    for inst in self.plane.instances[KIND].values())
+
+    def tracked(self) -> dict[str, int]:
+        """How many requests each per-request table holds: the machines,
+        the ranks' aggregation (leases, recvs), what is still to be told
+        the engine.  Each entry goes when its request ends, on every path,
+        so an idle engine's are all 0."""
+        return {"engine_request": len(self.plane.instances[KIND]), "lease_ranks": len(self._lease_ranks),
+                "recv_ranks": len(self._recv_ranks), "lease_done": len(self._lease_done),
+                "outbox": len(self._outbox.finished_sending) + len(self._outbox.finished_recving)
+                + len(self._outbox.failed_recving)}
 
     def waiting_on(self, request_id: str) -> tuple[int, ...]:
         """The ranks that have not ended the request's lease yet."""

@@ -51,6 +51,7 @@ from kvplane.statemachines import engine_calls as C
 from kvplane.statemachines.eventlog import EventLogWriter
 from kvplane.statemachines.machines.engine_request import EngineState
 
+from .engine_report import EngineReport
 from .records import RankInfo, StepMeta, WorkerReport
 from .scheduler import ConnectorScheduler
 from .vllm_params import TRANSFER_MODE, from_vllm, to_vllm
@@ -109,6 +110,9 @@ class VllmSchedulerSide:
         self._last_stats: dict[str, int] = {}
         self._dumps: list[DumpKV] = []  # this step's, for the workers
         self.counters: Counter = Counter()
+        # What the scheduler half told the engine at the last step (for tests and debugging; vLLM acts on
+        # the workers' own sets).
+        self.last_report = EngineReport()
         # The engine's calls as its machines took them (kvplane_event_log).
         self._log_stream: TextIO | None = None
         self.log_writer: EventLogWriter | None = None
@@ -261,7 +265,7 @@ class VllmSchedulerSide:
         if inst is None:  # no remote KV (or refused params): vLLM frees as usual
             return self._maybe_dump(request, block_ids, params, normal)
         state, first, context = inst.state, inst.local_hit, inst.context
-        read_ok = rid not in self.sched.fail_reasons
+        read_ok = inst.recv_ok is not False
         reader_tp = self.settings.reader_tp
         if context is None or context.remote is None:  # P: a lease for the reader, finished normally with blocks
             delay, out = self.sched.request_finished(rid, block_ids, reader_tp=reader_tp,
@@ -404,11 +408,11 @@ class VllmSchedulerSide:
         """One step's worker reports (vLLM: the aggregated worker meta): the
         machine's RecvFinished / SendingFinished once every rank reported.
         vLLM acts on the workers' own sets (its aggregator); the scheduler's
-        engine-level sets are the main job's, dropped here."""
+        engine-level report (the main job's) is kept as ``last_report``
+        until the next step."""
         for report in reports:
             self.sched.update_from_worker(report)
-        self.sched.get_finished()
-        self.sched.take_load_error_blocks()
+        self.last_report = self.sched.get_finished()
 
 
 def _registered(v: Vouched) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import Any, Sized
 
 from kvplane.statemachines import events as E
 from kvplane.statemachines.actions import ReportRecv
@@ -124,7 +124,7 @@ class ConnectorWorker:
         """What finished on this rank since the last report."""
         d = self.driver
         recving: set[str] = set()
-        failed: set[str] = set()
+        failed: dict[str, RecvFailure] = {}  # request -> why (read before _forget drops it)
         for sub, ok in [(s, True) for s in d.finished_recving] + [(s, False) for s in d.failed_recving]:
             rid = self._parent.get(sub, sub)
             results = self._results.setdefault(rid, {})
@@ -132,7 +132,10 @@ class ConnectorWorker:
             d.parts.pop(sub, None)
             if len(results) >= len(self._subs.get(rid, (sub,))):
                 del self._results[rid]
-                (recving if all(results.values()) else failed).add(rid)
+                if all(results.values()):
+                    recving.add(rid)
+                else:
+                    failed[rid] = self._fail_reason.pop(rid, RecvFailure.UNEXPLAINED)
                 if rid in self._aborted:
                     self._forget(rid)
                 elif rid in self._subs:
@@ -144,12 +147,19 @@ class ConnectorWorker:
         d.freed = []
         self._end_notify_only()
         for rid in self._broken_failed:
-            failed.add(rid)
-            self._fail_reason[rid] = RecvFailure.INTERNAL_ERROR
+            failed[rid] = RecvFailure.INTERNAL_ERROR
         self._broken_failed = set()
-        reasons = tuple((rid, self._fail_reason.pop(rid, RecvFailure.UNEXPLAINED)) for rid in failed)
         return WorkerReport(rank=self.rank, finished_sending=sending, finished_recving=recving,
-                            failed_recving=failed, load_error_blocks=blocks, fail_reasons=reasons)
+                            failed_recving=set(failed), load_error_blocks=blocks, fail_reasons=tuple(failed.items()))
+
+    def tracked(self) -> dict[str, int]:
+        """How many requests each of this rank's per-request tables holds
+        (each entry goes when its request ends: an idle rank's are all 0)."""
+        tables: dict[str, Sized] = {"subs": self._subs, "parent": self._parent, "results": self._results, "awaited": self._awaited,
+                  "reported": self._reported, "aborted": self._aborted, "notify_only": self._notify_only,
+                  "fail_reason": self._fail_reason, "broken": self._broken, "broken_failed": self._broken_failed,
+                  "out_sending": self._out_sending}
+        return {name: len(table) for name, table in tables.items()}
 
     def shutdown(self) -> None:
         self.driver.close()
@@ -218,6 +228,7 @@ class ConnectorWorker:
             self._parent.pop(sub, None)
             self.driver.parts.pop(sub, None)
         self._results.pop(rid, None)
+        self._fail_reason.pop(rid, None)  # a sub-read's failure whose request ends before its report
         for bookkeeping in (self._awaited, self._reported, self._aborted, self._notify_only, self._broken):
             bookkeeping.discard(rid)
 

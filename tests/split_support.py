@@ -63,6 +63,7 @@ class SplitEngine:
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.failed: set[str] = set()
+        self.reasons: dict[str, str] = {}  # why each failed recv failed
         self.dead: set[int] = set()
         self.late_meta: list[bytes] | None = None  # a list: metadata waits there until delivered
 
@@ -87,10 +88,11 @@ class SplitEngine:
                 w.bind(pickle.loads(wire))
             w.step()
             self.sched.update_from_worker(through_the_wire(w.report()))
-        s, ok, failed = self.sched.get_finished()
-        self.sending |= s
-        self.recving |= ok
-        self.failed |= failed
+        report = self.sched.get_finished()
+        self.sending |= set(report.finished_sending)
+        self.recving |= set(report.finished_recving)
+        self.failed |= set(report.failed_ids)
+        self.reasons.update((f.request_id, f.reason) for f in report.failed_recving)
 
     def deliver_late_meta(self) -> None:
         metas, self.late_meta = self.late_meta or [], None

@@ -110,7 +110,7 @@ def test_a_dead_decode_rank_fails_the_request_and_every_p_rank_frees(engines, cl
     assert settle(clock, p, d, 1, lambda: "r1" in p.sending or p.workers[0].driver.counters["blocks_freed_consumed"])
     d.kill(1)
     assert settle(clock, p, d, 30, lambda: "d1" in d.failed and "r1" in p.sending)
-    assert "rank 1 lost" in d.sched.fail_reasons["d1"]
+    assert "rank 1 lost" in d.reasons["d1"]
     assert p.workers[0].driver.counters["blocks_freed_consumed"] == 3
     assert p.workers[1].driver.counters["blocks_freed_expired"] == 3  # its reader died: the lease expired
     assert p.held() == [] and d.held() == []
@@ -121,7 +121,7 @@ def test_a_request_after_a_rank_died_fails_instead_of_waiting_for_it(engines, cl
     d.kill(1)
     pull(p, d)
     assert settle(clock, p, d, 30, lambda: "d1" in d.failed and "r1" in p.sending)
-    assert d.sched.fail_reasons["d1"] == "rank 1 lost"
+    assert d.reasons["d1"] == "rank 1 lost"
     assert p.held() == [] and d.held() == []
 
 
@@ -204,9 +204,9 @@ def test_reports_are_counted_once_per_rank(engines):
     p.sched.update_from_worker(WorkerReport(rank=0, finished_sending={"r1"}))
     p.sched.update_from_worker(WorkerReport(rank=0, finished_sending={"r1"}))  # a duplicate
     p.sched.update_from_worker(WorkerReport(rank=1, finished_sending={"nope"}))  # unknown
-    assert p.sched.get_finished()[0] == set()
+    assert p.sched.get_finished().finished_sending == ()
     p.sched.update_from_worker(WorkerReport(rank=1, finished_sending={"r1"}))
-    assert p.sched.get_finished()[0] == {"r1"}
+    assert p.sched.get_finished().finished_sending == ("r1",)
 
 
 def test_a_hold_planned_for_fewer_reader_ranks_is_refused_not_raced(engines, clock):

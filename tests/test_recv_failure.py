@@ -93,7 +93,7 @@ def test_the_reason_reaches_the_scheduler_typed():
         d.sched.on_new_request("d1", params)
         d.sched.update_state_after_alloc("d1", (5, 6), 32)
         assert run(clock, (d, p), 3, until=lambda: "d1" in d.failed)
-        assert d.sched.fail_reasons["d1"] is RecvFailure.TRANSFER_FAILED
+        assert d.reasons["d1"] is RecvFailure.TRANSFER_FAILED
     finally:
         p.close()
         d.close()

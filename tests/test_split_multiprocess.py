@@ -25,6 +25,7 @@ class Engine:
         self.verified: dict[int, dict[int, bool]] = {}
         self.lease_events: list = []
         self.sending, self.recving, self.failed = set(), set(), set()
+        self.reasons: dict[str, str] = {}  # why each failed recv failed
 
         def options(rank: int) -> RankOptions:
             return RankOptions(engine_id=name, rank=rank, tp_size=tp, plane_fields=FIELDS, num_blocks=NUM_BLOCKS,
@@ -36,10 +37,11 @@ class Engine:
 
     def step(self) -> None:
         self.group.step()
-        s, ok, failed = self.sched.get_finished()
-        self.sending |= s
-        self.recving |= ok
-        self.failed |= failed
+        report = self.sched.get_finished()
+        self.sending |= set(report.finished_sending)
+        self.recving |= set(report.finished_recving)
+        self.failed |= set(report.failed_ids)
+        self.reasons.update((f.request_id, f.reason) for f in report.failed_recving)
 
 def run_until(engines, until, timeout: float) -> bool:
     end = time.monotonic() + timeout
@@ -94,7 +96,7 @@ def test_a_killed_decode_rank_fails_the_request_and_p_frees_on_every_rank(engine
     d.group.procs[1].join(10)
     prefill_and_pull(p, d)
     assert run_until((p, d), lambda: "d1" in d.failed and "r1" in p.sending, 60)
-    assert "rank 1 lost" in d.sched.fail_reasons["d1"]
+    assert "rank 1 lost" in d.reasons["d1"]
     assert d.group.lost == {1}
     p_sum = p.group.stop()
     assert p_sum[0].leases_ended == {"consumed": 1}

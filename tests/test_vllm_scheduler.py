@@ -279,7 +279,7 @@ def test_d_aborted_while_awaited_is_reported_once_then_freed(engines, clock):
     assert d.status("d-r1") == RequestStatus.FINISHED_ABORTED and not d.empty()
     assert settle(clock, (p, d), 1.0, lambda: d.empty())
     assert d.records("aborts") == ["d-r1"] and d.seen_recving == ["d-r1"]
-    assert d.side.sched.fail_reasons.get("d-r1") is RecvFailure.ABORTED
+    assert d.reasons.get("d-r1") is RecvFailure.ABORTED
     assert settle(clock, (p, d), 10, lambda: p.empty())  # P's lease runs out (no heartbeats)
     assert p.held() == [] and d.held() == []
 
@@ -306,7 +306,7 @@ def test_a_failed_read_fails_or_recomputes_as_configured(engines, clock, policy)
     assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
     (done,) = d.finished("d-r1")
     assert d.seen_recving == ["d-r1"] and d.seen_failed == ["d-r1"]
-    assert d.side.sched.fail_reasons["d-r1"] is RecvFailure.TRANSFER_FAILED
+    assert d.reasons["d-r1"] is RecvFailure.TRANSFER_FAILED
     d.step()
     if policy == "fail":
         assert done.finish_reason == FinishReason.ERROR and len(req.output_token_ids) == 0
@@ -321,13 +321,49 @@ def test_a_failed_read_fails_or_recomputes_as_configured(engines, clock, policy)
     assert d.held() == [] and p.held() == []
 
 
+def _tracked(e: Engine) -> dict[str, int]:
+    """Every per-request table of the engine's scheduler half and of its ranks, with entries."""
+    tables = {f"scheduler {k}": v for k, v in e.side.sched.tracked().items()}
+    tables.update({f"rank {r} {k}": v for r, w in enumerate(e.workers) for k, v in w.tracked().items()})
+    return {k: v for k, v in tables.items() if v}
+
+
+def test_every_request_leaves_no_entry_behind_on_any_path(engines, clock):
+    """A long-running engine: read recvs, many failed ones, aborted ones;
+    once they ended, nothing of them is kept (each failure's reason went to
+    the engine in one step's report, not into a table)."""
+    fabric, p, d = engines(policy="recompute")
+    for rid in ("ok0", "ok1"):
+        decode(d, rid, prefill(p, rid))
+    assert settle(clock, (p, d), 5, lambda: d.finished("d-ok0") and d.finished("d-ok1"))
+    failing = [f"f{i}" for i in range(12)]
+    fabric.fail_transfers(initiator="D/tp0", count=len(failing))
+    for rid in failing:
+        decode(d, rid, prefill(p, rid))
+    assert settle(clock, (p, d), 5, lambda: all(d.finished(f"d-{rid}") for rid in failing))
+    assert {d.reasons[f"d-{rid}"] for rid in failing} == {RecvFailure.TRANSFER_FAILED}
+    fabric.hang_transfers(initiator="D/tp0", count=2)
+    for rid in ("a0", "a1"):
+        decode(d, rid, prefill(p, rid))
+    assert not settle(clock, (p, d), 0.3, lambda: d.status("d-a1") != RequestStatus.WAITING_FOR_REMOTE_KVS)
+    for rid in ("a0", "a1"):
+        d.abort(f"d-{rid}")  # aborted while awaited
+    assert settle(clock, (p, d), 15, lambda: d.empty() and p.empty() and not p.held() and not d.held())
+    for _ in range(2):  # the last reports reach the scheduler half
+        d.step()
+        p.step()
+    assert sorted(d.seen_recving) == sorted(f"d-{rid}" for rid in ["ok0", "ok1", *failing, "a0", "a1"])
+    assert sorted(d.seen_failed) == sorted(f"d-{rid}" for rid in [*failing, "a0", "a1"])
+    assert _tracked(d) == {} and _tracked(p) == {}
+
+
 def test_a_read_declined_for_an_expired_lease_is_recomputed_never_read(engines, clock):
     _, p, d = engines(policy="recompute")
     params = prefill(p, "r1")
     assert settle(clock, (p,), 8, lambda: p.empty())  # P's lease ran out before the forward
     req = decode(d, "r1", params)
     assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
-    assert d.seen_failed == ["d-r1"] and d.side.sched.fail_reasons["d-r1"] is RecvFailure.DECLINED
+    assert d.seen_failed == ["d-r1"] and d.reasons["d-r1"] is RecvFailure.DECLINED
     assert len(req.output_token_ids) == 3 and d.empty() and d.held() == []
 
 
@@ -436,7 +472,7 @@ def test_one_d_rank_failing_fails_the_request_once(engines, clock, policy):
         assert done.finish_reason == FinishReason.ERROR and len(req.output_token_ids) == 0
     else:
         assert done.finish_reason == FinishReason.LENGTH and len(req.output_token_ids) == 3
-    assert d.side.sched.fail_reasons["d-r1"] == f"{RecvFailure.TRANSFER_FAILED} (rank 1)"
+    assert d.reasons["d-r1"] == f"{RecvFailure.TRANSFER_FAILED} (rank 1)"
     # Rank 1's bad blocks may fail the request before rank 0 is done; vLLM
     # frees the blocks once both ranks reported, and is told once.
     assert settle(clock, (p, d), 10, lambda: d.empty() and p.empty())

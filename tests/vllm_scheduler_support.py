@@ -175,6 +175,7 @@ class Engine:
         self.seen_recving: list[str] = []
         self.seen_failed: list[str] = []
         self.seen_sending: list[str] = []
+        self.reasons: dict[str, str] = {}  # the scheduler half's reason for each failed recv
 
     # ------------------------------------------------------------ requests
     def add(self, request: Request) -> Request:
@@ -211,6 +212,7 @@ class Engine:
             self.seen_sending += sorted(seen.finished_sending or ())
         for outputs in self.sched.update_from_output(out, merged).values():
             self.outputs.extend(outputs.outputs)
+        self.reasons.update((f.request_id, f.reason) for f in self.side.last_report.failed_recving)
 
     def _sampled(self, request_id: str) -> list[int]:
         request = self.sched.requests.get(request_id)

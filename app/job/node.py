@@ -274,15 +274,15 @@ class Node:
         self.gaps.note(now, gap)
 
     def collect(self) -> bool:
-        sending, recving, failed = self.sched.get_finished()
-        self.sched.take_load_error_blocks()  # recompute: the job refills the request's blocks itself
-        for rid in sending:
+        # Its load-error blocks are not read: the job recomputes by refilling the request's blocks itself.
+        report = self.sched.get_finished()
+        for rid in report.finished_sending:
             self._freed(rid, _lease_end_reason(self.lease_reasons.pop(rid, set())))
-        for rid in recving:
-            self._recv_finished(rid, False)
-        for rid in failed:
-            self._recv_finished(rid, True)
-        return bool(sending or recving or failed)
+        for rid in report.finished_recving:
+            self._recv_finished(rid, None)
+        for failed in report.failed_recving:
+            self._recv_finished(failed.request_id, failed.reason)
+        return bool(report.finished_sending or report.finished_recving or report.failed_recving)
 
     # ------------------------------------------------------------ P side
     def on_prefill(self, msg: Prefill) -> None:
@@ -474,8 +474,9 @@ class Node:
                 self._run_and_finish(req, "ok", "full prefix hit, notify-only")
         return did
 
-    def _recv_finished(self, rid: str, failed: bool) -> None:
-        reason = self.sched.fail_reasons.pop(rid, "unknown") if failed else None
+    def _recv_finished(self, rid: str, reason: str | None) -> None:
+        """The recv of ``rid`` ended: ``reason`` is why it failed (None: it did not)."""
+        failed = reason is not None
         if rid in self.aborting:
             # Aborted by the timeout: its machine is gone, its blocks are ours.
             self.aborting.discard(rid)
