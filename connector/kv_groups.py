@@ -73,8 +73,10 @@ class KvGroups:
             for b in group:
                 if isinstance(b, bool) or not isinstance(b, int):
                     return f"group {i}: block id {b!r:.40} is not an int"
-                if b == NULL_BLOCK and window:
-                    continue
+                if b == NULL_BLOCK:
+                    if window:
+                        continue
+                    return f"group {i}: the null block in a full-attention group"
                 if b in seen:
                     return f"group {i}: block {b} twice"
                 seen.add(b)
