@@ -178,3 +178,40 @@ def test_group_counts_of_p_and_d_must_match(tmp_path):
     one = side("decode-0", tmp_path, groups=KvGroups())
     assert load(one, grant(p), ((20, 21, 22),)) is None
     assert one.counters["refused_params"] == 0 and one.counters["kvplane_refused_params"] == 1
+
+
+# ---------------------------------------------------------------- what the connector moves
+def _config(*specs, transfer=None):
+    from types import SimpleNamespace
+
+    groups = [SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"]) for i, s in enumerate(specs)]
+    return SimpleNamespace(kv_cache_groups=groups,
+                           transfer_group_ids=tuple(range(len(specs))) if transfer is None else transfer)
+
+
+def _specs():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(128, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    sliding = SlidingWindowSpec(128, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=64)
+    mamba = MambaSpec(128, shapes=((4, 4),), dtypes=(torch.bfloat16,))
+    return full, sliding, mamba
+
+
+def test_the_connector_moves_full_and_sliding_groups_and_refuses_the_rest_in_one_line():
+    from kvplane.connector.vllm import _kv_groups
+
+    full, sliding, mamba = _specs()
+    assert _kv_groups(_config(full), 2, "push", True) == KvGroups()  # one group: as before
+    assert _kv_groups(_config(sliding, full), 1, "pull", False).window_blocks == (2, 0)
+    for config, tp, mode, bidir, words in [
+        (_config(sliding, full), 2, "pull", False, "tensor parallel size 1"),
+        (_config(sliding, full), 1, "push", False, "pull mode"),
+        (_config(sliding, full), 1, "pull", True, "bidirectional"),
+        (_config(mamba, full), 1, "pull", False, "MambaSpec"),
+        (_config(sliding, full, transfer=(1,)), 1, "pull", False, r"transfers \(1,\)"),
+    ]:
+        with pytest.raises(ValueError, match=words) as info:
+            _kv_groups(config, tp, mode, bidir)
+        assert "\n" not in str(info.value)
