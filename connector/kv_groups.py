@@ -11,7 +11,8 @@ are the null block (id 0) once vLLM cleaned them up.
 
 What crosses P and D is one list per group, clipped as NixlConnector
 clips (``get_exchange_clipped_blocks``): a sliding-window group sends
-only its last ``cdiv(window, block_size) + 1`` blocks.  The plane below
+only its last ``cdiv(window, block_size) + 1`` blocks, of which the null
+ones (cleaned up) are not moved (``without_null``).  The plane below
 needs no groups: it moves a flat list of (remote, local) block pairs
 through the registered regions, pairing the two lists from their ends
 (``driver._align_tail``).  ``interleave`` orders a group list so that this
@@ -81,6 +82,14 @@ class KvGroups:
                     return f"group {i}: block {b} twice"
                 seen.add(b)
         return None
+
+
+def without_null(groups: Sequence[Sequence[int]]) -> Groups:
+    """The groups less vLLM's null block: a sliding group's clip may begin
+    with a block P's vLLM already cleaned up (out of the window), which holds
+    no KV and which D's vLLM does not allocate either (it allocates a
+    sliding group's blocks from the window on)."""
+    return tuple(tuple(b for b in g if b != NULL_BLOCK) for g in groups)
 
 
 def interleave(groups: Sequence[Sequence[int]]) -> tuple[int, ...]:

@@ -44,7 +44,7 @@ from typing import Any, Callable, TextIO
 import attrs
 
 from .kv_dump import DUMP_KEY, DumpKV, tag_problem
-from .kv_groups import ONE_GROUP, Groups, KvGroups, interleave, local_for, paired
+from .kv_groups import ONE_GROUP, Groups, KvGroups, interleave, local_for, paired, without_null
 from .param_auth import ConsumedLeases, RefusedParams, Vouched, check_for_request, prompt_digest, sign, verify
 from .params import BadTransferParams, RemoteKV
 from kvplane.statemachines import engine_calls as C
@@ -212,7 +212,7 @@ class VllmSchedulerSide:
     def _flatten(self, request: Any, params: dict) -> dict:
         """A hybrid model's checked per-group lists as the plane's one flat
         list (``kv_groups.interleave``); the groups are kept for D's pairing."""
-        groups = tuple(tuple(g) for g in params["remote_block_ids"])
+        groups = without_null(params["remote_block_ids"])
         self._remote_groups[request.request_id] = groups
         return dict(params, remote_block_ids=list(interleave(groups)))
 
@@ -289,11 +289,12 @@ class VllmSchedulerSide:
 
     def request_finished_groups(self, request: Any, groups: Groups) -> tuple[bool, dict[str, Any] | None]:
         """A hybrid model's request finished with ``groups`` (vLLM's block
-        list per group): the plane leases the clipped groups' blocks as one
-        flat list; the params name them per group."""
+        list per group): the plane leases the clipped groups' blocks (less
+        the null block) as one flat list; the params name them per group,
+        clipped as NixlConnector's."""
         self._remote_groups.pop(request.request_id, None)
         clipped = self.groups.clip(groups)
-        return self.request_finished(request, interleave(clipped), groups=groups, clipped=clipped)
+        return self.request_finished(request, interleave(without_null(clipped)), groups=groups, clipped=clipped)
 
     def request_finished(self, request: Any, block_ids: tuple[int, ...], *, groups: Groups = (),
                          clipped: Groups | None = None) -> tuple[bool, dict[str, Any] | None]:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvplane.connector.kv_groups import KvGroups, interleave, local_for, paired
+from kvplane.connector.kv_groups import KvGroups, interleave, local_for, paired, without_null
 from kvplane.connector.param_auth import _normal
 from kvplane.connector.params import BadTransferParams
 from kvplane.connector.records import RankInfo
@@ -107,15 +107,15 @@ def side(name: str, tmp_path, groups: KvGroups = HYBRID, secret: bool = True) ->
     return s
 
 
-def grant(p: VllmSchedulerSide) -> dict:
+def grant(p: VllmSchedulerSide, groups=P_GROUPS) -> dict:
     x = Req("x", {"do_remote_decode": True}, num_prompt_tokens=TOKENS, num_computed_tokens=TOKENS)
     p.on_new_request(x)
-    delay, params = p.request_finished_groups(x, P_GROUPS)
+    delay, params = p.request_finished_groups(x, groups)
     assert delay and params is not None
     return params
 
 
-def load(d: VllmSchedulerSide, params: dict, local: tuple, rid: str = "a") -> tuple | None:
+def load(d: VllmSchedulerSide, params: dict, local: tuple, rid: str = "a", p_groups=P_GROUPS) -> tuple | None:
     """The flat blocks D's plane reads into, or None if D refused the params."""
     a = Req(rid, params, num_prompt_tokens=TOKENS, num_computed_tokens=0)
     d.on_new_request(a)
@@ -123,7 +123,7 @@ def load(d: VllmSchedulerSide, params: dict, local: tuple, rid: str = "a") -> tu
     if (n, is_async) != (TOKENS, True):
         return None
     news = d.build_step([]).meta.new_requests
-    assert [r.remote.remote_block_ids for r in news] == [interleave(HYBRID.clip(P_GROUPS))]
+    assert [r.remote.remote_block_ids for r in news] == [interleave(without_null(HYBRID.clip(p_groups)))]
     d.update_state_after_alloc_groups(a, local, TOKENS)
     (one,) = d.build_step([]).meta.loads
     return one.block_ids
@@ -139,6 +139,18 @@ def test_p_leases_the_clipped_groups_and_d_pairs_them(tmp_path, secret):
     # D allocated every position of both groups; the sliding group is clipped alike.
     assert load(d, params, ((20, 21, 22), (30, 31, 32))) == (30, 21, 31, 22, 32)
     assert d.counters["kvplane_refused_params"] == 0
+
+
+def test_a_cleaned_up_block_in_the_clip_is_named_but_not_moved(tmp_path):
+    # P's vLLM already freed the sliding block before the window (the null block, in the clip);
+    # D's vLLM allocates the sliding group from the window on: one block, paired with P's last.
+    p, d = side("prefill-0", tmp_path), side("decode-0", tmp_path)
+    groups = ((0, 0, 6), (7, 8, 9))
+    params = grant(p, groups)
+    assert params["remote_block_ids"] == [[0, 6], [7, 8, 9]]  # NixlConnector's clip, signed as is
+    (lease,) = p.build_step([]).meta.grants
+    assert lease.block_ids == (7, 8, 6, 9)  # the null block is no lease's
+    assert load(d, params, ((22,), (30, 31, 32)), p_groups=groups) == (30, 31, 22, 32)
 
 
 def test_d_with_a_prefix_hit_reads_each_groups_tail(tmp_path):
