@@ -227,3 +227,29 @@ def test_the_connector_moves_full_and_sliding_groups_and_refuses_the_rest_in_one
         with pytest.raises(ValueError, match=words) as info:
             _kv_groups(config, tp, mode, bidir)
         assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- --model
+def test_model_option_writes_the_hybrid_model_and_refuses_what_it_does_not_run(tmp_path, capsys):
+    import json
+
+    from kvplane.app.cli import build_parser, main
+    from kvplane.app.vllm.model import write_tiny_model
+    from kvplane.app.vllm.run import options_from_args
+
+    config = json.loads((write_tiny_model(tmp_path / "m", "hybrid") / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2 and config["sliding_window"] == 64
+    assert "layer_types" not in json.loads((write_tiny_model(tmp_path / "t") / "config.json").read_text())
+
+    def opts(*argv: str):
+        return options_from_args(build_parser().parse_args(["run", "--engine", "vllm", *argv]))
+
+    assert opts().model == "tiny" and opts("--model", "hybrid").model == "hybrid"
+    for argv in (("--prefill-tp", "2"), ("--decode-tp", "2"), ("--push",)):
+        with pytest.raises(ValueError, match="--model hybrid runs with"):
+            opts("--model", "hybrid", *argv)
+    assert main(["run", "--model", "hybrid"]) == 2  # the sim engine has no model
+    assert capsys.readouterr().err.strip() == "kvplane run: --model needs --engine vllm"
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["run", "--engine", "vllm", "--model", "huge"])
+    assert info.value.code == 2
