@@ -253,3 +253,13 @@ def test_model_option_writes_the_hybrid_model_and_refuses_what_it_does_not_run(t
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["run", "--engine", "vllm", "--model", "huge"])
     assert info.value.code == 2
+
+
+def test_groups_that_do_not_pair_read_nothing_counted(tmp_path):
+    # D lacks the full group's last block only, but every sliding block: no flat list pairs these.
+    p, d = side("prefill-0", tmp_path), side("decode-0", tmp_path)
+    warned: list = []
+    d.warn = lambda *a: warned.append(a)
+    assert load(d, grant(p), ((21, 22), (32,))) == ()
+    assert d.counters["kvplane_unpaired_groups"] == 1 and warned
+    assert d.stats() == {"kvplane_unpaired_groups": 1}
