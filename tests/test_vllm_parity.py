@@ -1,6 +1,6 @@
 """NixlConnector parity in a real vLLM (docs/parity.md): ``kvplane run
---engine vllm`` with TP 2 on P, TP 2 on D and bidirectional turn 2 (on
-time, and late), each one small run (two engines started once), checked
+--engine vllm`` with TP 2 on P, TP 2 on D, bidirectional turn 2 (on
+time, and late) and a hybrid model (two KV cache groups), each one small run (two engines started once), checked
 by the job's own checks:
 every request completed, the KV right byte for byte (per D rank), nothing
 held on either side, every event log replays.
