@@ -5,7 +5,10 @@ vLLM's CPU KV cache is one tensor per layer shaped
 ``[num_blocks, 2 (K, V), block_size, kv_heads * head_dim]``; the file holds
 ``[layers, 2, num_tokens, kv_heads * head_dim]`` of the request's first
 ``num_tokens`` tokens (``torch.save``), with where the tokens read from the
-remote begin.
+remote begin.  A hybrid model's dump (``DumpKV.groups``) holds one such
+tensor per KV cache group, of the group's blocks in every registered region
+(the groups overlay one allocation), with the block ids (0: vLLM's null
+block, a cleaned-up sliding-window block).
 """
 from __future__ import annotations
 
@@ -52,6 +55,9 @@ class DumpKV:
     # tokens); "recv": when D's recv completed, before D wrote anything into the
     # blocks (every block given: the ones the read filled).
     when: str = "finish"
+    # A hybrid model: the block list of each KV cache group (block_ids unused).
+    groups: tuple[tuple[int, ...], ...] = attrs.field(
+        default=(), converter=lambda gs: tuple(tuple(int(b) for b in g) for g in gs))
 
 
 def dump_path(directory: str, tag: str, rank: int) -> str:
@@ -74,16 +80,23 @@ def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
     first = layers[0]
     if first.dim() != 4:
         raise ValueError(f"KV cache layer shaped {tuple(first.shape)}, not [blocks, heads, block_size, width]")
-    block_ids, num_tokens = dump.block_ids, dump.num_tokens
+    num_tokens = dump.num_tokens
     block_tokens = first.shape[2]
-    need = len(block_ids) if dump.when == "recv" else -(-num_tokens // block_tokens)
-    if need <= 0 or need > len(block_ids):
-        raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
-    ids = list(block_ids[:need])
-    # Whole blocks: the block interior is the attention backend's, not token-major.
-    out = torch.stack([t[ids].transpose(0, 1).reshape(first.shape[1], need * block_tokens, -1)
-                       for t in layers]).clone()
+
+    def blocks_kv(block_ids: tuple[int, ...]) -> tuple[Any, list[int]]:
+        need = len(block_ids) if dump.when == "recv" else -(-num_tokens // block_tokens)
+        if need <= 0 or need > len(block_ids):
+            raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
+        ids = list(block_ids[:need])
+        # Whole blocks: the block interior is the attention backend's, not token-major.
+        return torch.stack([t[ids].transpose(0, 1).reshape(first.shape[1], need * block_tokens, -1)
+                            for t in layers]).clone(), ids
+
+    out, _ = blocks_kv(dump.groups[0] if dump.groups else dump.block_ids)
+    saved = {"kv": out, "num_tokens": num_tokens, "first_read_token": dump.first_read_token,
+             "read_ok": dump.read_ok, "block_tokens": block_tokens, "when": dump.when}
+    if dump.groups:
+        saved["groups"] = [dict(zip(("kv", "block_ids"), blocks_kv(g))) for g in dump.groups]
     tmp = path + ".tmp"
-    torch.save({"kv": out, "num_tokens": num_tokens, "first_read_token": dump.first_read_token,
-                "read_ok": dump.read_ok, "block_tokens": block_tokens, "when": dump.when}, tmp)
+    torch.save(saved, tmp)
     os.replace(tmp, path)

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import attrs
 import msgpack
 
+from .kv_groups import KvGroups
 from .params import BadTransferParams
 from .secret import DeploymentKeys, DerivedKey
 
@@ -89,7 +90,9 @@ def _normal(fields: dict[str, Any]) -> dict[str, Any]:
     out = {name: fields.get(name) for name in SIGNED}
     blocks = out["remote_block_ids"]
     if isinstance(blocks, (list, tuple)) and blocks and all(isinstance(g, (list, tuple)) for g in blocks):
-        out["remote_block_ids"] = [b for g in blocks for b in g]
+        # One group: its flat list (the encoding before hybrid models); several:
+        # one list per group, so a block cannot move between groups unsigned.
+        out["remote_block_ids"] = list(blocks[0]) if len(blocks) == 1 else [list(g) for g in blocks]
     for name in ("remote_block_ids", "remote_rank_ports", "remote_ranks", "remote_rank_incarnations"):
         value = out[name]
         if isinstance(value, tuple):
@@ -155,7 +158,7 @@ def verify(params: dict[str, Any], keys: DeploymentKeys) -> Vouched:
 
 
 def check_for_request(v: Vouched, *, prompt_token_ids: Any, num_prompt_tokens: int, block_size: int,
-                      prefix: bool = False) -> None:
+                      prefix: bool = False, groups: KvGroups | None = None) -> None:
     """The vouched params are for this request's prompt and name exactly
     its blocks; RefusedParams otherwise.  Signed values were made by P, but
     a P bug must not become wrong KV either, so their types are checked.
@@ -180,6 +183,11 @@ def check_for_request(v: Vouched, *, prompt_token_ids: Any, num_prompt_tokens: i
         raise RefusedParams("prompt has no token ids") from None
     if not hmac.compare_digest(digest, v.prompt_sha256):
         raise RefusedParams("made for another prompt")
+    if groups is not None and groups.count > 1:  # a hybrid model: one list per group, each clipped alike
+        problem = groups.cover_problem(blocks, tokens, block_size)
+        if problem is not None:
+            raise RefusedParams("blocks do not cover the tokens", problem)
+        return
     need = -(-tokens // block_size)
     if not isinstance(blocks, list) or len(blocks) != need:
         raise RefusedParams("blocks do not cover the tokens", f"{len(blocks) if isinstance(blocks, list) else '?'}"

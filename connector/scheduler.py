@@ -64,12 +64,15 @@ AWAITS_SCHEDULING = (EngineState.RECV_DONE, EngineState.RECV_FAILED)
 class RequestInputs:
     """What the records of one request need beyond the machine's events:
     the remote holding its KV (a reader), whether it is served by push, and
-    how many tokens a turn-2 reader reads (the held prefix)."""
+    how many tokens a turn-2 reader reads (the held prefix), and a hybrid
+    model's remote block lists per KV cache group (as signed, less the null
+    block: D pairs its own groups' blocks with them at allocation)."""
 
     remote: RemoteKV | None = None
     push: bool = False
     serve: bool = False
     read_tokens: int | None = None
+    remote_groups: tuple[tuple[int, ...], ...] = ()
 
 
 class ConnectorScheduler:
@@ -172,7 +175,8 @@ class ConnectorScheduler:
 
     # ------------------------------------------------------------ requests
     def on_new_request(self, request_id: str, kv_transfer_params: dict | None, *,
-                       server_public_key: bytes | None = None, serve: bool = False) -> None:
+                       server_public_key: bytes | None = None, serve: bool = False,
+                       remote_groups: tuple[tuple[int, ...], ...] = ()) -> None:
         """Register a request.  One with remote KV is sent to every rank in
         the next metadata, and its heartbeats start there (at the side
         channel that proves ``server_public_key``, when given).  ``serve``:
@@ -201,7 +205,15 @@ class ConnectorScheduler:
         tokens = params.get("remote_num_tokens")
         self._feed(C.EngineNewRequest(request_id=request_id, remote_prefill=True),
                    RequestInputs(remote=rk, push=push, serve=serve,
-                                 read_tokens=tokens if serve and isinstance(tokens, int) else None))
+                                 read_tokens=tokens if serve and isinstance(tokens, int) else None,
+                                 remote_groups=remote_groups))
+
+    def remote_groups(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """A live hybrid-model request's remote block lists per group (empty
+        when it has none or has ended): kept with its machine, not beside it."""
+        inst = self.request(request_id)
+        context = inst.context if inst is not None else None
+        return context.remote_groups if isinstance(context, RequestInputs) else ()
 
     def get_num_new_matched_tokens(self, request_id: str, num_prompt_tokens: int,
                                    num_computed_tokens: int) -> tuple[int, bool]:

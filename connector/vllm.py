@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from . import vllm_stats
+from .kv_groups import KvGroups
 from .records import RankInfo, StepMeta, WorkerReport
 from .vllm_scheduler import SchedulerStep, VllmSchedulerSide
 from .vllm_settings import COMPAT_HASH, settings_from
@@ -152,16 +153,15 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
                 getattr(parallel, "prefill_context_parallel_size", 1) != 1:
             raise ValueError("KVPlaneConnector supports tensor parallelism only (PP, DCP and PCP must be 1)")
         self.tp_size: int = parallel.tensor_parallel_size
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError(f"KVPlaneConnector moves models with one KV cache group (full attention); this one "
-                             f"has {len(kv_cache_config.kv_cache_groups)}")
+        self.kv_groups = _kv_groups(kv_cache_config, self.tp_size, self.TRANSFER_MODE, self.settings.bidirectional)
         self._load_error_blocks: set[int] = set()
         self.scheduler_side: VllmSchedulerSide | None = None
         self.worker_side: VllmWorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = VllmSchedulerSide(self.engine_id, self.settings, tp_size=self.tp_size,
                                                     block_size=_block_size(vllm_config, kv_cache_config),
-                                                    warn=log.warning, transfer_mode=self.TRANSFER_MODE)
+                                                    warn=log.warning, transfer_mode=self.TRANSFER_MODE,
+                                                    groups=self.kv_groups)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -252,10 +252,15 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        return (0,)
+        return tuple(range(self.kv_groups.count))  # a read fills every group's blocks
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self.scheduler_side is not None
+        if self.kv_groups.count > 1:
+            local = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
+            self.scheduler_side.update_state_after_alloc_groups(request, tuple(tuple(g) for g in local),
+                                                                num_external_tokens)
+            return
         ids = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else [[]]
         self.scheduler_side.update_state_after_alloc(request, tuple(ids[0]) if ids else (), num_external_tokens)
 
@@ -280,6 +285,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
+        if self.kv_groups.count > 1:
+            return self.scheduler_side.request_finished_groups(request, tuple(tuple(g) for g in block_ids))
         return self.scheduler_side.request_finished(request, tuple(block_ids[0]) if block_ids else ())
 
     # ================================================================ classmethods
@@ -311,6 +318,35 @@ class KVPlanePushConnector(KVPlaneConnector):
             raise ValueError("KVPlanePushConnector does not support bidirectional_kv_xfer (as NixlPushConnector)")
 
 
+def _kv_groups(kv_cache_config: Any, tp_size: int, mode: str, bidirectional: bool) -> KvGroups:
+    """The model's KV cache groups as kvplane moves them; ValueError (one
+    line) for what it does not: several groups with TP > 1, push or
+    bidirectional, a group that is neither full nor sliding-window attention
+    (SSM state, MLA), groups of different block sizes or not all transferable."""
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1:
+        return KvGroups()
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    what = f"a model with {len(groups)} KV cache groups"
+    if tp_size != 1 or mode != "pull" or bidirectional:
+        raise ValueError(f"KVPlaneConnector moves {what} in pull mode at tensor parallel size 1 without "
+                         "bidirectional_kv_xfer only")
+    specs = [g.kv_cache_spec for g in groups]
+    for spec in specs:
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):  # not MLA, SSM, ...
+            raise ValueError(f"KVPlaneConnector moves full and sliding-window attention groups; {what} has "
+                             f"{type(spec).__name__}")
+    sizes = {spec.block_size for spec in specs}
+    if len(sizes) != 1:
+        raise ValueError(f"KVPlaneConnector moves KV cache groups of one block size; {what} has {sorted(sizes)}")
+    transfer = tuple(getattr(kv_cache_config, "transfer_group_ids", range(len(groups))))
+    if transfer != tuple(range(len(groups))):
+        raise ValueError(f"KVPlaneConnector moves every KV cache group; {what} transfers {transfer}")
+    return KvGroups.from_windows([getattr(spec, "sliding_window", None) if isinstance(spec, SlidingWindowSpec)
+                                  else None for spec in specs], sizes.pop())
+
+
 def _block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     """Tokens per KV block: the KV cache group's, else the cache config's."""
     if kv_cache_config is not None:
@@ -333,4 +369,7 @@ def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size:
     parts = [COMPAT_HASH, str(getattr(model, "architecture", "")), str(len(group.layer_names)),
              str(getattr(spec, "block_size", "")), str(int(getattr(spec, "num_kv_heads", 0) or 0) * tp_size),
              str(getattr(spec, "head_size", "")), str(getattr(spec, "dtype", ""))]
+    for other in kv_cache_config.kv_cache_groups[1:]:  # a hybrid model: every group's kind and layers
+        parts += [type(other.kv_cache_spec).__name__, str(len(other.layer_names)),
+                  str(getattr(other.kv_cache_spec, "sliding_window", ""))]
     return f"{COMPAT_HASH}:{hashlib.sha256(':'.join(parts).encode()).hexdigest()[:24]}"

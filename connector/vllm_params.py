@@ -20,16 +20,18 @@ TRANSFER_MODE = "pull"
 TRANSFER_MODES = ("pull", "push")
 
 
-def to_vllm(params: dict[str, Any], *, num_tokens: int, transfer_mode: str = TRANSFER_MODE) -> dict[str, Any]:
+def to_vllm(params: dict[str, Any], *, num_tokens: int, transfer_mode: str = TRANSFER_MODE,
+            groups: tuple[tuple[int, ...], ...] | None = None) -> dict[str, Any]:
     """ConnectorScheduler's params (flat block ids) -> what vLLM returns in
-    the request output."""
+    the request output.  ``groups``: a hybrid model's block lists, one per
+    KV cache group (clipped: ``kv_groups``), which the flat list interleaves."""
     out = dict(params)
     # A decoder's hold (not renewable) in NixlConnector's keys: the next turn
     # goes to P with do_remote_decode (P reads this prefix, then serves).
     hold = params.get("remote_renewable") is False
     out["do_remote_prefill"] = not hold
     out["do_remote_decode"] = hold
-    out["remote_block_ids"] = [list(params["remote_block_ids"])]
+    out["remote_block_ids"] = [list(g) for g in groups] if groups is not None else [list(params["remote_block_ids"])]
     out["dcp_size"] = 1
     out["pp_size"] = 1
     out["remote_num_tokens"] = num_tokens
@@ -40,23 +42,32 @@ def to_vllm(params: dict[str, Any], *, num_tokens: int, transfer_mode: str = TRA
     return out
 
 
-def from_vllm(params: dict[str, Any], *, transfer_mode: str = TRANSFER_MODE) -> dict[str, Any]:
-    """Params a proxy handed D -> what ConnectorScheduler validates (block
-    ids of the one KV cache group kvplane moves).  Shape errors raise
+def from_vllm(params: dict[str, Any], *, transfer_mode: str = TRANSFER_MODE, groups: int = 1) -> dict[str, Any]:
+    """Params a proxy handed D -> what ConnectorScheduler validates.  With
+    one KV cache group (``groups``, this engine's) ``remote_block_ids`` is
+    that group's flat list; with several it stays one list per group (the
+    caller checks and flattens them: ``kv_groups``).  Shape errors raise
     BadTransferParams naming the key; values are checked by RemoteKV.
     ``transfer_mode``: this engine's (its connector class's); params of the
     other mode are refused (recomputed), as the engines would not pair."""
     if not isinstance(params, dict):
         raise BadTransferParams(f"kv_transfer_params must be a dict, got {type(params).__name__}")
     out = dict(params)
-    blocks = params.get("remote_block_ids")
-    if isinstance(blocks, (list, tuple)) and blocks and all(isinstance(g, (list, tuple)) for g in blocks):
-        groups = [g for g in blocks if len(g)]
-        if len(groups) > 1:
+    blocks: Any = params.get("remote_block_ids")
+    nested = isinstance(blocks, (list, tuple)) and bool(blocks) and all(isinstance(g, (list, tuple)) for g in blocks)
+    if groups > 1:
+        if not nested or len(blocks) != groups:
             raise BadTransferParams(
-                f"kv_transfer_params: 'remote_block_ids': {len(groups)} KV cache groups with blocks; "
-                "kvplane moves models with one (full-attention) group")
-        out["remote_block_ids"] = list(groups[0]) if groups else []
+                f"kv_transfer_params: 'remote_block_ids': {len(blocks) if nested else 'not'} per-group lists; "
+                f"this engine's model has {groups} KV cache groups")
+        out["remote_block_ids"] = [list(g) for g in blocks]
+    elif nested:
+        non_empty = [g for g in blocks if len(g)]
+        if len(non_empty) > 1:
+            raise BadTransferParams(
+                f"kv_transfer_params: 'remote_block_ids': {len(non_empty)} KV cache groups with blocks; "
+                "this engine's model has one")
+        out["remote_block_ids"] = list(non_empty[0]) if non_empty else []
     for key in ("dcp_size", "pp_size"):
         size = params.get(key, 1)
         if size not in (1, None):

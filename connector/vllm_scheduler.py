@@ -45,6 +45,7 @@ from typing import Any, Callable, TextIO
 import attrs
 
 from .kv_dump import DUMP_KEY, DumpKV, tag_problem
+from .kv_groups import ONE_GROUP, Groups, KvGroups, interleave, local_for, paired, without_null
 from .param_auth import ConsumedLeases, RefusedParams, Vouched, check_for_request, prompt_digest, sign, verify
 from .params import BadTransferParams, RemoteKV
 from kvplane.statemachines import engine_calls as C
@@ -63,7 +64,7 @@ FINISHED_NORMALLY = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 # Refusals logged: the first few, then every this many-th (a flood costs a count).
 LOG_EVERY = 1000
 # Counts the scheduler half reports to vLLM's stats (vllm_stats.COUNT_KEYS).
-STAT_KEYS = ("kvplane_refused_params", "kvplane_refused_dump_tags")
+STAT_KEYS = ("kvplane_refused_params", "kvplane_refused_dump_tags", "kvplane_unpaired_groups")
 # How often the scheduler's event log is written out (seconds; at most once a step).
 LOG_FLUSH_EVERY_S = 0.2
 
@@ -94,9 +95,12 @@ class SchedulerStep:
 
 class VllmSchedulerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, tp_size: int = 1, block_size: int = 16,
-                 warn: Callable[..., None] = lambda *a: None, transfer_mode: str = TRANSFER_MODE):
+                 warn: Callable[..., None] = lambda *a: None, transfer_mode: str = TRANSFER_MODE,
+                 groups: KvGroups = ONE_GROUP):
         """``block_size``: tokens per KV block (vLLM's cache block size): D
         checks that P's block list covers exactly the tokens to load.
+        ``groups``: the model's KV cache groups (a hybrid model's several:
+        ``kv_groups``; the plane gets one flat list of them).
         ``transfer_mode``: "pull" (D READs) or "push" (D registers its
         blocks, P WRITEs: ``vllm_push``), the engine's connector class's."""
         self.settings = settings
@@ -105,10 +109,12 @@ class VllmSchedulerSide:
         self.sched = ConnectorScheduler(engine_id, tp_size=tp_size, config=settings.plane,
                                         host=settings.side_channel_host)
         self.block_size = block_size
+        self.groups = groups
         self.warn = warn
         self.consumed = ConsumedLeases()
         self._last_stats: dict[str, int] = {}
         self._dumps: list[DumpKV] = []  # this step's, for the workers
+        self._groups_now: Groups = ()  # a hybrid model's per-group lists of the request finishing now
         self.counters: Counter = Counter()
         # What the scheduler half told the engine at the last step (for tests and debugging; vLLM acts on
         # the workers' own sets).
@@ -138,9 +144,9 @@ class VllmSchedulerSide:
                  and bool(params.get("remote_block_ids")))
         try:
             if remote or turn2:
-                translated, server_key = self._accept(request, params, turn2=turn2)
+                translated, server_key, groups = self._accept(request, params, turn2=turn2)
                 self.sched.on_new_request(request.request_id, translated, server_public_key=server_key,
-                                          serve=turn2)
+                                          serve=turn2, remote_groups=groups)
             else:
                 # Only the engine decides push or pull (a client's "push" key is not read).
                 self.sched.on_new_request(request.request_id, serve_params(params, push=self.push))
@@ -168,14 +174,14 @@ class VllmSchedulerSide:
             self.counters["turn2_refused_computed"] += 1
             self.sched.on_new_request(request.request_id, {"do_remote_decode": True})
 
-    def _accept(self, request: Any, params: dict, *, turn2: bool = False) -> tuple[dict, bytes | None]:
+    def _accept(self, request: Any, params: dict, *, turn2: bool = False) -> tuple[dict, bytes | None, Groups]:
         """(the params to register, the CURVE key P's side channel must
-        prove) for D's remote prefill, or P's read of a decoder's hold
+        prove, a hybrid model's remote lists per group) for D's remote prefill, or P's read of a decoder's hold
         (``turn2``); BadTransferParams when refused.  With a deployment
         secret only P's signed fields are read."""
         if params.get("do_remote_decode") and not turn2:
             raise BadTransferParams("kv_transfer_params: do_remote_prefill and do_remote_decode both set")
-        translated = from_vllm(params, transfer_mode=self.transfer_mode)
+        translated = from_vllm(params, transfer_mode=self.transfer_mode, groups=self.groups.count)
         if turn2 and translated.get("remote_renewable") is not False:
             raise RefusedParams("not a decoder's hold", "do_remote_decode params name a renewable lease")
         keys = self.settings.keys
@@ -187,23 +193,51 @@ class VllmSchedulerSide:
             blocks = translated.get("remote_block_ids")
             count = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
             fits = 0 < count <= request.num_prompt_tokens if turn2 else count == request.num_prompt_tokens > 0
-            if not fits or not isinstance(blocks, list) or len(blocks) != -(-count // self.block_size) or \
+            groups: Groups = ()
+            if self.groups.count > 1:
+                problem = self.groups.cover_problem(blocks, count, self.block_size) if fits else "token count"
+                if problem is not None:
+                    raise RefusedParams("blocks do not cover the tokens", f"{problem}; the prompt has "
+                                        f"{request.num_prompt_tokens} tokens, params {tokens!r}")
+                translated, groups = _flatten(translated)
+            elif not fits or not isinstance(blocks, list) or len(blocks) != -(-count // self.block_size) or \
                     len(set(map(repr, blocks))) != len(blocks):
                 raise RefusedParams("blocks do not cover the tokens",
                                     f"{_count(blocks)} blocks for {tokens!r} tokens; the prompt has "
                                     f"{request.num_prompt_tokens} of {self.block_size} a block")
             if turn2:  # read as a remote prefill of the held prefix
                 translated = self._whole_blocks(dict(translated, do_remote_prefill=True, do_remote_decode=False))
-            return receive_params(translated, push=self.push), None
+            return receive_params(translated, push=self.push), None, groups
         vouched = verify(translated, keys)
         check_for_request(vouched, prompt_token_ids=getattr(request, "prompt_token_ids", None),
-                          num_prompt_tokens=request.num_prompt_tokens, block_size=self.block_size, prefix=turn2)
+                          num_prompt_tokens=request.num_prompt_tokens, block_size=self.block_size, prefix=turn2,
+                          groups=self.groups)
         registered = _registered(vouched)
+        groups = ()
+        if self.groups.count > 1:
+            registered, groups = _flatten(registered)
         if turn2:
             registered = self._whole_blocks(registered)
         RemoteKV.from_dict(registered)  # well formed before its lease name is spent
         self.consumed.consume(vouched.lease_name, vouched.term, self.sched.clock())
-        return receive_params(registered, push=self.push), vouched.key.curve_public
+        return receive_params(registered, push=self.push), vouched.key.curve_public, groups
+
+    def update_state_after_alloc_groups(self, request: Any, local: Groups, num_external_tokens: int) -> None:
+        """A hybrid model's D: ``local`` is vLLM's new blocks per group (its
+        unhashed ones); clipped as P clipped, each group's paired with P's
+        from the end, flattened so the plane's tail pairing keeps them
+        paired (``kv_groups.local_for``)."""
+        remote = self.sched.remote_groups(request.request_id)
+        if not remote or num_external_tokens <= 0 or not any(local):
+            self.update_state_after_alloc(request, (), num_external_tokens)
+            return
+        clipped = self.groups.clip(local)
+        flat = local_for(remote, clipped)
+        if flat is None:  # not tails of one sequence: no flat list pairs them; the read brings nothing
+            self._refuse("kvplane_unpaired_groups", "kvplane: request %s: its KV cache groups' blocks %s do not "
+                         "pair with P's %s; nothing is read", request.request_id, local, remote)
+            flat = ()
+        self.update_state_after_alloc(request, flat, num_external_tokens, groups=paired(remote, clipped)[1])
 
     def _whole_blocks(self, registered: dict) -> dict:
         """A held prefix as P reads it: its whole blocks only (the last held
@@ -222,18 +256,20 @@ class VllmSchedulerSide:
             self.counters["prefix_hits"] += 1
         return tokens, load_async
 
-    def update_state_after_alloc(self, request: Any, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, block_ids: tuple[int, ...], num_external_tokens: int,
+                                 groups: Groups = ()) -> None:
         """``block_ids``: the newly allocated blocks the remote tokens go into
         (vLLM: the unhashed blocks of the one group), empty when there is
         nothing to load.  vLLM calls again after the recv: the machine
-        ignores it."""
+        ignores it.  ``groups``: a hybrid model's blocks the read fills, per
+        group (for the KV dump)."""
         out = self.sched.update_state_after_alloc(request.request_id, block_ids, num_external_tokens)
         if any(isinstance(a, C.SendLoad) for a in out):
             tag = self._dump_tag(request, request.kv_transfer_params or {})
             if tag is not None and block_ids:
                 # What the read brings, saved when it is done, before D writes anything.
                 self._dumps.append(DumpKV(request_id=request.request_id, tag=f"{tag}.recv", block_ids=block_ids,
-                                          num_tokens=0, holds_blocks=False, when="recv"))
+                                          num_tokens=0, holds_blocks=False, when="recv", groups=groups))
         elif any(isinstance(a, C.SendNotifyOnly) for a in out):
             self.counters["full_prefix_hits"] += 1
 
@@ -257,7 +293,26 @@ class VllmSchedulerSide:
             self._log_stream.close()
             self._log_stream = None
 
-    def request_finished(self, request: Any, block_ids: tuple[int, ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_groups(self, request: Any, groups: Groups) -> tuple[bool, dict[str, Any] | None]:
+        """A hybrid model's request finished with ``groups`` (vLLM's block
+        list per group): the plane leases the clipped groups' blocks (less
+        the null block) as one flat list; the params name them per group,
+        clipped as NixlConnector's."""
+        clipped = self.groups.clip(groups)
+        return self.request_finished(request, interleave(without_null(clipped)), groups=groups, clipped=clipped)
+
+    def request_finished(self, request: Any, block_ids: tuple[int, ...], *, groups: Groups = (),
+                         clipped: Groups | None = None) -> tuple[bool, dict[str, Any] | None]:
+        """``groups``/``clipped``: a hybrid model's whole and clipped per-group
+        lists (``block_ids`` flattens the clipped ones)."""
+        self._groups_now = groups
+        try:
+            return self._request_finished(request, block_ids, clipped)
+        finally:
+            self._groups_now = ()
+
+    def _request_finished(self, request: Any, block_ids: tuple[int, ...],
+                          clipped: Groups | None) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         normal = getattr(request.status, "name", str(request.status)) in FINISHED_NORMALLY
@@ -273,7 +328,7 @@ class VllmSchedulerSide:
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False)  # the lease holds them
-            return delay, self._vouch(request, out)
+            return delay, self._vouch(request, out, clipped)
         if state == EngineState.QUEUED:
             # Aborted before it was scheduled: the ranks tell P to free now; vLLM awaits nothing.
             self.counters["aborted_before_alloc"] += 1
@@ -342,16 +397,16 @@ class VllmSchedulerSide:
             return False, None
         self._dumps.append(DumpKV(request_id=request.request_id, tag=tag, block_ids=block_ids,
                                   num_tokens=request.num_prompt_tokens, holds_blocks=holds_blocks,
-                                  first_read_token=first_read_token, read_ok=read_ok))
+                                  first_read_token=first_read_token, read_ok=read_ok, groups=self._groups_now))
         return holds_blocks, None
 
-    def _vouch(self, request: Any, out: dict[str, Any]) -> dict[str, Any]:
+    def _vouch(self, request: Any, out: dict[str, Any], clipped: Groups | None = None) -> dict[str, Any]:
         """The params for the reader in vLLM's shape, signed with the
         deployment secret over the tokens the blocks hold (unsigned when
         there is none: kvplane_insecure, or token ids P does not have,
         which a reader with the secret then refuses)."""
         num_tokens = request.num_computed_tokens
-        params = to_vllm(out, num_tokens=num_tokens, transfer_mode=self.transfer_mode)
+        params = to_vllm(out, num_tokens=num_tokens, transfer_mode=self.transfer_mode, groups=clipped)
         keys = self.settings.keys
         if keys is None:
             return params
@@ -422,3 +477,11 @@ def _registered(v: Vouched) -> dict[str, Any]:
 
 def _count(blocks: Any) -> str:
     return str(len(blocks)) if isinstance(blocks, list) else "no list of"
+
+
+def _flatten(params: dict) -> tuple[dict, Groups]:
+    """A hybrid model's checked per-group lists as the plane's one flat list
+    (``kv_groups.interleave``), and the groups (less the null block), which
+    stay with the request's machine for D's pairing at allocation."""
+    groups = without_null(params["remote_block_ids"])
+    return dict(params, remote_block_ids=list(interleave(groups))), groups

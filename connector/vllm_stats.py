@@ -31,7 +31,7 @@ COUNT_KEYS = (
     "kvplane_declined_reads", "kvplane_failed_recvs", "kvplane_protocol_errors", "kvplane_fail_closed",
     "kvplane_lease_extensions", "kvplane_heartbeats_sent", "kvplane_heartbeats_received",
     "kvplane_refused_notifications", "kvplane_leases_consumed", "kvplane_leases_aborted",
-    "kvplane_engines_evicted", "kvplane_refused_params", "kvplane_refused_dump_tags",
+    "kvplane_engines_evicted", "kvplane_refused_params", "kvplane_refused_dump_tags", "kvplane_unpaired_groups",
 )
 GAUGE_KEYS = ("kvplane_blocks_held", "kvplane_leases", "kvplane_recvs_in_flight", "kvplane_remote_engines")
 

@@ -100,9 +100,13 @@ class VllmWorkerSide:
         # vLLM's CPU layout (LBHNC) is [num_blocks, kv_heads, block_size, K and V of
         # a head]: a block is head-major as a whole, so a TP head shard is one
         # contiguous slice of it (one row).
+        # A hybrid model's KV cache groups overlay their layers on one allocation
+        # (a block id names the same bytes in each group): each region once.
+        regions = {t.data_ptr(): name for name, t in kv_caches.items()}
+        distinct = {name: kv_caches[name] for name in dict.fromkeys(regions.values())}
         with self.lock:
-            self.worker.register_kv_caches(kv_caches)
-        self._kv = tensors
+            self.worker.register_kv_caches(distinct)
+        self._kv = list(distinct.values())
         self.ticker.start()
 
     def rank_info(self) -> RankInfo:

@@ -1,6 +1,6 @@
 """NixlConnector parity in a real vLLM (docs/parity.md): ``kvplane run
---engine vllm`` with TP 2 on P, TP 2 on D and bidirectional turn 2 (on
-time, and late), each one small run (two engines started once), checked
+--engine vllm`` with TP 2 on P, TP 2 on D, bidirectional turn 2 (on
+time, and late) and a hybrid model (two KV cache groups), each one small run (two engines started once), checked
 by the job's own checks:
 every request completed, the KV right byte for byte (per D rank), nothing
 held on either side, every event log replays.
@@ -83,3 +83,13 @@ def test_bidirectional_turn_2_reads_d_s_hold_and_a_late_one_is_declined(tmp_path
     reads = t2["p_reads"]
     assert reads["ok"] == reads["checked"] == 8 and reads["tokens_compared"] > 0
     assert reads["late_read"] == 0 and reads["late_declined"] >= 1 and s["p_declined_reads"] >= 1
+
+
+def test_hybrid_model_moves_and_checks_every_kv_cache_group(tmp_path):
+    # --model hybrid: sliding-window (64 tokens) and full-attention layers, two KV cache groups in one
+    # block pool. Each read moves both groups' blocks (the sliding one clipped to its window's 2 blocks,
+    # as NixlConnector clips) through the regions registered once, and the KV check compares every group.
+    proc, s = run_job(tmp_path, "--model", "hybrid", "--requests", "6")
+    assert_clean(proc, s, 6)
+    kv = s["kv_check"]
+    assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0

@@ -27,6 +27,11 @@ Measured on a normal run: P's KV and D's recompute are byte-identical for
 every prompt (the CPU kernels give the same bytes for the same prompt
 whatever the batch), so the check needs no tolerance.
 
+A hybrid model (several KV cache groups) is checked group by group, each
+on its own blocks (a sliding-window group moves only its window's tail:
+``connector.kv_groups``); a block that is vLLM's null block on either side
+(a sliding-window block cleaned up, no token's KV) is left out.
+
 With tensor parallelism each rank dumps its own heads; D rank ``r``'s
 blocks are compared with P's blocks of the heads it holds, put together
 from P's rank dumps by the TP mapping (``statemachines.tp_mapping``), and
@@ -56,6 +61,20 @@ def _load(path: Path) -> dict | None:
     return torch.load(path)
 
 
+def _null(dump: dict, index: int) -> bool:
+    """Block ``index`` of a group dump is vLLM's null block (no KV to compare)."""
+    ids = dump.get("block_ids")
+    return ids is not None and index < len(ids) and ids[index] == 0
+
+
+def group_view(dump: dict | None, group: int) -> dict | None:
+    """One KV cache group of a hybrid model's dump, shaped as a one-group
+    dump (with its block ids); None if the dump has no such group."""
+    if dump is None or len(dump.get("groups") or ()) <= group:
+        return None
+    return dict(dump, **dump["groups"][group])
+
+
 def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: dict | None) -> KvVerdict:
     if d is None:
         return KvVerdict(tag=tag, ok=False, read_tokens=0, declined=False, why="no dump of D's KV")
@@ -75,8 +94,8 @@ def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: 
                 problems.append(f"read blocks {tuple(rk.shape)} do not fit P's {tuple(pk.shape)}")
             else:
                 theirs = pk[:, :, (pb - k) * block:]
-                bad = sum(1 for b in range(k)
-                          if not bool((rk[:, :, b * block:(b + 1) * block] == theirs[:, :, b * block:(b + 1) * block]).all()))
+                bad = sum(1 for b in range(k) if not _null(p, pb - k + b) and
+                          not bool((rk[:, :, b * block:(b + 1) * block] == theirs[:, :, b * block:(b + 1) * block]).all()))
                 if bad:
                     problems.append(f"{bad} of the {k} blocks read differ from P's")
                 read_tokens = k * block
@@ -93,7 +112,8 @@ def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: 
             problems.append(f"shape differs from D's recompute: {tuple(dk.shape)} vs {tuple(lk.shape)}")
         else:
             bad = sum(1 for b in range(start, end, block)
-                      if not bool((dk[:, :, b:b + block] == lk[:, :, b:b + block]).all()))
+                      if not (_null(d, b // block) or _null(local, b // block))
+                      and not bool((dk[:, :, b:b + block] == lk[:, :, b:b + block]).all()))
             if bad:
                 problems.append(f"{bad} of {(end - start) // block} blocks differ from D's recompute")
     return KvVerdict(tag=tag, ok=not problems, read_tokens=read_tokens, declined=declined, why="; ".join(problems))
@@ -144,6 +164,9 @@ def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: i
                 # different models, so D's recompute is no reference for P's KV; what
                 # D kept must be what it read (P's heads).
                 local = theirs
+            if d is not None and d.get("groups"):
+                per_rank.append(_by_group(t, d, theirs, local, recv))
+                continue
             per_rank.append(verdict(t, d, theirs, local, recv))
         if decode_tp == 1:
             out.append(per_rank[0])
@@ -152,6 +175,15 @@ def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: i
         out.append(KvVerdict(tag=t, ok=not bad, read_tokens=min(v.read_tokens for v in per_rank),
                              declined=any(v.declined for v in per_rank), why="; ".join(bad)))
     return out
+
+
+def _by_group(tag: str, d: dict, p: dict | None, local: dict | None, recv: dict | None) -> KvVerdict:
+    """A hybrid model's verdict: every KV cache group's checks hold."""
+    verdicts = [verdict(tag, group_view(d, g), group_view(p, g), group_view(local, g), group_view(recv, g))
+                for g in range(len(d["groups"]))]
+    bad = [f"group {g}: {v.why}" for g, v in enumerate(verdicts) if not v.ok]
+    return KvVerdict(tag=tag, ok=not bad, read_tokens=max(v.read_tokens for v in verdicts),
+                     declined=verdicts[0].declined, why="; ".join(bad))
 
 
 def check_turn2_reads(dump_dir: Path, indexes: list[int]) -> list[KvVerdict]:

@@ -1,5 +1,12 @@
 """A tiny Llama model folder for the vLLM job: nothing can be downloaded here.
 
+``--model tiny`` (the default): 2 full-attention layers, one KV cache group.
+``--model hybrid``: 4 layers alternating sliding-window attention (window
+``SLIDING_WINDOW`` tokens) and full attention: vLLM's hybrid KV cache
+manager gives it two KV cache groups (``SlidingWindowSpec``,
+``FullAttentionSpec``) drawing from one block pool, their layers' KV
+tensors aliased pairwise.
+
 vLLM runs it with ``--load-format dummy``: the weights are drawn from the
 engine's seed, so P and D (same seed) compute the same model.  The
 tokenizer is a word-level one over the tokens ``t0 .. t1023``; the job
@@ -19,9 +26,22 @@ CONFIG = {
     "hidden_act": "silu",
 }
 
+MODELS = ("tiny", "hybrid")
+SLIDING_WINDOW = 64  # tokens: less than a block, so a sliding group sends 2 blocks (vLLM's clip)
+HYBRID_CONFIG = dict(CONFIG, num_hidden_layers=4, sliding_window=SLIDING_WINDOW,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
 
-def write_tiny_model(folder: str | Path) -> Path:
-    """Write (or overwrite) the model folder; returns it."""
+
+def model_config(model: str) -> dict:
+    """The config.json of ``--model`` ``model`` (one of MODELS)."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    return HYBRID_CONFIG if model == "hybrid" else CONFIG
+
+
+def write_tiny_model(folder: str | Path, model: str = "tiny") -> Path:
+    """Write (or overwrite) the folder of ``model`` (MODELS); returns it."""
+    config = model_config(model)
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     folder = Path(folder)
@@ -31,7 +51,7 @@ def write_tiny_model(folder: str | Path) -> Path:
     tokenizer.save(str(folder / "tokenizer.json"))
     _json(folder / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0",
                                              "bos_token": "t1", "eos_token": "t2", "model_max_length": 4096})
-    _json(folder / "config.json", CONFIG)
+    _json(folder / "config.json", config)
     _json(folder / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2})
     return folder
 

@@ -84,7 +84,7 @@ class _Dumping:
             # P (delay: its lease holds the blocks) or D (held here until dumped).
             self._dumps.append(DumpKV(request_id=request.request_id, tag=tag, block_ids=tuple(block_ids[0]),
                                       num_tokens=request.num_prompt_tokens, holds_blocks=not delay,
-                                      first_read_token=first))
+                                      first_read_token=first, groups=_groups(block_ids)))
             block = int(self._vllm_config.cache_config.block_size)
             held = -(-request.num_computed_tokens // block)
             if delay and params and params.get("do_remote_decode") and held:
@@ -102,7 +102,8 @@ class _Dumping:
             tag = self._recv_tags.pop(rid, None)
             if tag is not None and req.local_block_ids and req.local_block_ids[0]:
                 self._dumps.append(DumpKV(request_id=rid, tag=f"{tag}.recv", block_ids=tuple(req.local_block_ids[0]),
-                                          num_tokens=0, holds_blocks=False, when="recv"))
+                                          num_tokens=0, holds_blocks=False, when="recv",
+                                          groups=_groups(req.local_block_ids)))
         meta.kvplane_dumps = tuple(self._dumps)
         self._dumps = []
         return meta
@@ -110,7 +111,8 @@ class _Dumping:
     # worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
-        self._layers = list(kv_caches.values())
+        # A hybrid model's groups alias their layers pairwise: each region once, as kvplane's dump.
+        self._layers = list({t.data_ptr(): t for t in kv_caches.values()}.values())
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -137,6 +139,11 @@ class _Dumping:
         results.finished_sending |= self._dumped
         self._dumped = set()
         return results
+
+
+def _groups(block_ids: Any) -> tuple:
+    """A hybrid model's per-group lists for a group-wise dump; () with one group."""
+    return tuple(tuple(g) for g in block_ids) if len(block_ids) > 1 else ()
 
 
 class DumpingNixlConnector(_Dumping, NixlConnector):

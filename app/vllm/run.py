@@ -43,7 +43,7 @@ from ..job.netns import HostNet, NetnsUnavailable
 from .engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
                            split_cores, wait_healthy)
 from .model import CONFIG as TINY_CONFIG
-from .model import write_tiny_model
+from .model import MODELS, write_tiny_model
 from .proxy import ProxyError, disaggregated, post_json
 from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
 
@@ -76,6 +76,7 @@ class VllmRunOptions:
     bidirectional: bool = False  # multi-turn: D holds turn 1's blocks, turn 2 goes to P with D's params
     late_turn2: float | None = None  # seconds every 4th turn 2 waits (beyond D's hold: a short TTL for the run)
     push: bool = False  # push mode: D registers its blocks, P WRITEs (KVPlanePushConnector / NixlPushConnector)
+    model: str = "tiny"  # tiny | hybrid (two KV cache groups: sliding window + full attention; model.py)
     hosts: str = "local"  # local | netns: P and D each in a network namespace of its own (run_vllm)
 
     @property
@@ -141,7 +142,7 @@ class VllmRun:
         if self.out.exists():
             shutil.rmtree(self.out)
         self.dumps.mkdir(parents=True)
-        model = write_tiny_model(self.out / "model")
+        model = write_tiny_model(self.out / "model", o.model)
         self.model = model
         # A side channel per rank: port + rank (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT rule).
         http_p, http_d, side_p, side_d = _free_ports(4, span=max(o.prefill_tp, o.decode_tp))
@@ -666,6 +667,10 @@ def options_from_args(args: Any) -> VllmRunOptions:
         raise ValueError(f"--lease must be >= 6 s (heartbeat interval = lease // 6), got {opts.lease:g}")
     if opts.requests < 1:
         raise ValueError("--requests must be >= 1")
+    if opts.model not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {opts.model!r}")
+    if opts.model == "hybrid" and (opts.push or (opts.prefill_tp, opts.decode_tp) != (1, 1)):
+        raise ValueError("--model hybrid runs with --prefill-tp 1 and --decode-tp 1, without --push")
     if opts.hosts not in ("local", "netns"):
         raise ValueError(f"--hosts must be local or netns, got {opts.hosts!r}")
     if not 0 <= opts.drop_notifications < 1:
