@@ -55,9 +55,11 @@ def test_vllm_engines_in_namespaces_move_the_right_kv(tmp_path):
 def test_two_prefill_engines_through_a_partition(tmp_path):
     """Two prefill vLLM engines and one decode engine, each in its own
     namespace; requests alternate over P and P1 (D reads each from the P its
-    params name); every P's link goes down 3 s into the stream for 12 s while
-    requests keep coming: the leases whose completion or heartbeats the cut
-    lost are freed within the lease term (12 s here) from the cut, the
+    params name); every P's link goes down for 12 s at the first prefill
+    answered 3 s or more into the stream (before D got its params: a lease is
+    live across the cut), while requests keep coming: the leases whose
+    completion or heartbeats the cut lost are freed within the lease term (12 s
+    here) from the cut, the
     requests sent meanwhile are answered after the heal, nothing is held and
     every event log replays."""
     out = tmp_path / "run"

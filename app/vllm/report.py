@@ -51,10 +51,11 @@ def checks(s: dict) -> dict[str, bool | None]:
         c["every_rank_reported"] = not s.get("status_missing")
         rp = s.get("replay", {})
         c["event_logs_replay"] = all(r.get("ok") for r in rp.values()) if not killed else rp.get("prefill", {}).get("ok")
-    part = s.get("partition")
-    if part is not None and "within_bound" in part:
-        # Every lease the cut stranded was freed within its term from the cut (+ slack).
-        c["p_reclaimed_within_lease_after_partition"] = part["within_bound"] and part.get("healed_at_s") is not None
+    if o.get("partition_at") is not None and kvp:
+        # The cut came and healed, and every lease it stranded was freed within its term from the cut (+ slack).
+        part = s.get("partition") or {}
+        c["p_reclaimed_within_lease_after_partition"] = bool(part.get("within_bound")) and \
+            part.get("healed_at_s") is not None
     if killed:
         c["p_reclaims_within_lease"] = s.get("reclaim_after_kill_s") is not None and \
             s["reclaim_after_kill_s"] <= o["lease"] + RECLAIM_SLACK_S

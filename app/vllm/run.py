@@ -50,6 +50,8 @@ from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
 MAX_PREFILL_ENGINES = 4  # each is a vLLM server: start-up takes minutes, memory a few GiB
+# --partition-at S: the cut waits for a prefill answered after S (a lease live across it) this long at most.
+PARTITION_WAIT_S = 10.0
 # decoder_kv_blocks_ttl of a --bidirectional run (vLLM's default, 480 s, would hold
 # the last turn's blocks past the job's end).
 HOLD_TTL_S = 30.0
@@ -158,6 +160,8 @@ class VllmRun:
         self.hosts: Any = None  # netns.HostNet of --hosts netns (the partition cuts its links)
         self.partition: dict[str, float] = {}  # at / healed: monotonic times of the cut and the heal
         self._partition_lock = threading.Lock()
+        self._cut_armed = threading.Event()
+        self._heal_timer: threading.Timer | None = None
 
     # ------------------------------------------------------------ set-up
     def prepare(self) -> dict[str, EngineSpec]:
@@ -180,6 +184,8 @@ class VllmRun:
         for name, http, side in zip(names, ports[:len(names)], ports[len(names):]):
             role = engine_role(name)
             extra: dict[str, Any] = {"kv_lease_duration": o.lease, "kvplane_kv_dump_dir": str(self.dumps)}
+            if o.partition_at is not None:
+                extra["transfer_timeout"] = partition_transfer_timeout(o.lease)
             if o.bidirectional:
                 extra.update({"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": o.hold_ttl})
             if o.connector == "nixl":
@@ -230,9 +236,11 @@ class VllmRun:
         timers = []
         if self.opts.kill_decode_at is not None:
             timers.append(threading.Timer(self.opts.kill_decode_at, self._kill_d))
-        if self.opts.partition_at is not None and self.opts.partition_for is not None:
-            timers += [threading.Timer(self.opts.partition_at, self._cut),
-                       threading.Timer(self.opts.partition_at + self.opts.partition_for, self._heal)]
+        if self.opts.partition_at is not None:
+            # Armed at partition_at, the cut comes with the next prefill answered (between P's
+            # lease grant and D's read: a lease is live across it), or PARTITION_WAIT_S later.
+            timers += [threading.Timer(self.opts.partition_at, self._cut_armed.set),
+                       threading.Timer(self.opts.partition_at + PARTITION_WAIT_S, self._cut)]
         for timer in timers:
             timer.start()
         with ThreadPoolExecutor(max_workers=16) as pool:
@@ -258,7 +266,8 @@ class VllmRun:
             filler.join(timeout=60)
         for timer in timers:
             timer.cancel()
-        self._heal()  # a stream over before the partition's end (none is sent then): heal it now
+        if self._heal_timer is not None:
+            self._heal_timer.join()  # a partition outlasting the stream still lasts partition_for
         return time.monotonic() - t0
 
     def _one(self, p: str, d: str, r: VllmRequest) -> None:
@@ -272,6 +281,8 @@ class VllmRun:
 
         def before_decode(params: dict | None) -> dict | None:
             self.p_done_at.append(time.monotonic())
+            if self._cut_armed.is_set():
+                self._cut()
             if r.late and self.opts.late_forward:
                 with self._late_lock:
                     self._late_waiting += 1
@@ -379,9 +390,15 @@ class VllmRun:
                 time.sleep(0.5)
 
     def _cut(self) -> None:
-        """--partition-at: every prefill engine's link down (both ends)."""
-        self.hosts.partition()
-        self.partition["at"] = time.monotonic()
+        """--partition-at: every prefill engine's link down (both ends), once;
+        up again partition_for later."""
+        with self._partition_lock:
+            if "at" in self.partition:
+                return
+            self.hosts.partition()
+            self.partition["at"] = time.monotonic()
+            self._heal_timer = threading.Timer(float(self.opts.partition_for or 0.0), self._heal)
+            self._heal_timer.start()
         self.say(f"fault: link down between the prefill and decode namespaces at "
                  f"{self.partition['at'] - self._stream_t0:.1f} s")
 
@@ -475,6 +492,16 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def partition_transfer_timeout(lease: float) -> float:
+    """A READ cut by the partition must be over (failed) before P can reclaim
+    its lease, or it could land after the heal on blocks P freed: at most the
+    lease extension less a heartbeat interval (the sim job's rule)."""
+    from kvplane.statemachines.config import PlaneConfig
+
+    cfg = PlaneConfig(kv_lease_duration=lease)
+    return max(1.0, cfg.lease_extension - cfg.heartbeat_interval)
 
 
 def engine_role(name: str) -> str:
@@ -808,8 +835,9 @@ def _check_partition(opts: VllmRunOptions) -> None:
     if opts.connector != "kvplane":
         raise ValueError("--partition-at with --engine vllm runs with --connector kvplane (P's reclaim is read "
                          "from its event logs)")
-    if opts.kill_decode_at is not None or opts.late_forward is not None:
-        raise ValueError("--partition-at is a fault of its own: drop --kill-decode-at and --late-forward")
+    if opts.kill_decode_at is not None or opts.late_forward is not None or opts.bidirectional:
+        raise ValueError("--partition-at is a fault of its own: drop --kill-decode-at, --late-forward, "
+                         "--bidirectional and --late-turn2")
 
 
 def cmd_run_vllm(args: Any) -> int:
