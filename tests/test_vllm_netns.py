@@ -81,6 +81,8 @@ def test_two_prefill_engines_through_a_partition(tmp_path):
     assert part["healed_at_s"] - part["at_s"] >= 12 - 0.5, part
     assert part["leases_expired"] > 0, part  # the cut stranded leases, and P freed them
     assert part["within_bound"] and part["reclaim_s"] <= part["lease_s"] + part["slack_s"], part
+    # Requests kept coming through the cut: those sent to a P while it was cut were answered after the heal.
+    assert part["requests_sent_while_cut"] >= 1 and part["answered_after_heal"] == part["requests_sent_while_cut"], part
     assert s["connector_blocks_held"] == {"prefill": 0, "decode": 0}
     assert set(s["replay"]) == {"prefill", "prefill1", "decode"} and all(r["ok"] for r in s["replay"].values())
     assert "blocks still held P / D 0 / 0" in stdout

@@ -133,6 +133,9 @@ def print_report(s: dict, console: Console | None = None) -> bool:
                      "(leases expired)", ("nothing stranded" if part["reclaim_s"] is None else
                                           f"{part['reclaim_s']} s after the cut, bound lease {part['lease_s']:g} s + "
                                           f"{part['slack_s']} s slack") + f" ({part['leases_expired']})"))
+        if "requests_sent_while_cut" in part:
+            rows.append(("requests sent to P while cut / answered after the heal",
+                         f"{part['requests_sent_while_cut']} / {part['answered_after_heal']}"))
     if s.get("reclaim_after_kill_s") is not None:
         rows.append(("P reclaimed its blocks after D's kill", f"{s['reclaim_after_kill_s']:.1f} s"))
     rows.append(("end", held_line(s)))

@@ -140,6 +140,8 @@ class RequestResult:
     prompt_tokens: int = 0
     tokens: int = 0
     prefill: str = "P"  # the prefill engine it went to (and its turn 2)
+    sent_at: float | None = None  # monotonic: the proxy sent it to P
+    p_answered_at: float | None = None  # monotonic: P's answer reached the proxy
 
 
 class VllmRun:
@@ -280,7 +282,8 @@ class VllmRun:
                 "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
 
         def before_decode(params: dict | None) -> dict | None:
-            self.p_done_at.append(time.monotonic())
+            res.p_answered_at = time.monotonic()
+            self.p_done_at.append(res.p_answered_at)
             if self._cut_armed.is_set():
                 self._cut()
             if r.late and self.opts.late_forward:
@@ -294,6 +297,7 @@ class VllmRun:
             return dict(params or {}, **{DUMP_KEY: r.tag})
 
         t0 = time.perf_counter()
+        res.sent_at = time.monotonic()
         try:
             got = disaggregated(p, d, body, timeout=self.opts.timeout, before_decode=before_decode,
                                 prefill_extra={DUMP_KEY: f"{r.tag}.p"})
@@ -723,6 +727,11 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
             out["partition"] = dict(summary.get("partition") or {}, **partition_reclaim(
                 logs, cut=run.partition["at"], healed=run.partition.get("healed"), lease=opts.lease,
                 stall_s=out["longest_rank_stall_ms"]["prefill"] / 1000))
+            # Requests sent to a P while its link was down: answered once it was up again.
+            healed = run.partition.get("healed", float("inf"))
+            cut_off = [r for r in res if r.sent_at is not None and run.partition["at"] <= r.sent_at < healed]
+            out["partition"].update(requests_sent_while_cut=len(cut_off), answered_after_heal=sum(
+                1 for r in cut_off if r.ok and r.p_answered_at is not None and r.p_answered_at >= healed))
     else:
         out["prefill_engines"] = [{"name": n, "engine_id": engine_id(n), "requests": by_engine[n]}
                                   for n in opts.prefill_names]
