@@ -116,7 +116,7 @@ def _explore(args) -> int:
 
 # Options of the sim engine's job only, with the value that means "not given".
 SIM_ONLY = {"ucx_net_devices": None, "side_channel_host": None, "advertise_host": None,
-            "partition_at": None, "partition_for": None, "rate_limit": None, "decode_engines": 1,
+            "rate_limit": None, "decode_engines": 1,
             "restart_decode_at": None, "engine_ttl": None}
 
 

@@ -142,6 +142,38 @@ def test_a_restarted_decode_engine_is_a_new_incarnation(tmp_path):
 
 
 @pytest.mark.e2e
+def test_two_prefill_engines_each_in_its_namespace_through_a_partition(tmp_path):
+    """Two prefill engines (each its own namespace on the bridge) and one
+    decode engine: requests alternate over P and P1, D handshakes with and
+    reads from the P that prefilled each (its engine id in the params), a
+    turn 2 goes back to its turn 1's P; both Ps' links go down from 3 s to
+    11 s: the leases it stranded, on either P, are freed within the lease
+    term; nothing is held by either P or D, every event log replays."""
+    done, pid = kvplane_run(tmp_path, "--requests", "16", "--prefill-engines", "2", "--partition-at", "3",
+                            "--partition-for", "8", "--quiet")
+    assert_ok(done)
+    assert_nothing_left(pid)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    hosts = summary["hosts"]
+    assert len({hosts[r]["netns"] for r in ("P", "P1", "D")}) == 3
+    engines = {e["role"]: e for e in summary["prefill_engines"]}
+    assert set(engines) == {"P", "P1"} and [engines[r]["engine_id"] for r in ("P", "P1")] == ["prefill-0", "prefill-1"]
+    for e in engines.values():  # each served its half, holds nothing, and D consumed some of its leases
+        assert e["requests"] == 8 and e["held_blocks"] == 0 and e["leases_consumed"] > 0, e
+    assert summary["blocks_held"] == {"P": 0, "D": 0}
+    assert {r["prefiller"] for r in summary["requests_detail"]} == {"P", "P1"}
+    # D read from both, each from its own namespace's address.
+    d_log = Path(summary["logs"]["D"]).read_text()
+    assert "prefill-0/tp0" in d_log and "prefill-1/tp0" in d_log
+    [part] = summary["partitions"]
+    assert part["within_bound"] and summary["checks"]["p_reclaimed_within_lease_after_partition"], part
+    assert summary["checks"]["no_corrupt_bytes"]
+    assert set(summary["logs"]) == {"P", "P1", "D"}
+    for log in summary["logs"].values():
+        assert replay(log).ok, log
+
+
+@pytest.mark.e2e
 def test_sigterm_removes_the_namespaces(tmp_path):
     cmd = [sys.executable, "-m", "kvplane.app.cli", "run", "--hosts", "netns", "--out", str(tmp_path),
            "--requests", "400", "--quiet", "--startup-timeout", "600"]
@@ -238,6 +270,11 @@ def test_not_root_is_one_clear_line(monkeypatch):
     (["--partition-at", "3", "--partition-for", "2"], "need --hosts netns"),
     (["--hosts", "netns", "--partition-at", "3"], "go together"),
     (["--hosts", "netns", "--side-channel-host", "127.0.0.1"], "drop --side-channel-host"),
+    (["--prefill-engines", "0"], "--prefill-engines: must be >= 1, got 0"),
+    (["--prefill-engines", "-1"], "--prefill-engines: must be >= 1, got -1"),
+    (["--prefill-engines", "nan"], "--prefill-engines: not an integer: 'nan'"),
+    (["--prefill-engines", "9"], "--prefill-engines must be in 1..8, got 9"),
+    (["--engine", "vllm", "--prefill-engines", "0"], "--prefill-engines: must be >= 1, got 0"),
 ])
 def test_bad_placement_options_exit_2(args, says):
     done = subprocess.run([sys.executable, "-m", "kvplane.app.cli", "run", *args, "--quiet"], cwd=REPO, env=ENV,
@@ -245,6 +282,7 @@ def test_bad_placement_options_exit_2(args, says):
     assert done.returncode == 2, done
     assert says in done.stderr + done.stdout
     assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 def test_rate_parses_tc_units():

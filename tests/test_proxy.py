@@ -42,6 +42,8 @@ class Engines:
             host = request.url.hostname
             self.seen.append((host, request.url.path, body))
             if host.startswith("p"):
+                if callable(self.prefill_answer):  # params of this engine's own
+                    return JSONResponse(self.prefill_answer(host))
                 if isinstance(self.prefill_answer, str):
                     return PlainTextResponse(self.prefill_answer, status_code=self.prefill_status)
                 return JSONResponse(self.prefill_answer, status_code=self.prefill_status)
@@ -100,6 +102,18 @@ def test_several_engines_round_robin():
     hosts = [h for h, _, _ in engines.seen]
     assert [h for h in hosts if h.startswith("p")] == ["p0", "p1"] * 3
     assert [h for h in hosts if h.startswith("d")] == ["d0", "d1", "d2"] * 2
+
+
+def test_each_decode_leg_carries_the_params_of_the_prefill_engine_that_answered_it():
+    """With several prefill engines, D must read from the P that prefilled
+    the request: the params it gets are that P's (its engine id), request by request."""
+    engines = Engines(prefill_answer=lambda host: {"kv_transfer_params": dict(PARAMS, remote_engine_id=host)})
+    with proxy(engines, prefills=("http://p0:1", "http://p1:1", "http://p2:1")) as client:
+        got = [client.post("/v1/completions", json={"prompt": "x"}).json()["got"] for _ in range(6)]
+    assert [g["remote_engine_id"] for g in got] == ["p0", "p1", "p2"] * 2
+    prefilled = [h for h, _, _ in engines.seen if h.startswith("p")]
+    decoded = [b["kv_transfer_params"]["remote_engine_id"] for h, _, b in engines.seen if h.startswith("d")]
+    assert prefilled == decoded
 
 
 @pytest.mark.parametrize("answer, status, says", [

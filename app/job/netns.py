@@ -17,8 +17,8 @@ to the engines) adds one more veth, from the root namespace to the switch,
 with the subnet's .254: the root namespace then routes that /24 only, and
 the veth goes with the switch's namespace.
 
-Faults: ``partition`` (P's link down on both ends: P cut from every
-decoder) and ``heal``, and ``rate_limit`` (a tbf qdisc on every host's
+Faults: ``partition`` (every prefill engine's link down on both ends: each
+P cut from every decoder) and ``heal``, and ``rate_limit`` (a tbf qdisc on every host's
 veth; netem, for delay and loss, is not in every kernel).
 """
 from __future__ import annotations
@@ -193,17 +193,22 @@ class HostNet:
                          advertise_host=h.address, netns=h.netns)
 
     # ------------------------------------------------------------ faults
+    def prefill_hosts(self) -> list[Host]:
+        """Every prefill engine's host (roles P, P1, ...)."""
+        return [h for role, h in self.hosts.items() if role.startswith("P")]
+
     def partition(self) -> None:
-        """Cut P's link: both ends down (the addresses stay; routes go)."""
-        p = self.hosts["P"]
-        _ip("ip", "-n", p.netns, "link", "set", p.veth, "down")
-        _ip("ip", "-n", self.switch, "link", "set", _port(p), "down")
+        """Cut every prefill engine's link: both ends down (the addresses
+        stay; routes go), so no P reaches any D."""
+        for p in self.prefill_hosts():
+            _ip("ip", "-n", p.netns, "link", "set", p.veth, "down")
+            _ip("ip", "-n", self.switch, "link", "set", _port(p), "down")
         self.partitioned = True
 
     def heal(self) -> None:
-        p = self.hosts["P"]
-        _ip("ip", "-n", self.switch, "link", "set", _port(p), "up")
-        _ip("ip", "-n", p.netns, "link", "set", p.veth, "up")
+        for p in self.prefill_hosts():
+            _ip("ip", "-n", self.switch, "link", "set", _port(p), "up")
+            _ip("ip", "-n", p.netns, "link", "set", p.veth, "up")
         self.partitioned = False
 
     def rate_limit(self, bits_per_s: int) -> None:

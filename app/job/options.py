@@ -19,6 +19,7 @@ from .placement import LOOPBACK, Placement, advertise_host, bind_host, ucx_devic
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
 MAX_DECODE_ENGINES = 8
+MAX_PREFILL_ENGINES = 8
 
 
 def decode_roles(n: int) -> tuple[str, ...]:
@@ -26,9 +27,18 @@ def decode_roles(n: int) -> tuple[str, ...]:
     return ("D", *(f"D{i}" for i in range(1, n)))
 
 
+def prefill_roles(n: int) -> tuple[str, ...]:
+    """The orchestrator's names of n prefill engines: P (prefill-0, as with one), P1 (prefill-1), ..."""
+    return ("P", *(f"P{i}" for i in range(1, n)))
+
+
+def is_prefill(role: str) -> bool:
+    return role.startswith("P")
+
+
 def engine_id_of(role: str) -> str:
-    """P -> prefill-0, D -> decode-0, D<i> -> decode-<i>."""
-    return ENGINE_IDS.get(role) or f"decode-{role[1:]}"
+    """P -> prefill-0, P<i> -> prefill-<i>, D -> decode-0, D<i> -> decode-<i>."""
+    return ENGINE_IDS.get(role) or f"{'prefill' if is_prefill(role) else 'decode'}-{role[1:]}"
 # PlaneConfig's smallest kv_lease_duration (its heartbeat interval, lease // 6,
 # must be at least 1 s), checked here to name the command-line flag.
 MIN_LEASE = 6.0
@@ -112,6 +122,7 @@ class RunOptions:
     partition_for: float | None = None
     rate_limit: int | None = None  # bits per second
     decode_engines: int = 1  # D, D1, D2, ...: the proxy routes round robin
+    prefill_engines: int = 1  # P, P1, P2, ...: the proxy routes round robin
     restart_decode_at: float | None = None  # the last decoder killed and started again (a new incarnation)
     engine_ttl: float | None = None  # the planes' engine_ttl (None: max(30 s, 4 leases))
 
@@ -183,6 +194,12 @@ class RunOptions:
         if isinstance(self.decode_engines, bool) or not isinstance(self.decode_engines, int) or \
                 not 1 <= self.decode_engines <= MAX_DECODE_ENGINES:
             raise RunError(f"--decode-engines must be in 1..{MAX_DECODE_ENGINES}, got {self.decode_engines!r}")
+        if isinstance(self.prefill_engines, bool) or not isinstance(self.prefill_engines, int) or \
+                not 1 <= self.prefill_engines <= MAX_PREFILL_ENGINES:
+            raise RunError(f"--prefill-engines must be in 1..{MAX_PREFILL_ENGINES}, got {self.prefill_engines!r}")
+        if self.prefill_engines > 1 and (self.hang_decode_at is not None or self.rank is not None):
+            raise RunError("with --prefill-engines > 1 the decode faults are --kill-decode-at (of the whole engine) "
+                           "and --restart-decode-at")
         if self.decode_engines > 1 and (self.hang_decode_at is not None or self.rank is not None):
             raise RunError("with --decode-engines > 1 the fault is --kill-decode-at (one engine, for good)")
         if self.restart_decode_at is not None:
@@ -301,6 +318,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-engines", type=int, default=d.decode_engines, metavar="N",
                    help="decode engines behind the proxy (round robin); --kill-decode-at then kills the last one "
                         "for good and the others carry on")
+    p.add_argument("--prefill-engines", type=int_at_least(1), default=d.prefill_engines, metavar="N",
+                   help=f"prefill engines behind the proxy (round robin; a request's turn 2 goes to the one that "
+                        f"prefilled it); 1..{MAX_PREFILL_ENGINES}")
     p.add_argument("--engine-ttl", type=finite_float(), default=d.engine_ttl, metavar="S",
                    help="silence after which an engine's peers evict it (STALE at half of it); with "
                         "--decode-engines and --kill-decode-at the run lasts until P evicted the killed engine "

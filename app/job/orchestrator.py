@@ -29,7 +29,7 @@ from .messages import (TO_PARENT, Abandon, Abandoned, Crashed, CurveKeys, Decode
                        Prefilled, Ready, Release, Released, Status, StatusRequest, Summary, Turn2, Turn2Done,
                        handlers)
 from .netns import HostNet, NetnsUnavailable
-from .options import SLACK_S, RunError, RunOptions, decode_roles, engine_id_of
+from .options import SLACK_S, RunError, RunOptions, decode_roles, engine_id_of, is_prefill, prefill_roles
 from .report import Partition, build_summary, summary_table
 from .workload import Req, make_stream
 
@@ -65,13 +65,13 @@ def nixl_installed() -> bool:
 def run_keys(roles: tuple[str, ...] = ("P", "D")) -> dict[str, CurveKeys]:
     """A CURVE keypair per node for this run; each node gets its own secret
     and the public keys of those it talks to (their server keys and its
-    allow-list): P every decoder's, a decoder P's."""
+    allow-list): a prefill engine every decoder's, a decoder every prefill engine's."""
     import zmq
 
     pairs = {role: zmq.curve_keypair() for role in roles}
 
     def peers(role: str) -> tuple[str, ...]:
-        return tuple(r for r in roles if r != role) if role == "P" else ("P",)
+        return tuple(r for r in roles if is_prefill(r) != is_prefill(role))
 
     return {role: CurveKeys(keypair=pairs[role], peers={engine_id_of(o): pairs[o][0] for o in peers(role)})
             for role in roles}
@@ -98,6 +98,8 @@ class Orchestrator:
         # --partition-at: each partition's window (monotonic start, end), in order.
         self.partitions: list[Partition] = []
         self.decoders = decode_roles(opts.decode_engines)
+        self.prefills = prefill_roles(opts.prefill_engines)
+        self._next_prefill = 0  # round robin
         self._node_opts: dict[str, Any] = {}  # what every node is started with (start())
         self._keys: dict[str, CurveKeys] = {}
         self._next_decoder = 0  # round robin
@@ -131,6 +133,10 @@ class Orchestrator:
         """Every decode engine's report, by role (None: it sent none)."""
         return {role: self.summary_of(role) for role in self.decoders}
 
+    def prefill_summaries(self) -> dict[str, Summary | None]:
+        """Every prefill engine's report, by role (None: it sent none)."""
+        return {role: self.summary_of(role) for role in self.prefills}
+
     def killed_roles(self) -> list[str]:
         return [role for role, c in self.children.items() if c.killed]
 
@@ -142,6 +148,11 @@ class Orchestrator:
             return None
         self._next_decoder += 1
         return live[(self._next_decoder - 1) % len(live)]
+
+    def _route_prefill(self) -> str:
+        """The prefill engine the next request goes to (round robin)."""
+        self._next_prefill += 1
+        return self.prefills[(self._next_prefill - 1) % len(self.prefills)]
 
     # ------------------------------------------------------------ processes
     def start(self) -> None:
@@ -155,7 +166,7 @@ class Orchestrator:
         )
         from .node import node_main  # noqa: F401  (fail here, not in a child, if it cannot import)
 
-        roles = ("P", *self.decoders)
+        roles = (*self.prefills, *self.decoders)
         self._keys = run_keys(roles)
         for role in roles:
             self._spawn(role)
@@ -182,12 +193,12 @@ class Orchestrator:
         o = self.o
         # Each node applies its placement first thing (UCX devices, its namespace).
         where = self.hosts.placement(role) if self.hosts is not None else o.placement()
-        kind = "P" if role == "P" else "D"  # what the node runs as: every decoder is a D
-        stem = "" if role in ("P", "D") else f"decode{role[1:]}"
+        kind = "P" if is_prefill(role) else "D"  # what the node runs as: every decoder is a D
+        stem = "" if role in ("P", "D") else f"{'prefill' if kind == 'P' else 'decode'}{role[1:]}"
         if incarnation:
             stem = f"{stem or 'decode'}.incarnation{incarnation}"  # the old one's log stays as it ended
         parent, child = mp.get_context("spawn").Pipe()
-        node = NodeOptions(**self._node_opts, engine_ids={"P": engine_id_of("P"), "D": engine_id_of(role)},
+        node = NodeOptions(**self._node_opts, engine_ids={kind: engine_id_of(role)},
                            curve=self._keys[role], placement=where, log_stem=stem)
         proc = mp.get_context("spawn").Process(target=node_main, args=(kind, child, node),
                                                # Not a daemon: a node spawns its worker ranks.
@@ -439,7 +450,9 @@ class Orchestrator:
                 continue
             if r.arrive > now - self.t0:
                 break
-            r.sent = self.send("P", Prefill(lid=r.lid, request_id=f"p-{r.lid}", nblocks=r.nblocks, push=r.push))
+            r.prefiller = r.prefiller or self._route_prefill()
+            r.sent = self.send(r.prefiller, Prefill(lid=r.lid, request_id=f"p-{r.lid}", nblocks=r.nblocks,
+                                                    push=r.push))
             if not r.sent:
                 break
             self._next_unsent += 1
@@ -449,7 +462,8 @@ class Orchestrator:
             if r.turn2_due is None or r.turn2 is not None:
                 continue  # skipped meanwhile
             r.turn2_due = None
-            self.send("P", Turn2(lid=r.lid, request_id=f"p2-{r.lid}", nblocks=r.nblocks, params=r.hold_params))
+            # Turn 2 goes back to the prefill engine of turn 1 (its prefix), which reads D's hold.
+            self.send(r.prefiller, Turn2(lid=r.lid, request_id=f"p2-{r.lid}", nblocks=r.nblocks, params=r.hold_params))
 
     def _abandon(self, why: str) -> None:
         """Give up the run in bounded time and leave nothing held: route
@@ -476,7 +490,7 @@ class Orchestrator:
             return self.children[role].dead or self.children[role].abandoned is not None
 
         safe = [role for role in live
-                if (all(stopped(d) for d in self.decoders) if role == "P" else stopped("P"))]
+                if all(stopped(peer) for peer in (self.decoders if is_prefill(role) else self.prefills))]
         self._round(safe, Release(), lambda c: c.released is not None)
         unresolved = {"turn1": 0, "turn2": 0}
         for r in self.reqs:
@@ -617,6 +631,7 @@ class Orchestrator:
         D and go on until every request is resolved."""
         d = self.children["D"]
         if d.stopped:
+            # (--hang-decode-at runs with one prefill engine: options.py.)
             st = self._ask("P")
             # P's timers fire at its first loop tick after they are due: a P
             # whose loop stalls (a loaded machine) reclaims that much later.
@@ -693,7 +708,7 @@ def run_job(opts: RunOptions, *, console=None) -> dict:
         opts = attrs.evolve(opts, spacing=max(opts.spacing, span / opts.requests))
     if opts.hosts != "netns":
         return _run_job(opts, console=console)
-    with HostNet(roles=("P", *decode_roles(opts.decode_engines))) as hosts:
+    with HostNet(roles=(*prefill_roles(opts.prefill_engines), *decode_roles(opts.decode_engines))) as hosts:
         if opts.rate_limit is not None:
             hosts.rate_limit(opts.rate_limit)
         return _run_job(opts, console=console, hosts=hosts)

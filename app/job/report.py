@@ -15,6 +15,7 @@ from kvplane.statemachines.lifecycle_counts import eviction_words
 
 from .messages import Summary
 from .options import ENGINE_IDS, SLACK_S, RunOptions
+from .prefill_engines import merged, prefill_engines
 from .transfer_stats import TransferStats
 from .workload import Req
 
@@ -48,18 +49,24 @@ class RunRecord(Protocol):
 
     def decode_summaries(self) -> dict[str, Summary | None]: ...
 
+    def prefill_summaries(self) -> dict[str, Summary | None]: ...
+
     def killed_roles(self) -> list[str]: ...
 
 
 def build_summary(orch: RunRecord) -> dict:
     """The run's summary (written as summary.json): outcomes, checks, both sides' reports."""
     o = orch.o
-    P, D = (orch.summary_of(r) for r in ("P", "D"))
+    # Every prefill engine (one unless --prefill-engines) as one prefill side: P's checks hold for all.
+    prefills = orch.prefill_summaries()
+    reported = [s for s in prefills.values() if s is not None]
+    P = merged(reported) if reported else None
+    D = orch.summary_of("D")
     # Every decode engine (one unless --decode-engines); the killed one sent no report.
     decoders = orch.decode_summaries()
     killed_roles = orch.killed_roles()
     survivors = {role: s for role, s in decoders.items() if role not in killed_roles}
-    sides = [s for s in (P, *decoders.values()) if s]
+    sides = [s for s in (*reported, *decoders.values()) if s]
     t1 = {k: 0 for k in ("ok", "recomputed", "corrupt", "failed", "skipped", "abandoned", "pending")}
     t2 = dict(t1)
     for r in orch.reqs:
@@ -76,7 +83,7 @@ def build_summary(orch: RunRecord) -> dict:
     clean = o.drop_notifications == 0 and orch.fault_at is None and orch.abandoned is None and not orch.partitions
     checks: dict[str, Any] = {}
     checks["no_errors"] = not orch.errors
-    checks["p_blocks_held_zero"] = bool(P) and P.held_blocks == 0
+    checks["p_blocks_held_zero"] = len(reported) == len(prefills) and all(s.held_blocks == 0 for s in reported)
     # A killed engine sends no report; a killed rank's engine does.
     killed = orch.fault.get("kind") == "kill" and "rank" not in orch.fault
     if len(decoders) > 1:  # the survivors: each must have reported, holding nothing
@@ -140,6 +147,8 @@ def build_summary(orch: RunRecord) -> dict:
                         "D": (D.held_blocks if D else None) if len(decoders) == 1 else
                         (sum(s.held_blocks for s in survivors.values()) if all(survivors.values()) else None)},
         "decode_engines": _decode_engines(decoders, killed_roles),
+        "prefill_engines": prefill_engines(prefills, {role: sum(r.prefiller == role for r in orch.reqs)
+                                                      for role in prefills}),
         # Each side's planes' LifecycleCounts (summed over its ranks): the table's lease rows.
         "lifecycle": {role: side.lifecycle if side else None for role, side in (("P", P), ("D", D))},
         "tp": {"P": o.prefill_tp, "D": o.decode_tp},
@@ -162,11 +171,11 @@ def build_summary(orch: RunRecord) -> dict:
         "expired_before_fault": expired_early,
         "sides": {"P": _slim(P), "D": _slim(D)},
         # A side that sent no report (killed): the sums above lack its share.
-        "sides_without_report": [role for role, side in (("P", P), *decoders.items()) if side is None],
+        "sides_without_report": [role for role, side in (*prefills.items(), *decoders.items()) if side is None],
         # Written by each side as it runs; a killed side's log ends where it died.
         "logs": {role: os.path.join(os.path.abspath(o.out), f"{name}.events.jsonl")
-                 for role, name in (("P", "prefill"), ("D", "decode"),
-                                    *((r, f"decode{r[1:]}") for r in decoders if r != "D"))},
+                 for role, name in (("P", "prefill"), *((r, f"prefill{r[1:]}") for r in prefills if r != "P"),
+                                    ("D", "decode"), *((r, f"decode{r[1:]}") for r in decoders if r != "D"))},
         "requests_detail": [attrs.asdict(r, filter=lambda a, v: a.name != "hold_params") for r in orch.reqs],
     }
     # The plane's CPU (recorder on) per request sent, each side summed over its ranks (app.job.plane_cpu).
@@ -468,7 +477,13 @@ def summary_table(summary: dict):
         t.add_row("decode engines: requests ok / blocks held", ", ".join(
             f"{e['engine_id'] or e['role']} killed" if e["killed"] else
             f"{e['engine_id']} {(e['outcomes'] or {}).get('ok', 0)} / {e['held_blocks']}" for e in engines))
+    prefills = summary.get("prefill_engines") or []
+    if len(prefills) > 1:
+        t.add_row("prefill engines: requests / blocks held / leases granted, consumed", ", ".join(
+            f"{e['engine_id'] or e['role']} {e['requests']} / {_or_dash(e['held_blocks'])} / "
+            f"{_or_dash(e['leases_granted'])}, {_or_dash(e['leases_consumed'])}" for e in prefills))
     bh = summary["blocks_held"]
+    # (P: summed over the prefill engines; each one's is on the prefill engines' row.)
     t.add_row("blocks still held P / D", " / ".join(_or_na(summary, role, bh[role]) for role in ("P", "D")))
     ranks = summary.get("ranks") or {}
     if (summary.get("tp") or {}).get("P", 1) > 1 or (summary.get("tp") or {}).get("D", 1) > 1:
@@ -508,8 +523,9 @@ def summary_table(summary: dict):
                          for r in ("P", "D")))
     hosts = summary.get("hosts") or {}
     if hosts.get("kind") == "netns":
-        t.add_row("hosts: network namespaces, P / D", " / ".join(
-            f"{hosts[r]['address']} ({hosts[r]['veth']})" for r in ("P", "D"))
+        roles = [r for r in hosts if isinstance(hosts[r], dict) and "veth" in hosts[r]]
+        t.add_row(f"hosts: network namespaces, {' / '.join(roles)}", " / ".join(
+            f"{hosts[r]['address']} ({hosts[r]['veth']})" for r in roles)
             + (f", tbf {hosts['rate_limit_bits'] / 1e6:g} Mbit/s" if hosts.get("rate_limit_bits") else ""))
     for part in summary.get("partitions") or []:
         t.add_row(f"link down at {part['at_s']} s, up at {part['healed_at_s']} s: P reclaimed (leases expired)",
@@ -543,6 +559,10 @@ def summary_table(summary: dict):
             t.add_row(f"check: {name}", "[green]pass[/green]" if v else
                       "[red]FAIL[/red]" + (f": {escape(why)}" if why else ""))
     return t
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def _lost_sides(summary: dict) -> list[str]:

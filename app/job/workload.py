@@ -33,6 +33,7 @@ class Req:
     turn2_due: float | None = None
     sent: bool = False
     decoder: str = ""  # the decode engine the proxy routed it to (orchestrator role)
+    prefiller: str = ""  # the prefill engine the proxy routed it to (turn 1 and its turn 2)
 
     @property
     def done(self) -> bool:

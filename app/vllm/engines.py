@@ -51,7 +51,7 @@ def kvplane_secret_config(folder: str | Path) -> dict[str, str]:
 
 @attrs.frozen(kw_only=True)
 class EngineSpec:
-    name: str  # "P" or "D"
+    name: str  # "P" (P1, ... with several prefill engines) or "D"
     engine_id: str
     http_port: int
     side_channel_port: int

@@ -23,7 +23,9 @@ def checks(s: dict) -> dict[str, bool | None]:
     c["kv_is_the_right_kv"] = None if killed else kv["checked"] > 0 and kv["ok"] == kv["checked"] == s["completed"]
     c["bytes_moved"] = (s.get("bytes_moved") or 0) > 0
     held = s.get("connector_blocks_held", {})
-    c["p_holds_no_block"] = usage.get("P") == 0.0 and (not kvp or held.get("prefill") == 0)
+    # Every prefill engine (P, P1, ...): its cache empty; the connectors' blocks held added up.
+    p_usage = [u for name, u in usage.items() if name.startswith("P")]
+    c["p_holds_no_block"] = bool(p_usage) and all(u == 0.0 for u in p_usage) and (not kvp or held.get("prefill") == 0)
     inflight = s.get("connector_recvs_in_flight", {})
     c["d_holds_no_block"] = None if killed else (
         usage.get("D") == 0.0 and (not kvp or (held.get("decode") == 0 and inflight.get("decode") == 0)))
@@ -49,6 +51,11 @@ def checks(s: dict) -> dict[str, bool | None]:
         c["every_rank_reported"] = not s.get("status_missing")
         rp = s.get("replay", {})
         c["event_logs_replay"] = all(r.get("ok") for r in rp.values()) if not killed else rp.get("prefill", {}).get("ok")
+    if o.get("partition_at") is not None and kvp:
+        # The cut came and healed, and every lease it stranded was freed within its term from the cut (+ slack).
+        part = s.get("partition") or {}
+        c["p_reclaimed_within_lease_after_partition"] = bool(part.get("within_bound")) and \
+            part.get("healed_at_s") is not None
     if killed:
         c["p_reclaims_within_lease"] = s.get("reclaim_after_kill_s") is not None and \
             s["reclaim_after_kill_s"] <= o["lease"] + RECLAIM_SLACK_S
@@ -62,7 +69,7 @@ def held_line(s: dict) -> str:
         held = s.get("connector_blocks_held", {})
         p, d = held.get("prefill"), held.get("decode")
     else:
-        p = _blocks(usage.get("P"))
+        p = _blocks(max((u for name, u in usage.items() if name.startswith("P")), default=None))
         d = _blocks(usage.get("D"))
     return f"blocks still held P / D {_n(p)} / {_n(d)}"
 
@@ -115,6 +122,20 @@ def print_report(s: dict, console: Console | None = None) -> bool:
         ]
         if s.get("push") is not None:
             rows.append(("push: P's WRITEs / D's READs", f"{s['push']['p_writes']} / {s['push']['d_reads']}"))
+    engines = s.get("prefill_engines") or []
+    if len(engines) > 1:
+        rows.append(("prefill engines: requests / leases consumed, expired / blocks held", ", ".join(
+            f"{e['engine_id']} {e['requests']} / {_n(e.get('leases_consumed'))}, {_n(e.get('leases_expired'))} / "
+            f"{_n(e.get('blocks_held'))}" for e in engines)))
+    part = s.get("partition")
+    if part is not None and "lease_s" in part:
+        rows.append((f"link down at {part.get('at_s')} s, up at {part.get('healed_at_s')} s: P reclaimed "
+                     "(leases expired)", ("nothing stranded" if part["reclaim_s"] is None else
+                                          f"{part['reclaim_s']} s after the cut, bound lease {part['lease_s']:g} s + "
+                                          f"{part['slack_s']} s slack") + f" ({part['leases_expired']})"))
+        if "requests_sent_while_cut" in part:
+            rows.append(("requests sent to P while cut / answered after the heal",
+                         f"{part['requests_sent_while_cut']} / {part['answered_after_heal']}"))
     if s.get("reclaim_after_kill_s") is not None:
         rows.append(("P reclaimed its blocks after D's kill", f"{s['reclaim_after_kill_s']:.1f} s"))
     rows.append(("end", held_line(s)))

@@ -44,10 +44,14 @@ from .engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secre
                            split_cores, wait_healthy)
 from .model import CONFIG as TINY_CONFIG
 from .model import MODELS, write_tiny_model
+from .partition import partition_reclaim
 from .proxy import ProxyError, disaggregated, post_json
 from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
+MAX_PREFILL_ENGINES = 4  # each is a vLLM server: start-up takes minutes, memory a few GiB
+# --partition-at S: the cut waits for a prefill answered after S (a lease live across it) this long at most.
+PARTITION_WAIT_S = 10.0
 # decoder_kv_blocks_ttl of a --bidirectional run (vLLM's default, 480 s, would hold
 # the last turn's blocks past the job's end).
 HOLD_TTL_S = 30.0
@@ -78,12 +82,30 @@ class VllmRunOptions:
     push: bool = False  # push mode: D registers its blocks, P WRITEs (KVPlanePushConnector / NixlPushConnector)
     model: str = "tiny"  # tiny | hybrid (two KV cache groups: sliding window + full attention; model.py)
     hosts: str = "local"  # local | netns: P and D each in a network namespace of its own (run_vllm)
+    prefill_engines: int = 1  # P, P1, ...: prefill-0, prefill-1, ...; requests round robin over them
+    # --hosts netns: every P's link down partition_at s into the stream, up again partition_for s later.
+    partition_at: float | None = None
+    partition_for: float | None = None
+
+    @property
+    def prefill_names(self) -> tuple[str, ...]:
+        """The prefill engines' names in this job: P, P1, P2, ..."""
+        return ("P", *(f"P{i}" for i in range(1, self.prefill_engines)))
 
     @property
     def hold_ttl(self) -> float:
         """decoder_kv_blocks_ttl for the run: short, so the last turn's holds end
         before the job's final check; with --late-turn2 S, S / 2 (S is past it)."""
         return self.late_turn2 / 2 if self.late_turn2 else HOLD_TTL_S
+
+    @property
+    def spacing(self) -> float:
+        """Seconds between the steady requests: with a partition, spread so that
+        requests keep arriving before, during and a lease after it."""
+        if self.partition_at is None or self.partition_for is None:
+            return 0.5
+        steady = max(1, self.requests - 9)  # make_stream's burst is 8, then one at the same time
+        return max(0.5, (self.partition_at + self.partition_for + self.lease) / steady)
 
     @property
     def settle_s(self) -> float:
@@ -118,6 +140,9 @@ class RequestResult:
     repeat_of: int | None = None
     prompt_tokens: int = 0
     tokens: int = 0
+    prefill: str = "P"  # the prefill engine it went to (and its turn 2)
+    sent_at: float | None = None  # monotonic: the proxy sent it to P
+    p_answered_at: float | None = None  # monotonic: P's answer reached the proxy
 
 
 class VllmRun:
@@ -135,9 +160,14 @@ class VllmRun:
         self.filler_sent = 0
         self.p_done_at: list[float] = []  # when P answered each request (its lease starts then)
         self.turn2: dict[int, Turn2Result] = {}
+        self.hosts: Any = None  # netns.HostNet of --hosts netns (the partition cuts its links)
+        self.partition: dict[str, float] = {}  # at / healed: monotonic times of the cut and the heal
+        self._partition_lock = threading.Lock()
+        self._cut_armed = threading.Event()
+        self._heal_timer: threading.Timer | None = None
 
     # ------------------------------------------------------------ set-up
-    def prepare(self) -> tuple[EngineSpec, EngineSpec]:
+    def prepare(self) -> dict[str, EngineSpec]:
         o = self.opts
         if self.out.exists():
             shutil.rmtree(self.out)
@@ -145,15 +175,20 @@ class VllmRun:
         model = write_tiny_model(self.out / "model", o.model)
         self.model = model
         # A side channel per rank: port + rank (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT rule).
-        http_p, http_d, side_p, side_d = _free_ports(4, span=max(o.prefill_tp, o.decode_tp))
-        tps = {"P": o.prefill_tp, "D": o.decode_tp}
-        cores = dict(zip(("P", "D"), split_cores()))
+        names = (*o.prefill_names, "D")
+        ports = _free_ports(2 * len(names), span=max(o.prefill_tp, o.decode_tp))
+        tps = {n: o.decode_tp if n == "D" else o.prefill_tp for n in names}
+        # Every prefill engine on P's half of the cores (one OpenMP thread each; slow is fine).
+        p_cores, d_cores = split_cores()
+        cores = {n: d_cores if n == "D" else p_cores for n in names}
         if max(tps.values()) > 1:
             cores = {n: rank_cores(tp) for n, tp in tps.items()}
         specs = {}
-        for name, http, side in (("P", http_p, side_p), ("D", http_d, side_d)):
-            role = "prefill" if name == "P" else "decode"
+        for name, http, side in zip(names, ports[:len(names)], ports[len(names):]):
+            role = engine_role(name)
             extra: dict[str, Any] = {"kv_lease_duration": o.lease, "kvplane_kv_dump_dir": str(self.dumps)}
+            if o.partition_at is not None:
+                extra["transfer_timeout"] = partition_transfer_timeout(o.lease)
             if o.bidirectional:
                 extra.update({"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": o.hold_ttl})
             if o.connector == "nixl":
@@ -170,41 +205,47 @@ class VllmRun:
                 })
                 extra.update(self._keys(name))
                 # The other engine's TP: P's lease awaits every D rank that reads it.
-                extra["kvplane_reader_tp"] = tps["D" if name == "P" else "P"]
+                extra["kvplane_reader_tp"] = o.prefill_tp if name == "D" else o.decode_tp
             specs[name] = EngineSpec(
-                name=name, engine_id=ENGINE_IDS[name], http_port=http, side_channel_port=side,
+                name=name, engine_id=engine_id(name), http_port=http, side_channel_port=side,
                 connector=o.connector, extra_config=extra, seed=o.seed,
                 max_num_seqs=o.d_max_num_seqs if name == "D" else 8,
-                num_blocks=o.p_num_blocks if name == "P" else None,
+                num_blocks=None if name == "D" else o.p_num_blocks,
                 kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], push=o.push)
-        return specs["P"], specs["D"]
+        return specs
 
     def _keys(self, name: str) -> dict[str, Any]:
         """The run's deployment secret (one file both engines read): P signs
         its params with it, the side channels use its CURVE keypair."""
         return kvplane_secret_config(self.out)
 
-    def start(self, p: EngineSpec, d: EngineSpec) -> float:
+    def start(self, specs: dict[str, EngineSpec]) -> float:
         mode = ", push mode" if self.opts.push else ""
-        self.say(f"starting two vLLM engines ({self.opts.connector} connector{mode}): P on :{p.http_port}, "
-                 f"D on :{d.http_port}; this takes 1-3 minutes here")
-        for spec in (p, d):
+        self.say(f"starting {len(specs)} vLLM engines ({self.opts.connector} connector{mode}): "
+                 f"{', '.join(f'{n} on :{spec.http_port}' for n, spec in specs.items())}; this takes 1-3 minutes here")
+        for spec in specs.values():
             self.engines[spec.name] = EngineProcess(spec, self.model, self.out / f"{spec.name.lower()}.vllm.log")
         return wait_healthy(list(self.engines.values()), timeout=self.opts.startup_timeout, progress=self.say)
 
     # ------------------------------------------------------------ the stream
     def run_stream(self, stream: list[VllmRequest]) -> float:
-        p, d = self.engines["P"].url, self.engines["D"].url
+        prefills, d = [self.engines[n].url for n in self.opts.prefill_names], self.engines["D"].url
         self._stream_t0 = t0 = time.monotonic()
         stop_filler = threading.Event()
         filler = None
         if any(r.late for r in stream):
-            filler = threading.Thread(target=self._fill_p, args=(p, stop_filler), daemon=True)
+            filler = threading.Thread(target=self._fill_p, args=(prefills, stop_filler), daemon=True)
             filler.start()
-        killer = None
+        timers = []
         if self.opts.kill_decode_at is not None:
-            killer = threading.Timer(self.opts.kill_decode_at, self._kill_d)
-            killer.start()
+            timers.append(threading.Timer(self.opts.kill_decode_at, self._kill_d))
+        if self.opts.partition_at is not None:
+            # Armed at partition_at, the cut comes with the next prefill answered (between P's
+            # lease grant and D's read: a lease is live across it), or PARTITION_WAIT_S later.
+            timers += [threading.Timer(self.opts.partition_at, self._cut_armed.set),
+                       threading.Timer(self.opts.partition_at + PARTITION_WAIT_S, self._cut)]
+        for timer in timers:
+            timer.start()
         with ThreadPoolExecutor(max_workers=16) as pool:
             # The burst first, to the end (it is what waits in D's queue); then the
             # steady stream on its own schedule, so its TTFT is not that queue's.
@@ -217,7 +258,8 @@ class VllmRun:
                     delay = start + (r.arrival - first) - time.monotonic()
                     if delay > 0:
                         time.sleep(delay)
-                    futures.append(pool.submit(self._one, p, d, r))
+                    # The proxy's choice: P round robin; D gets the params of the P that prefilled.
+                    futures.append(pool.submit(self._one, prefills[r.index % len(prefills)], d, r))
                 for f in futures:
                     f.result()
                 self.say(f"{sum(1 for x in self.results.values() if x.ok)}/{len(stream)} requests done "
@@ -225,20 +267,26 @@ class VllmRun:
         stop_filler.set()
         if filler is not None:
             filler.join(timeout=60)
-        if killer is not None:
-            killer.cancel()
+        for timer in timers:
+            timer.cancel()
+        if self._heal_timer is not None:
+            self._heal_timer.join()  # a partition outlasting the stream still lasts partition_for
         return time.monotonic() - t0
 
     def _one(self, p: str, d: str, r: VllmRequest) -> None:
         if self.opts.bidirectional:
             return self._conversation(p, d, r)
         res = self.results[r.index] = RequestResult(index=r.index, late=r.late, burst=r.burst,
-                                                    repeat_of=r.repeat_of, prompt_tokens=len(r.prompt))
+                                                    repeat_of=r.repeat_of, prompt_tokens=len(r.prompt),
+                                                    prefill=self._name_of(p))
         body = {"model": str(self.model), "prompt": list(r.prompt), "max_tokens": r.max_tokens,
                 "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
 
         def before_decode(params: dict | None) -> dict | None:
-            self.p_done_at.append(time.monotonic())
+            res.p_answered_at = time.monotonic()
+            self.p_done_at.append(res.p_answered_at)
+            if self._cut_armed.is_set():
+                self._cut()
             if r.late and self.opts.late_forward:
                 with self._late_lock:
                     self._late_waiting += 1
@@ -250,6 +298,7 @@ class VllmRun:
             return dict(params or {}, **{DUMP_KEY: r.tag})
 
         t0 = time.perf_counter()
+        res.sent_at = time.monotonic()
         try:
             got = disaggregated(p, d, body, timeout=self.opts.timeout, before_decode=before_decode,
                                 prefill_extra={DUMP_KEY: f"{r.tag}.p"})
@@ -273,7 +322,8 @@ class VllmRun:
         goes to P with those params, P reads the held prefix from D and
         prefills the rest, and D reads P's blocks back."""
         res = self.results[r.index] = RequestResult(index=r.index, late=r.late, burst=r.burst,
-                                                    repeat_of=r.repeat_of, prompt_tokens=len(r.prompt))
+                                                    repeat_of=r.repeat_of, prompt_tokens=len(r.prompt),
+                                                    prefill=self._name_of(p))
         model = str(self.model)
         body = {"model": model, "prompt": list(r.prompt), "max_tokens": r.max_tokens, "temperature": 0.0,
                 "return_token_ids": True, "ignore_eos": True}
@@ -322,11 +372,15 @@ class VllmRun:
         t2.error = "" if t2.ok else "no tokens from D on turn 2"
         t2.latency = time.perf_counter() - t1
 
-    def _fill_p(self, p: str, stop: threading.Event) -> None:
-        """While a late request waits, keep P busy with other prompts, as a
-        production P would be: freed blocks get reused."""
+    def _name_of(self, url: str) -> str:
+        return next(n for n, e in self.engines.items() if e.url == url)
+
+    def _fill_p(self, prefills: list[str], stop: threading.Event) -> None:
+        """While a late request waits, keep the prefill engines busy with other
+        prompts (each in turn), as a production P would be: freed blocks get reused."""
         rng = random.Random(self.opts.seed + 1)
         while not stop.is_set():
+            p = prefills[self.filler_sent % len(prefills)]
             with self._late_lock:
                 waiting = self._late_waiting
             if not waiting:
@@ -339,6 +393,28 @@ class VllmRun:
                 self.filler_sent += 1
             except ProxyError:
                 time.sleep(0.5)
+
+    def _cut(self) -> None:
+        """--partition-at: every prefill engine's link down (both ends), once;
+        up again partition_for later."""
+        with self._partition_lock:
+            if "at" in self.partition:
+                return
+            self.hosts.partition()
+            self.partition["at"] = time.monotonic()
+            self._heal_timer = threading.Timer(float(self.opts.partition_for or 0.0), self._heal)
+            self._heal_timer.start()
+        self.say(f"fault: link down between the prefill and decode namespaces at "
+                 f"{self.partition['at'] - self._stream_t0:.1f} s")
+
+    def _heal(self) -> None:
+        """Link up again (once; the timer's thread or the stream's end)."""
+        with self._partition_lock:
+            if "at" not in self.partition or "healed" in self.partition:
+                return
+            self.hosts.heal()
+            self.partition["healed"] = time.monotonic()
+        self.say(f"link up again at {self.partition['healed'] - self._stream_t0:.1f} s")
 
     def _kill_d(self) -> None:
         self.killed_at = time.monotonic()
@@ -423,6 +499,26 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def partition_transfer_timeout(lease: float) -> float:
+    """A READ cut by the partition must be over (failed) before P can reclaim
+    its lease, or it could land after the heal on blocks P freed: at most the
+    lease extension less a heartbeat interval (the sim job's rule)."""
+    from kvplane.statemachines.config import PlaneConfig
+
+    cfg = PlaneConfig(kv_lease_duration=lease)
+    return max(1.0, cfg.lease_extension - cfg.heartbeat_interval)
+
+
+def engine_role(name: str) -> str:
+    """An engine's file names' stem: P -> prefill, P1 -> prefill1, D -> decode."""
+    return "decode" if name == "D" else f"prefill{name[1:]}"
+
+
+def engine_id(name: str) -> str:
+    """P -> prefill-0, P1 -> prefill-1, D -> decode-0."""
+    return ENGINE_IDS.get(name) or f"prefill-{name[1:]}"
+
+
 def log_name(role: str, suffix: str, tp: int) -> str:
     """An engine's event log or status file name; with TP > 1 one per rank
     (the connector replaces ``{rank}``)."""
@@ -484,32 +580,33 @@ def run_vllm(opts: VllmRunOptions, say: Callable[[str], None] = print) -> dict:
         raise RuntimeError("vLLM is not installed: from the checkout, run scripts/install-vllm (see docs/vllm.md)")
     if opts.hosts != "netns":
         return _run_vllm(opts, say, None)
-    with HostNet(roles=("P", "D")) as hosts:
+    with HostNet(roles=(*opts.prefill_names, "D")) as hosts:
         hosts.reach_from_root()
         return _run_vllm(opts, say, hosts)
 
 
 def _run_vllm(opts: VllmRunOptions, say: Callable[[str], None], hosts: Any) -> dict:
     run = VllmRun(opts, say)
-    p_spec, d_spec = run.prepare()
+    run.hosts = hosts
+    specs = run.prepare()
     if hosts is not None:  # each engine in its namespace, on its veth
-        p_spec, d_spec = (attrs.evolve(spec, netns=where.netns, host=where.advertise_host,
-                                       ucx_net_devices=where.ucx_net_devices, ucx_tls=where.ucx_tls)
-                          for spec, where in ((p_spec, hosts.placement("P")), (d_spec, hosts.placement("D"))))
+        specs = {name: attrs.evolve(spec, netns=where.netns, host=where.advertise_host,
+                                    ucx_net_devices=where.ucx_net_devices, ucx_tls=where.ucx_tls)
+                 for name, spec in specs.items() for where in (hosts.placement(name),)}
     late_every = 4 if opts.late_forward else 0
-    stream = make_stream(opts.requests, seed=opts.seed, late_every=late_every)
+    stream = make_stream(opts.requests, seed=opts.seed, late_every=late_every, spacing=opts.spacing)
     summary: dict[str, Any] = {"connector": opts.connector, "options": attrs.asdict(opts)}
     if hosts is not None:
         summary["hosts"] = {"kind": "netns", "proxy": hosts.root_address,
                             **{role: {"netns": h.netns, "address": h.address, "veth": h.veth}
                                for role, h in hosts.hosts.items()}}
     try:
-        summary["startup_s"] = run.start(p_spec, d_spec)
+        summary["startup_s"] = run.start(specs)
         summary["stream_s"] = run.run_stream(stream)
         d_alive = run.engines["D"].alive
         if d_alive:
             run.reference(stream)
-        names = ["P", "D"] if d_alive else ["P"]
+        names = [*opts.prefill_names, *(["D"] if d_alive else [])]
         settle_timeout = opts.settle_s
         say(f"waiting for every block to come back (up to {settle_timeout:.0f} s)")
         summary["usage_end"] = run.settle(names, settle_timeout)
@@ -528,6 +625,10 @@ def _run_vllm(opts: VllmRunOptions, say: Callable[[str], None], hosts: Any) -> d
         raise RuntimeError(str(exc)) from None
     finally:
         summary["exit_codes"] = run.stop()
+    if run.partition:
+        summary["partition"] = {"at_s": round(run.partition["at"] - run._stream_t0, 3),
+                                "healed_at_s": round(run.partition["healed"] - run._stream_t0, 3)
+                                if "healed" in run.partition else None}
     summary.update(_collect(run, stream, opts, summary))
     (run.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return summary
@@ -579,13 +680,23 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
                        "bad": [(v.tag, v.why) for v in verdicts if not v.ok]}
     late_tags = {f"r{r.index}" for r in res if r.late and r.ok}
     out["kv_check"]["late_bad"] = sum(1 for v in verdicts if v.tag in late_tags and not v.ok)
+    by_engine = {n: sum(r.prefill == n for r in res) for n in opts.prefill_names}
     if opts.connector == "kvplane":
-        tps = {"prefill": opts.prefill_tp, "decode": opts.decode_tp}
+        tps = {engine_role(n): opts.prefill_tp for n in opts.prefill_names} | {"decode": opts.decode_tp}
         # One status file and event log per rank: counts and gauges add up over the ranks.
         status = {role: [_status(f) for f in rank_files(run.out, role, "status.json", tp)] for role, tp in tps.items()}
         out["status"] = status
-        counts = {role: _summed([(s or {}).get("counts", {}) for s in ss]) for role, ss in status.items()}
-        gauges = {role: _summed([(s or {}).get("gauges", {}) for s in ss]) for role, ss in status.items()}
+        each = {role: _summed([(s or {}).get("counts", {}) for s in ss]) for role, ss in status.items()}
+        each_gauges = {role: _summed([(s or {}).get("gauges", {}) for s in ss]) for role, ss in status.items()}
+        p_roles = [engine_role(n) for n in opts.prefill_names]
+        out["prefill_engines"] = [
+            {"name": n, "engine_id": engine_id(n), "requests": by_engine[n],
+             "leases_consumed": each[engine_role(n)].get("kvplane_leases_consumed", 0),
+             "leases_expired": each[engine_role(n)].get("num_kv_expired_reqs", 0),
+             "blocks_held": each_gauges[engine_role(n)].get("kvplane_blocks_held")} for n in opts.prefill_names]
+        # "prefill": every prefill engine's, added up.
+        counts = {"prefill": _summed([each[r] for r in p_roles]), "decode": each["decode"]}
+        gauges = {"prefill": _summed([each_gauges[r] for r in p_roles]), "decode": each_gauges["decode"]}
         out["status_missing"] = [f"{role} rank {r}" for role, ss in status.items() for r, s in enumerate(ss) if s is None]
         # Pull: D READs; push: P WRITEs (what D counts is then what it read: nothing).
         mover = "prefill" if opts.push else "decode"
@@ -604,13 +715,27 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["protocol_errors"] = sum(c.get("kvplane_protocol_errors", 0) for c in counts.values())
         # The longest any rank's plane went unstepped past a deadline: a starved worker
         # process (its heartbeats and expiries were that late too).
-        out["longest_rank_stall_ms"] = {role: max(((s or {}).get("ticker", {}).get("longest_late_ms", 0)
-                                                   for s in ss), default=0) for role, ss in status.items()}
+        stall = {role: max(((s or {}).get("ticker", {}).get("longest_late_ms", 0) for s in ss), default=0)
+                 for role, ss in status.items()}
+        out["longest_rank_stall_ms"] = {"prefill": max(stall[r] for r in p_roles), "decode": stall["decode"]}
         out["connector_blocks_held"] = {role: g.get("kvplane_blocks_held") for role, g in gauges.items()}
         out["connector_recvs_in_flight"] = {role: g.get("kvplane_recvs_in_flight") for role, g in gauges.items()}
         out["replay"] = {f"{role}.rank{r}" if tp > 1 else role: _replay(f) for role, tp in tps.items()
                          for r, f in enumerate(rank_files(run.out, role, "events.jsonl", tp))}
+        if run.partition:
+            # P's reclaim of what the cut stranded, from every prefill rank's event log.
+            logs = [f for r in p_roles for f in rank_files(run.out, r, "events.jsonl", opts.prefill_tp)]
+            out["partition"] = dict(summary.get("partition") or {}, **partition_reclaim(
+                logs, cut=run.partition["at"], healed=run.partition.get("healed"), lease=opts.lease,
+                stall_s=out["longest_rank_stall_ms"]["prefill"] / 1000))
+            # Requests sent to a P while its link was down: answered once it was up again.
+            healed = run.partition.get("healed", float("inf"))
+            cut_off = [r for r in res if r.sent_at is not None and run.partition["at"] <= r.sent_at < healed]
+            out["partition"].update(requests_sent_while_cut=len(cut_off), answered_after_heal=sum(
+                1 for r in cut_off if r.ok and r.p_answered_at is not None and r.p_answered_at >= healed))
     else:
+        out["prefill_engines"] = [{"name": n, "engine_id": engine_id(n), "requests": by_engine[n]}
+                                  for n in opts.prefill_names]
         d_metrics = summary.get("metrics", {}).get("D", {})
         # NixlPushConnector's P does the transfers (and counts them).
         mover_metrics = summary.get("metrics", {}).get("P", {}) if opts.push else d_metrics
@@ -699,7 +824,34 @@ def options_from_args(args: Any) -> VllmRunOptions:
                          "(as NixlPushConnector)")
     if opts.late_forward is not None and opts.kill_decode_at is not None:
         raise ValueError("--late-forward and --kill-decode-at are one fault each: pick one")
+    n = opts.prefill_engines
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PREFILL_ENGINES:
+        raise ValueError(f"--prefill-engines with --engine vllm must be in 1..{MAX_PREFILL_ENGINES}, got {n!r}")
+    if n > 1 and opts.connector != "kvplane":
+        raise ValueError("--prefill-engines > 1 runs with --connector kvplane")
+    _check_partition(opts)
     return opts
+
+
+def _check_partition(opts: VllmRunOptions) -> None:
+    """--partition-at / --partition-for: together, finite, with --hosts netns and kvplane's connector."""
+    if opts.partition_at is None and opts.partition_for is None:
+        return
+    if (opts.partition_at is None) != (opts.partition_for is None):
+        raise ValueError("--partition-at and --partition-for go together")
+    for name in ("partition_at", "partition_for"):
+        v = getattr(opts, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or v < 0 or v == float("inf") or \
+                (name == "partition_for" and v == 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {v!r}")
+    if opts.hosts != "netns":
+        raise ValueError("--partition-at and --partition-for need --hosts netns")
+    if opts.connector != "kvplane":
+        raise ValueError("--partition-at with --engine vllm runs with --connector kvplane (P's reclaim is read "
+                         "from its event logs)")
+    if opts.kill_decode_at is not None or opts.late_forward is not None or opts.bidirectional:
+        raise ValueError("--partition-at is a fault of its own: drop --kill-decode-at, --late-forward, "
+                         "--bidirectional and --late-turn2")
 
 
 def cmd_run_vllm(args: Any) -> int:
@@ -732,7 +884,8 @@ def cmd_run_vllm(args: Any) -> int:
             passed = print_report(summary, console)
             console.print(f"summary: {Path(one.out) / 'summary.json'}", highlight=False)
             if name == "kvplane":
-                for role, tp in (("prefill", one.prefill_tp), ("decode", one.decode_tp)):
+                for role, tp in (*((engine_role(n), one.prefill_tp) for n in one.prefill_names),
+                                 ("decode", one.decode_tp)):
                     for f in rank_files(Path(one.out), role, "events.jsonl", tp):
                         console.print(f"{role} event log: {f}", highlight=False)
             # Side by side, NixlConnector's outcome is a finding, not our failure.
