@@ -410,10 +410,10 @@ def run_attacks(connector: str, out: str, *, timeout: float = 120.0, startup_tim
     opts = VllmRunOptions(connector=connector, out=out, requests=1, timeout=timeout,
                           startup_timeout=startup_timeout, quiet=True)
     run = VllmRun(opts, say)
-    p_spec, d_spec = run.prepare()
+    specs = run.prepare()
     result: dict[str, Any] = {"connector": connector, "attacks": []}
     try:
-        result["startup_s"] = run.start(p_spec, d_spec)
+        result["startup_s"] = run.start(specs)
         attacker = Attacker(run, connector, timeout, say)
         status0 = _statuses(run)
         metrics0 = {n: run.metrics(n) for n in ("P", "D")}
