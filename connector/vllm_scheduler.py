@@ -114,7 +114,6 @@ class VllmSchedulerSide:
         self.consumed = ConsumedLeases()
         self._last_stats: dict[str, int] = {}
         self._dumps: list[DumpKV] = []  # this step's, for the workers
-        self._groups_now: Groups = ()  # a hybrid model's per-group lists of the request finishing now
         self.counters: Counter = Counter()
         # What the scheduler half told the engine at the last step (for tests and debugging; vLLM acts on
         # the workers' own sets).
@@ -304,21 +303,14 @@ class VllmSchedulerSide:
     def request_finished(self, request: Any, block_ids: tuple[int, ...], *, groups: Groups = (),
                          clipped: Groups | None = None) -> tuple[bool, dict[str, Any] | None]:
         """``groups``/``clipped``: a hybrid model's whole and clipped per-group
-        lists (``block_ids`` flattens the clipped ones)."""
-        self._groups_now = groups
-        try:
-            return self._request_finished(request, block_ids, clipped)
-        finally:
-            self._groups_now = ()
-
-    def _request_finished(self, request: Any, block_ids: tuple[int, ...],
-                          clipped: Groups | None) -> tuple[bool, dict[str, Any] | None]:
+        lists (``block_ids`` flattens the clipped ones; the KV dumps name the
+        whole ones)."""
         rid = request.request_id
         params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         normal = getattr(request.status, "name", str(request.status)) in FINISHED_NORMALLY
         inst = self.sched.request(rid)
         if inst is None:  # no remote KV (or refused params): vLLM frees as usual
-            return self._maybe_dump(request, block_ids, params, normal)
+            return self._maybe_dump(request, block_ids, params, normal, groups=groups)
         state, first, context = inst.state, inst.local_hit, inst.context
         read_ok = inst.recv_ok is not False
         reader_tp = self.settings.reader_tp
@@ -327,7 +319,7 @@ class VllmSchedulerSide:
                                                      normal=self._offers_its_prompt(request, block_ids, normal))
             if out is None:
                 return False, None
-            self._maybe_dump(request, block_ids, params, normal, holds_blocks=False)  # the lease holds them
+            self._maybe_dump(request, block_ids, params, normal, holds_blocks=False, groups=groups)  # the lease holds them
             return delay, self._vouch(request, out, clipped)
         if state == EngineState.QUEUED:
             # Aborted before it was scheduled: the ranks tell P to free now; vLLM awaits nothing.
@@ -342,7 +334,7 @@ class VllmSchedulerSide:
             if out is None:
                 return False, None
             self._maybe_dump(request, block_ids, params, normal, holds_blocks=False, first_read_token=first,
-                             read_ok=read_ok)
+                             read_ok=read_ok, groups=groups)
             return delay, self._vouch(request, out)
         hold = self.settings.bidirectional and normal
         held = self._held_blocks(request, block_ids) if hold else block_ids
@@ -350,12 +342,13 @@ class VllmSchedulerSide:
                                                  normal=normal)
         if out is not None:
             self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok,
-                             holds_blocks=False)
+                             holds_blocks=False, groups=groups)
             self._dump_hold(request, held, params)
             return delay, self._vouch(request, out)
         if state not in (EngineState.RECV_DONE, EngineState.RECV_FAILED, EngineState.RUNNING, EngineState.LOCAL):
             return False, None  # its recv never ran, or is aborted now: nothing to dump
-        return self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok)
+        return self._maybe_dump(request, block_ids, params, normal, first_read_token=first, read_ok=read_ok,
+                               groups=groups)
 
     def _offers_its_prompt(self, request: Any, block_ids: tuple[int, ...], normal: bool) -> bool:
         """Whether P leases its blocks to a reader: finished normally, with
@@ -389,15 +382,16 @@ class VllmSchedulerSide:
 
     def _maybe_dump(self, request: Any, block_ids: tuple[int, ...], params: dict, normal: bool, *,
                     holds_blocks: bool = True, first_read_token: int = 0,
-                    read_ok: bool | None = None) -> tuple[bool, dict[str, Any] | None]:
+                    read_ok: bool | None = None, groups: Groups = ()) -> tuple[bool, dict[str, Any] | None]:
         """A request tagged ``kvplane_dump_kv`` (with a dump folder set) has
-        its prompt's KV saved; (delay the free, params) for vLLM."""
+        its prompt's KV saved (a hybrid model's ``groups`` named per group);
+        (delay the free, params) for vLLM."""
         tag = self._dump_tag(request, params) if normal and block_ids else None
         if tag is None:
             return False, None
         self._dumps.append(DumpKV(request_id=request.request_id, tag=tag, block_ids=block_ids,
                                   num_tokens=request.num_prompt_tokens, holds_blocks=holds_blocks,
-                                  first_read_token=first_read_token, read_ok=read_ok, groups=self._groups_now))
+                                  first_read_token=first_read_token, read_ok=read_ok, groups=groups))
         return holds_blocks, None
 
     def _vouch(self, request: Any, out: dict[str, Any], clipped: Groups | None = None) -> dict[str, Any]:
