@@ -165,6 +165,8 @@ class ConnectorScheduler:
                 meta["lease_aborts"].append(request_id)
             elif isinstance(a, C.FlagOverdue):
                 self.counters[f"overdue: {a.what}"] += 1
+            elif isinstance(a, C.DeclineSmallRead):
+                self.counters["below_recompute_threshold"] += 1
         if finish is not None:
             hold = lease if grant is not None and grant.hold else None
             meta["finished"].append(Finish(request_id=request_id, block_ids=finish.block_ids, hold=hold))
@@ -176,12 +178,14 @@ class ConnectorScheduler:
     # ------------------------------------------------------------ requests
     def on_new_request(self, request_id: str, kv_transfer_params: dict | None, *,
                        server_public_key: bytes | None = None, serve: bool = False,
-                       remote_groups: tuple[tuple[int, ...], ...] = ()) -> None:
+                       remote_groups: tuple[tuple[int, ...], ...] = (), recompute_below: int = 0) -> None:
         """Register a request.  One with remote KV is sent to every rank in
         the next metadata, and its heartbeats start there (at the side
         channel that proves ``server_public_key``, when given).  ``serve``:
         it also serves a remote decode once finished (P's turn 2: it reads
-        D's held prefix, then leases its blocks for D's read-back)."""
+        D's held prefix, then leases its blocks for D's read-back).
+        ``recompute_below``: a read of fewer tokens is declined (computed
+        here; the holder is told to free at once)."""
         params = kv_transfer_params or {}
         if not params.get("do_remote_prefill"):
             if params.get("do_remote_decode") or serve:
@@ -203,7 +207,7 @@ class ConnectorScheduler:
         if push and (rk.tp_size > 1 or self.tp_size > 1):
             raise BadTransferParams("kv_transfer_params: push mode needs TP 1 on both sides")
         tokens = params.get("remote_num_tokens")
-        self._feed(C.EngineNewRequest(request_id=request_id, remote_prefill=True),
+        self._feed(C.EngineNewRequest(request_id=request_id, remote_prefill=True, recompute_below=recompute_below),
                    RequestInputs(remote=rk, push=push, serve=serve,
                                  read_tokens=tokens if serve and isinstance(tokens, int) else None,
                                  remote_groups=remote_groups))

@@ -26,7 +26,10 @@ lifecycle means for the plane, path by path (the machine's table):
   ``do_remote_decode`` params for them; the next turn goes to P with those
   params: P reads the whole blocks of the held prefix (the expiry gate
   decides; declined or refused: P computes it), computes the rest and
-  serves D's read-back like any prefill.
+  serves D's read-back like any prefill.  A read of fewer tokens than
+  ``kv_recompute_threshold`` (64; NixlConnector's default, which it too
+  applies to this read only) is declined: P computes them and tells D to
+  free its hold at once (notify only, as a full prefix hit).
 
 Bad params from a proxy never reach the plane: the request is counted,
 logged (rate-limited), and computed locally.  With a deployment secret
@@ -145,7 +148,8 @@ class VllmSchedulerSide:
             if remote or turn2:
                 translated, server_key, groups = self._accept(request, params, turn2=turn2)
                 self.sched.on_new_request(request.request_id, translated, server_public_key=server_key,
-                                          serve=turn2, remote_groups=groups)
+                                          serve=turn2, remote_groups=groups,
+                                          recompute_below=self.settings.kv_recompute_threshold if turn2 else 0)
             else:
                 # Only the engine decides push or pull (a client's "push" key is not read).
                 self.sched.on_new_request(request.request_id, serve_params(params, push=self.push))

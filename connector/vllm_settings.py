@@ -6,6 +6,7 @@ class name only: ``kv_lease_duration`` (30 s; heartbeats every
 lease // 6, each extending the lease by lease * 2 // 3),
 ``decoder_kv_blocks_ttl`` (480 s), ``bidirectional_kv_xfer`` (False),
 ``engine_ttl`` (3600 s), ``enforce_handshake_compat`` (True),
+``kv_recompute_threshold`` (64 tokens: a turn-2 read of fewer is computed),
 ``push_registration_timeout``; ``kv_load_failure_policy`` is vLLM's
 top-level key (default "fail").  The other PlaneConfig fields may be set
 the same way.  kvplane's own keys start with ``kvplane_`` (authentication,
@@ -36,6 +37,8 @@ from .secret import SECRET_ENV, SECRET_KEY, DeploymentKeys, load_keys
 VLLM_DEFAULTS = {"engine_ttl": 3600.0, "kv_load_failure_policy": "fail", "handshake_timeout": 30.0}
 # NixlConnector keys that are not PlaneConfig fields.
 NIXL_KEYS = ("bidirectional_kv_xfer", "enforce_handshake_compat", "kv_recompute_threshold", "backends")
+# NixlConnector 0.32.0's kv_recompute_threshold default (tokens).
+KV_RECOMPUTE_THRESHOLD = 64
 COMPAT_HASH = "kvplane-vllm-v1"
 # UCX_NET_DEVICES: "all", or a comma-separated list of interfaces and RDMA devices with a port.
 _UCX_DEVICES = re.compile(r"^(all|[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?(,[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?)*)$")
@@ -45,6 +48,11 @@ _UCX_DEVICES = re.compile(r"^(all|[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?(,[A-Za-z0-9
 class VllmSettings:
     plane: PlaneConfig
     bidirectional: bool = False
+    # kv_recompute_threshold: P computes a turn-2 read of fewer tokens of D's
+    # hold than this and tells D to free it at once; 0 reads every one.  As
+    # NixlConnector 0.32.0, only a turn-2 read (P reading D's hold) is
+    # skipped: D's reads of P's prefill are always made.
+    kv_recompute_threshold: int = KV_RECOMPUTE_THRESHOLD
     enforce_handshake_compat: bool = True
     # kvplane_side_channel_port: rank r of data-parallel index i listens on
     # port + i * tp_size + r (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT by default).
@@ -140,6 +148,10 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
             own["bidirectional"] = _bool(key, value)
         elif key == "enforce_handshake_compat":
             own["enforce_handshake_compat"] = _bool(key, value)
+        elif key == "kv_recompute_threshold":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(key, f"must be a token count >= 0, got {value!r}")
+            own["kv_recompute_threshold"] = value
         elif key not in NIXL_KEYS:
             unknown.append(key)
     plane = PlaneConfig(**plane_values)

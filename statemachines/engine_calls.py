@@ -49,6 +49,11 @@ class EngineNewRequest(Event):
     request_id: str
     remote_prefill: bool = False
     remote_decode: bool = False
+    # A reader's read of fewer tokens than this is declined: the engine
+    # computes them and the holder is told to free at once (NixlConnector's
+    # kv_recompute_threshold, which 0.32.0 applies to a turn-2 read of a
+    # decoder's hold only).  0: every read is made.
+    recompute_below: int = 0
     machine: ClassVar[str] = MACHINE
 
 
@@ -148,6 +153,16 @@ class AnswerMatched(Action, frozen=True):
     request_id: str
     num_tokens: int
     load_async: bool
+
+
+class DeclineSmallRead(Action, frozen=True):
+    """The read of ``num_tokens`` is below the request's recompute threshold
+    (``kv_recompute_threshold``): the engine computes those tokens and the
+    holder is told to free its blocks now, as for a full prefix hit."""
+
+    request_id: str
+    num_tokens: int
+    threshold: int
 
 
 class AnswerFinished(Action, frozen=True):

@@ -21,8 +21,11 @@ RID = "r1"
 
 # One event per guard that makes it true (and every guard before it in its
 # group false); the unguarded rows get the event of the pair's last case.
+# The consumer declines a read of fewer than 16 tokens (PLAIN's EngineMatched
+# reads 24; the guard's 8).
 BY_GUARD = {
-    ER.consumer: C.EngineNewRequest(request_id=RID, remote_prefill=True),
+    ER.consumer: C.EngineNewRequest(request_id=RID, remote_prefill=True, recompute_below=16),
+    ER.below_recompute_threshold: C.EngineMatched(request_id=RID, num_prompt_tokens=40, num_computed_tokens=32),
     ER.producer: C.EngineNewRequest(request_id=RID, remote_decode=True),
     ER.external_tokens: C.EngineAllocated(request_id=RID, block_ids=(4, 5, 6), num_external_tokens=40),
     ER.leased: C.EngineFinished(request_id=RID, normal=True, block_ids=(1, 2, 3)),

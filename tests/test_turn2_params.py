@@ -21,8 +21,10 @@ PROMPT = list(range(10, 50))  # turn 1: 40 tokens (3 blocks)
 ANSWER = list(range(900, 917))  # 17 tokens decoded by D; the hold covers prompt + answer[:-1] = 56 tokens
 
 
-def side(name: str, tmp_path, secret: bool = True) -> VllmSchedulerSide:
-    cfg: dict = {"bidirectional_kv_xfer": True}
+def side(name: str, tmp_path, secret: bool = True, threshold: int = 0) -> VllmSchedulerSide:
+    """``threshold``: kv_recompute_threshold (0 here: these reads of 48
+    tokens are below NixlConnector's default 64)."""
+    cfg: dict = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": threshold}
     if secret:
         path = tmp_path / "kvplane.secret"
         if not path.exists():
@@ -88,6 +90,38 @@ def test_d_holds_in_nixl_keys_and_p_reads_the_whole_blocks_of_the_prefix(tmp_pat
     assert delay and back["do_remote_prefill"] is True and back["remote_renewable"] is True
     assert p.counters["kvplane_refused_params"] == 0
 
+
+@pytest.mark.parametrize("threshold", [49, 64])
+def test_a_turn_2_read_below_the_recompute_threshold_is_computed_and_d_told_to_free(tmp_path, threshold):
+    p, d = side("prefill-0", tmp_path, threshold=threshold), side("decode-0", tmp_path)
+    held = hold(p, d)
+    prompt2 = PROMPT + ANSWER + list(range(300, 330))
+    r, got = turn2(p, held, prompt2)
+    assert got == (0, False)  # 48 whole-block tokens to read: below the threshold, computed on P
+    assert p.sched.counters["below_recompute_threshold"] == 1
+    p.update_state_after_alloc(r, (), 0)
+    meta = p.build_step(["t2p"]).meta
+    (new,) = meta.new_requests
+    (load,) = meta.loads  # notify only: the ranks tell D to free its hold now, nothing is read
+    assert new.remote.remote_block_ids == (5, 6, 7) and load.block_ids == () and not load.awaiting
+    assert p.sched.request("t2p").state == "LOCAL"
+    r.num_computed_tokens = len(prompt2)
+    delay, back = p.request_finished(r, (11, 12, 13, 14, 15, 16))
+    assert delay and back["do_remote_prefill"] is True  # D still reads turn 2 back
+
+
+def test_a_turn_2_read_at_the_recompute_threshold_is_made(tmp_path):
+    p, d = side("prefill-0", tmp_path, threshold=48), side("decode-0", tmp_path)
+    _, got = turn2(p, hold(p, d), PROMPT + ANSWER + list(range(300, 330)))
+    assert got == (48, True) and p.sched.counters["below_recompute_threshold"] == 0
+
+
+def test_kv_recompute_threshold_defaults_to_nixl_s_and_refuses_a_non_count():
+    base = {"kvplane_insecure": True}
+    assert settings_from(base, environ={}).kv_recompute_threshold == 64
+    for bad in (-1, 1.5, "64", True):
+        with pytest.raises(ConfigError, match="kv_recompute_threshold"):
+            settings_from({**base, "kv_recompute_threshold": bad}, environ={})
 
 @pytest.mark.parametrize("change", ["another prefix", "shorter than the hold", "replayed"])
 def test_p_refuses_params_not_for_its_prompt_and_still_serves(tmp_path, change):

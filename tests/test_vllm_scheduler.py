@@ -609,3 +609,54 @@ def test_p_finished_short_of_its_prompt_offers_nothing_and_frees_now(engines, cl
     p.step()
     assert p.records("grants") == [] and p.side.sched.request("r1") is None
     assert p.held() == [] and p.empty()
+
+
+# ------------------------------------------------------------------ kv_recompute_threshold (turn 2)
+
+@pytest.mark.parametrize("threshold", [None, 32, 33])
+def test_a_turn_2_read_below_kv_recompute_threshold_is_computed_and_d_frees_its_hold_at_once(
+        engines, clock, threshold):
+    """NixlConnector 0.32.0 skips P's read of D's hold when it is fewer
+    tokens than ``kv_recompute_threshold`` (default 64): P computes them and
+    tells D to free its hold now (a full prefix hit's notify).  D's hold here
+    is 42 tokens (40 + 2 decoded), 32 of them in whole blocks: read at a
+    threshold of 32, computed at 33 and at the default."""
+    extra = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60.0}
+    if threshold is not None:
+        extra["kv_recompute_threshold"] = threshold
+    _, p, d = engines(extra=extra)
+    decode(d, "r1", prefill(p, "r1"))
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")))
+    (done,) = d.finished("d-r1")
+    held = done.kv_transfer_params
+    assert held is not None and held["remote_num_tokens"] == 42 and d.seen_sending == []
+    d.step()
+    # P's turn-1 blocks are free (D read them) but still in its prefix cache:
+    # dropped, or turn 2 is a full prefix hit on P.
+    assert settle(clock, (p, d), 2, lambda: p.empty()) and p.sched.reset_prefix_cache()
+    held_blocks = held["remote_block_ids"][0]
+    for b in held_blocks:
+        d.kv[0][b] = 500.0 + b  # what D's hold holds
+    tokens = d.sched.requests["d-r1"].all_token_ids[:42] if "d-r1" in d.sched.requests else None
+    assert tokens is not None  # vLLM keeps the finished request while its blocks are held
+    turn2 = p.add(new_request("t2", prompt=[*tokens, *range(300, 310)], max_tokens=1,
+                              params=dict(held, do_remote_decode=True)))
+    reads = threshold == 32
+    assert settle(clock, (p, d), 3, lambda: bool(p.finished("t2")) and bool(d.seen_sending))
+    assert d.seen_sending == ["d-r1"]  # D's hold freed now, not at its 60 s TTL
+    (new,) = p.records("new_requests")
+    (load,) = p.records("loads")
+    assert p.side.sched.counters["below_recompute_threshold"] == (0 if reads else 1), (load, p.side.counters, p.side.sched.counters)
+    if reads:
+        assert load.awaiting and load.num_remote_tokens == 32 and len(load.block_ids) == 2
+        assert p.seen_recving == ["t2"] and p.seen_failed == []
+        assert all(bool((p.kv[0][pb] == d.kv[0][db]).all()) for pb, db in zip(load.block_ids, held_blocks))
+    else:
+        assert not load.awaiting and load.block_ids == () and p.seen_recving == []
+    assert len(turn2.output_token_ids) == 1
+    # P's turn 2 serves D's read-back under a lease; nobody reads it: it runs out.
+    assert settle(clock, (p, d), 12, lambda: p.empty() and d.empty())
+    for _ in range(2):
+        p.step()
+        d.step()
+    assert p.held() == [] and d.held() == [] and _tracked(p) == {} and _tracked(d) == {}

@@ -93,12 +93,13 @@ def vllm_config(engine_id: str, *, tp: int = 1, policy: str = "fail", extra: dic
 
 
 def new_request(request_id: str, *, num_tokens: int = 40, max_tokens: int = 3, params: dict | None = None,
-                first_token: int = 100) -> Request:
+                first_token: int = 100, prompt: list[int] | None = None) -> Request:
     """A request of ``num_tokens`` prompt tokens (distinct per ``first_token``:
-    no prefix hit unless a test wants one)."""
+    no prefix hit unless a test wants one), or of exactly ``prompt``."""
     init_none_hash(sha256)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    request = Request(request_id=request_id, prompt_token_ids=list(range(first_token, first_token + num_tokens)),
+    tokens = list(range(first_token, first_token + num_tokens)) if prompt is None else list(prompt)
+    request = Request(request_id=request_id, prompt_token_ids=tokens,
                       sampling_params=sampling, pooling_params=None,
                       block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
     request.kv_transfer_params = copy.deepcopy(params)

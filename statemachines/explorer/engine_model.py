@@ -300,7 +300,8 @@ class EngineModel(RankModel):
             elif isinstance(a, (C.AnswerMatched, C.AnswerFinished, C.AnswerDelayFree)):
                 answers.append(a)
             # A flag is the embedder's log; the Tell* name what the model's vLLM was just told (its update_from_output).
-            elif not isinstance(a, (ArmTimer, CancelTimer, C.FlagOverdue, C.TellRecvFinished, C.TellSendingFinished)):
+            elif not isinstance(a, (ArmTimer, CancelTimer, C.FlagOverdue, C.TellRecvFinished, C.TellSendingFinished,
+                                    C.DeclineSmallRead)):
                 raise TypeError(f"engine model bug: no translation for {type(a).__name__}")
         return answers
 

@@ -20,6 +20,11 @@ The machine's Tell* actions are what the engine's ``get_finished`` names
 (finished_recving, failed_recving, finished_sending): each accepted report
 tells it once.
 
+A read of fewer tokens than the request's ``recompute_below``
+(``kv_recompute_threshold``, set by the embedder for the reads it applies
+to) is declined at get_num_new_matched_tokens: the engine computes them,
+and the allocation with nothing to load tells the holder to free now.
+
 Preemption: vLLM frees a preempted request's blocks and computes it again
 from scratch, asking for matched tokens again.  After its recv the
 connector answers 0 (the remote's blocks may be gone; the prompt is
@@ -42,7 +47,7 @@ import attrs
 from ..base import Instance, TimerFired
 from ..emit import emits
 from ..engine_calls import (
-    AnswerDelayFree, AnswerFinished, AnswerMatched, EngineAllocated, EngineFinished, EngineLeaseAbort, EngineMatched,
+    AnswerDelayFree, AnswerFinished, AnswerMatched, DeclineSmallRead, EngineAllocated, EngineFinished, EngineLeaseAbort, EngineMatched,
     EngineNewRequest, EnginePreempted, EngineScheduled, FlagOverdue, GrantLease, RecvFinished, SendAbort,
     SendFinish, SendingFinished, SendLeaseAbort, SendLoad, SendNewRemote, SendNotifyOnly, SendRunning,
     TellRecvFinished, TellSendingFinished,
@@ -63,6 +68,8 @@ class EngineRequest(Instance):
     # The prompt tokens the engine had computed when it asked (its local
     # prefix hit: the read starts there).
     local_hit: int = 0
+    # A read of fewer tokens is declined (EngineNewRequest.recompute_below).
+    recompute_below: int = 0
     # When the machine steps in (the state's deadline; moved on each stage).
     bound: float = 0.0
     # Whether every rank read (None: no recv reported); kept for what the
@@ -74,6 +81,10 @@ class EngineRequest(Instance):
 
 
 # ----------------------------------------------------------------- effects
+def _created(r: EngineRequest, ev: EngineNewRequest, cfg, now) -> None:
+    r.recompute_below = ev.recompute_below
+
+
 def _matched(r: EngineRequest, ev: EngineMatched, cfg, now) -> None:
     r.local_hit = ev.num_computed_tokens
 
@@ -122,6 +133,11 @@ def producer(r, ev: EngineNewRequest, cfg, now) -> bool:
     return ev.remote_decode
 
 
+def below_recompute_threshold(r, ev: EngineMatched, cfg, now) -> bool:
+    """tokens to read, fewer than the recompute threshold"""
+    return 0 < ev.num_prompt_tokens - ev.num_computed_tokens < r.recompute_below
+
+
 def external_tokens(r, ev: EngineAllocated, cfg, now) -> bool:
     """tokens to load > 0, or awaited anyway"""
     return ev.num_external_tokens > 0 or ev.awaiting
@@ -158,6 +174,11 @@ def answer_remote_tokens(r, ev: EngineMatched, cfg, now) -> AnswerMatched:
 @emits(AnswerMatched)
 def answer_nothing(r, ev: EngineMatched, cfg, now) -> AnswerMatched:
     return AnswerMatched(r.key, 0, False)
+
+
+@emits(DeclineSmallRead)
+def decline_small_read(r, ev: EngineMatched, cfg, now) -> DeclineSmallRead:
+    return DeclineSmallRead(r.key, ev.num_prompt_tokens - ev.num_computed_tokens, r.recompute_below)
 
 
 @emits(AnswerFinished)
@@ -299,7 +320,7 @@ NOT_AWAITED = [s for s in S if s not in (S.NEW, S.AWAITING_RECV, S.OVERDUE, S.AB
 NOT_HELD = [s for s in S if s not in (S.NEW, S.HELD, S.LEASED, S.FREEING, S.ENDED)]
 
 TABLE = rows(
-    on(S.NEW, EngineNewRequest, S.QUEUED, send_new_remote, when=consumer),
+    on(S.NEW, EngineNewRequest, S.QUEUED, send_new_remote, when=consumer, do=_created),
     on(S.NEW, EngineNewRequest, S.PREFILLING, when=producer),
     # Neither role: the engine computes it alone; nothing to keep (the
     # plane's creation rule: every creating row is a transition).
@@ -309,6 +330,11 @@ TABLE = rows(
     error([s for s in S if s not in (S.NEW, S.ENDED)], EngineNewRequest, "on_new_request twice"),
 
     # ---- consumer: allocation decides what the engine awaits.
+    # Too few tokens to be worth a read (kv_recompute_threshold): the engine
+    # computes them; allocated with nothing to load, the ranks tell the
+    # holder to free now (notify only).
+    on(S.QUEUED, EngineMatched, S.QUEUED, answer_nothing, decline_small_read, when=below_recompute_threshold,
+       do=_matched),
     on(S.QUEUED, EngineMatched, S.QUEUED, answer_remote_tokens, do=_matched),
     on(S.QUEUED, EngineAllocated, S.AWAITING_RECV, send_load, when=external_tokens, do=_awaiting,
        acquires={"recv_report"}),
