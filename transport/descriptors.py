@@ -9,6 +9,8 @@ what a READ of small blocks pays for).  A part of a block (``of > 1``) is a
 strided slice: consecutive blocks' slices are not adjacent, so those stay one
 descriptor per block.  The real NIXL endpoint builds its descriptor lists
 from this plan; the loopback copies by it, so both move the same bytes.
+Blocks of different sizes on the two sides move slice by slice
+(``plan_slices``, from ``block_sizes.slice_pairs``).
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from typing import Sequence
 
 import attrs
 
-from .layout import BlockPart, CacheLayout
+from .block_sizes import SlicePair
+from .errors import IncompatibleLayout
+from .layout import BlockPart, CacheLayout, check_part
 
 
 @attrs.frozen
@@ -81,3 +85,36 @@ def plan_transfer(local: CacheLayout, remote: CacheLayout, local_ids: Sequence[i
 def addresses(layout: CacheLayout, spans: Sequence[Span]) -> list[tuple[int, int, int]]:
     """(address, length, device) of each span, as NIXL's descriptor lists take them."""
     return [(layout.base_addrs[s.region] + s.offset, s.length, layout.device_id) for s in spans]
+
+
+def plan_slices(local: CacheLayout, remote: CacheLayout, pairs: Sequence[SlicePair]) -> TransferPlan:
+    """The spans moving each pair's remote slice to or from its local slice
+    (``block_sizes.slice_pairs``: blocks of different sizes), region-major;
+    a span that continues the previous one on both sides extends it.  Every
+    slice must be equally long on both sides and every id in range: a
+    ValueError subclass names the first that is not, before anything is
+    posted."""
+    if not pairs:
+        raise ValueError("a transfer needs at least one slice")
+    if len(remote.base_addrs) != len(local.base_addrs):
+        raise IncompatibleLayout(f"region count mismatch: local {len(local.base_addrs)}, "
+                                 f"remote {len(remote.base_addrs)}")
+    offsets: list[tuple[int, int, int]] = []  # (local offset, remote offset, length) in each region
+    for p in pairs:
+        local_part, remote_part = check_part(p.local_part, "local"), check_part(p.remote_part, "remote")
+        local.check_block_ids([p.local_block], "local")
+        remote.check_block_ids([p.remote_block], "remote")
+        size = local.part_size(local_part[1], "local")
+        if remote.part_size(remote_part[1], "remote") != size:
+            raise IncompatibleLayout(f"slice size mismatch: local part {local_part} of a {local.block_size} B "
+                                     f"block is {size} B, remote part {remote_part} of a {remote.block_size} B "
+                                     f"block is {remote.part_size(remote_part[1])} B")
+        lo, ro = p.local_block * local.block_size + local_part[0] * size, \
+            p.remote_block * remote.block_size + remote_part[0] * size
+        if offsets and offsets[-1][0] + offsets[-1][2] == lo and offsets[-1][1] + offsets[-1][2] == ro:
+            offsets[-1] = (offsets[-1][0], offsets[-1][1], offsets[-1][2] + size)
+        else:
+            offsets.append((lo, ro, size))
+    lspans = tuple(Span(region, lo, n) for region in range(len(local.base_addrs)) for lo, _, n in offsets)
+    rspans = tuple(Span(region, ro, n) for region in range(len(local.base_addrs)) for _, ro, n in offsets)
+    return TransferPlan(lspans, rspans)

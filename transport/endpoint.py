@@ -11,12 +11,14 @@ With tensor parallelism a transfer moves a part of each block:
 ``of`` equal contiguous byte slices of a block in every region (``(0, 1)``:
 the whole block).  The two slices must be equally large; a bad part, a block
 size that does not divide, or unequal slices raise a ValueError subclass
-before anything is posted.
+before anything is posted.  Blocks of different sizes on the two sides
+(P's and D's ``--block-size``) move as slice pairs (``post_read_slices``).
 """
 from __future__ import annotations
 
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+from .block_sizes import SlicePair
 from .handle import XferHandle
 from .layout import WHOLE_BLOCK, BlockPart
 
@@ -50,6 +52,15 @@ class Endpoint(Protocol):
                    local_block_ids: Sequence[int], notif: bytes = b"", *,
                    remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK) -> XferHandle:
         """Push (a part of) local blocks into (a part of) remote ones (push mode)."""
+
+    def post_read_slices(self, remote_name: str, remote_desc: dict, slices: Sequence[SlicePair],
+                         notif: bytes = b"") -> XferHandle:
+        """Pull each pair's remote slice into its local slice: blocks of
+        different sizes (``block_sizes.slice_pairs``)."""
+
+    def post_write_slices(self, remote_name: str, remote_desc: dict, slices: Sequence[SlicePair],
+                          notif: bytes = b"") -> XferHandle:
+        """Push each pair's local slice into its remote slice."""
 
     def poll_transfer(self, handle: XferHandle) -> str:
         """``"DONE"`` or ``"PROC"``; a failed transfer raises."""

@@ -14,7 +14,7 @@ import attrs
 import msgpack
 import torch
 
-from .descriptors import TransferPlan, plan_transfer
+from .descriptors import TransferPlan, plan_slices, plan_transfer
 from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed
 from .handle import DONE, PROC, XferHandle
 from .layout import WHOLE_BLOCK, BlockPart, CacheLayout, check_part
@@ -310,15 +310,32 @@ class LoopbackEndpoint:
             raise ValueError("a transfer needs at least one block")
         self._layout.check_block_ids(lids, "local")
         remote_layout.check_block_ids(rids, "remote")
+        plan = plan_transfer(self._layout, remote_layout, lids, rids, local_part, remote_part, slice_bytes)
+        return self._post_plan(op, remote_name, remote_layout, plan, len(lids), notif)
+
+    def post_read_slices(self, remote_name, remote_desc, slices, notif=b"") -> XferHandle:
+        return self._post_slices("READ", remote_name, remote_desc, slices, notif)
+
+    def post_write_slices(self, remote_name, remote_desc, slices, notif=b"") -> XferHandle:
+        return self._post_slices("WRITE", remote_name, remote_desc, slices, notif)
+
+    def _post_slices(self, op, remote_name, remote_desc, slices, notif) -> XferHandle:
+        self._check_alive()
+        if self._layout is None:
+            raise RuntimeError("register_kv_cache before posting transfers")
+        remote_layout = CacheLayout.from_dict(remote_desc)
+        plan = plan_slices(self._layout, remote_layout, list(slices))
+        return self._post_plan(op, remote_name, remote_layout, plan, len({s.local_block for s in slices}), notif)
+
+    def _post_plan(self, op, remote_name, remote_layout, plan, num_blocks, notif) -> XferHandle:
         self._check_peer(remote_name, f"post {op}")
         peer = self.fabric._agent(remote_name)
         if peer._layout is None or peer._layout.base_addrs != remote_layout.base_addrs:
             raise NotFound(f"{op}: remote descriptors are not registered on {remote_name!r}")
         fate, message = self.fabric._fate(self.name, remote_name)
-        plan = plan_transfer(self._layout, remote_layout, lids, rids, local_part, remote_part, slice_bytes)
         x = _Xfer(op, self.name, remote_name, self._regions, peer._regions, plan, bytes(notif),
                   self.fabric.transfer_polls, fate, message)
-        return XferHandle(op, remote_name, bytes(notif), len(lids), x, nbytes=plan.nbytes,
+        return XferHandle(op, remote_name, bytes(notif), num_blocks, x, nbytes=plan.nbytes,
                           descriptors=plan.descriptors)
 
     def poll_transfer(self, handle: XferHandle) -> str:

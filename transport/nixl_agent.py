@@ -38,7 +38,8 @@ except ImportError:
 import attrs
 import torch
 
-from .descriptors import addresses, plan_transfer
+from .block_sizes import SlicePair
+from .descriptors import addresses, plan_slices, plan_transfer
 from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed, TransportError
 from .handle import DONE, PROC, XferHandle
 from .layout import WHOLE_BLOCK, BlockPart, CacheLayout, check_part
@@ -263,6 +264,32 @@ class NixlEndpoint:
             raise ValueError("a transfer needs at least one block")
         local.check_block_ids(local_block_ids, "local")
         remote.check_block_ids(remote_block_ids, "remote")
+        plan = plan_transfer(local, remote, local_block_ids, remote_block_ids, local_part, remote_part,
+                             slice_bytes)
+        return self._post_plan(op, remote_name, remote, plan, len(local_block_ids), notif, posted_at)
+
+    def post_read_slices(self, remote_name: str, remote_desc: dict, slices: Sequence[SlicePair],
+                         notif: bytes = b"") -> XferHandle:
+        """Pull each slice pair's remote slice into its local slice (blocks of
+        different sizes: ``block_sizes.slice_pairs``)."""
+        return self._post_slices("READ", remote_name, remote_desc, slices, notif)
+
+    def post_write_slices(self, remote_name: str, remote_desc: dict, slices: Sequence[SlicePair],
+                          notif: bytes = b"") -> XferHandle:
+        """Push each slice pair's local slice into its remote slice."""
+        return self._post_slices("WRITE", remote_name, remote_desc, slices, notif)
+
+    def _post_slices(self, op, remote_name, remote_desc, slices, notif) -> XferHandle:
+        posted_at = time.perf_counter()
+        self._check_open()
+        local = self._require_layout()
+        remote = CacheLayout.from_dict(remote_desc)
+        plan = plan_slices(local, remote, list(slices))
+        return self._post_plan(op, remote_name, remote, plan, len({s.local_block for s in slices}), notif,
+                               posted_at)
+
+    def _post_plan(self, op, remote_name, remote, plan, num_blocks, notif, posted_at) -> XferHandle:
+        local = self._require_layout()
         notif = bytes(notif)
         self._check_remote(remote_name, op)
         # Measured with nixl 1.5.1: posting to a peer that died since the last
@@ -271,16 +298,13 @@ class NixlEndpoint:
         # call first lets UCX see the disconnect, and the post then fails cleanly.
         self._progress()
         self._check_remote(remote_name, op)
-
-        plan = plan_transfer(local, remote, local_block_ids, remote_block_ids, local_part, remote_part,
-                             slice_bytes)
         with self._timed("initialize_xfer"), self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
             raw = self._agent.initialize_xfer(
                 op, self._agent.get_xfer_descs(addresses(local, plan.local), local.mem_type),
                 self._agent.get_xfer_descs(addresses(remote, plan.remote), remote.mem_type),
                 remote_name, notif,
             )
-        handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw, nbytes=plan.nbytes,
+        handle = XferHandle(op, remote_name, notif, num_blocks, raw, nbytes=plan.nbytes,
                             descriptors=plan.descriptors, posted_at=posted_at)
         try:
             with self._timed("transfer"), self._watch(remote_name), _nixl(f"post {op} to {remote_name!r}"):
