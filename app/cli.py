@@ -140,7 +140,8 @@ def _run(args) -> int:
                   "(see docs/vllm.md)", file=sys.stderr)
             return 2
         return cmd_run_vllm(args)
-    for flag in ("connector", "late_forward", "bidirectional", "late_turn2", "model"):
+    for flag in ("connector", "late_forward", "bidirectional", "late_turn2", "model", "prefill_block_size",
+                 "decode_block_size"):
         if hasattr(args, flag):
             print(f"kvplane run: --{flag.replace('_', '-')} needs --engine vllm", file=sys.stderr)
             return 2

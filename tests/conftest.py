@@ -22,6 +22,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_bench_smoke.py": "e2e",
     "test_bench_targets.py": "core",
     "test_block_sizes.py": "nixl",
+    "test_block_sizes_vllm.py": "vllm",
     "test_cli.py": None,
     "test_cli_errors.py": "core",
     "test_composition.py": "core",

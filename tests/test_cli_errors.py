@@ -65,6 +65,8 @@ def _main_exits(argv: list[str]) -> int:
     (["sequence", "a.jsonl", "b.jsonl", "--max-events", "0"], "--max-events: must be >= 1"),
     (["sequence", "a.jsonl", "b.jsonl", "--from", "inf"], "--from: must be a finite number"),
     (["nonsense"], "invalid choice: 'nonsense'"),
+    (["run", "--engine", "vllm", "--prefill-block-size", "48"], "--prefill-block-size: must be a multiple of 32"),
+    (["run", "--engine", "vllm", "--decode-block-size", "2048"], "--decode-block-size: must be a multiple of 32 in"),
 ])
 def test_nonsense_options_are_refused_by_the_parser(argv, words, capsys):
     assert _main_exits(argv) == 2
@@ -173,3 +175,36 @@ def test_run_without_torch_names_the_extra_in_one_line(capsys, monkeypatch, tmp_
     monkeypatch.setattr(orchestrator, "torch_installed", lambda: False)
     _refused(capsys, ["run", "--out", str(tmp_path / "run")], "pip install -e '.[run]' --extra-index-url")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["run", "--engine", "vllm", "--prefill-block-size", "32", "--decode-block-size", "64"],
+     "kvplane's connector moves equal blocks only"),
+    (["run", "--engine", "vllm", "--connector", "both", "--prefill-block-size", "32", "--decode-block-size", "64"],
+     "kvplane's connector moves equal blocks only"),
+    (["run", "--engine", "vllm", "--connector", "nixl", "--prefill-block-size", "64", "--decode-block-size", "96"],
+     "--decode-block-size 96 must be a whole multiple of --prefill-block-size 64"),
+    (["run", "--engine", "vllm", "--connector", "nixl", "--prefill-block-size", "64", "--decode-block-size", "32"],
+     "must be a whole multiple"),
+    (["run", "--engine", "vllm", "--connector", "nixl", "--decode-block-size", "256", "--prefill-tp", "2"],
+     "unlike block sizes run with --model tiny, --prefill-tp 1"),
+    (["run", "--decode-block-size", "64"], "--decode-block-size needs --engine vllm"),
+])
+def test_block_sizes_the_connector_cannot_move_are_refused_in_one_line(argv, words, capsys):
+    _refused(capsys, argv, words)
+
+
+def test_each_engine_gets_its_block_size():
+    from kvplane.app.vllm.engines import EngineSpec
+    from kvplane.app.vllm.run import options_from_args
+    from kvplane.app.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--engine", "vllm", "--connector", "nixl", "--prefill-block-size", "32",
+                                      "--decode-block-size", "64"])
+    opts = options_from_args(args)
+    assert (opts.prefill_block_size, opts.decode_block_size) == (32, 64)
+    cmd = EngineSpec(name="D", engine_id="d", http_port=1, side_channel_port=2, connector="nixl",
+                     block_size=64).command("/m")
+    assert cmd[cmd.index("--block-size") + 1] == "64"
+    assert "--block-size" not in EngineSpec(name="P", engine_id="p", http_port=1, side_channel_port=2,
+                                            connector="nixl").command("/m")

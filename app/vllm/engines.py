@@ -59,6 +59,7 @@ class EngineSpec:
     extra_config: dict = attrs.field(factory=dict)
     max_num_seqs: int = 8
     num_blocks: int | None = None  # --num-gpu-blocks-override
+    block_size: int | None = None  # --block-size in tokens (None: vLLM's default)
     max_model_len: int = 4096
     seed: int = 0
     kv_load_failure_policy: str = "fail"
@@ -97,6 +98,8 @@ class EngineSpec:
             cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
+        if self.block_size is not None:
+            cmd += ["--block-size", str(self.block_size)]
         return cmd
 
     def env(self) -> dict[str, str]:

