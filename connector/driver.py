@@ -36,6 +36,7 @@ from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.machines.heartbeat import KIND as HEARTBEAT
 from kvplane.statemachines.plane import ControlPlane
+from kvplane.transport.block_sizes import BlockMappingError, BlockShape, pairs_for_read
 from kvplane.transport.endpoint import Endpoint
 from kvplane.transport.errors import PeerDisconnected as PeerGone
 from kvplane.transport.errors import TransportError
@@ -130,6 +131,9 @@ class PlaneDriver:
         # Request id -> (remote part, local part) of each block it moves, as
         # (index, of): a TP reader reads only its heads (tp_mapping).
         self.parts: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
+        # This rank's block as rows of token slots (set by an embedder whose
+        # peers' blocks may hold another number of tokens: vLLM's --block-size).
+        self.block_shape: BlockShape | None = None
         self.insecure = insecure
         if insecure and curve_keypair is not None:
             raise ValueError("curve_keypair and insecure=True are exclusive")
@@ -432,7 +436,16 @@ class PlaneDriver:
         remote_ids, local_ids = _align_tail(list(a.remote_block_ids), list(a.local_block_ids))
         parts = self.parts.get(a.request_id)
         try:
-            if parts is None:
+            remote_bytes = self.layouts[a.engine_id].get("block_size")
+            if self.block_shape is not None and isinstance(remote_bytes, int) and \
+                    remote_bytes != self.endpoint.describe_cache()["block_size"]:
+                # Blocks of another size (P's --block-size): slice by slice.
+                if op != "READ" or parts is not None:
+                    raise BlockMappingError("blocks of unlike sizes move by READ, without a TP head split")
+                slices = pairs_for_read(self.block_shape, self.endpoint.describe_cache()["block_size"], remote_bytes,
+                                        list(a.local_block_ids), list(a.remote_block_ids))
+                handle = self.endpoint.post_read_slices(name, self.layouts[a.engine_id], slices, notif)
+            elif parts is None:
                 handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif)
             else:
                 handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif,

@@ -358,18 +358,21 @@ def _block_size(vllm_config: Any, kv_cache_config: Any) -> int:
 
 def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size: int = 1) -> str:
     """What both sides must agree on for their blocks to mean the same: with
-    ``enforce_handshake_compat`` (default) the model's KV shape, dtype and
-    block size; without it only the protocol version.  The KV heads are the
+    ``enforce_handshake_compat`` (default) the model's KV shape and dtype
+    (a hybrid model's also its block size); without it only the protocol
+    version.  The KV heads are the
     model's (a rank's heads times TP): P and D may shard them differently."""
     if not enforce or kv_cache_config is None:
         return COMPAT_HASH
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
     model = vllm_config.model_config
+    # The block size is not hashed: blocks of unlike sizes are read slice by
+    # slice (transport.block_sizes); a hybrid model's groups hash theirs.
     parts = [COMPAT_HASH, str(getattr(model, "architecture", "")), str(len(group.layer_names)),
-             str(getattr(spec, "block_size", "")), str(int(getattr(spec, "num_kv_heads", 0) or 0) * tp_size),
+             str(int(getattr(spec, "num_kv_heads", 0) or 0) * tp_size),
              str(getattr(spec, "head_size", "")), str(getattr(spec, "dtype", ""))]
     for other in kv_cache_config.kv_cache_groups[1:]:  # a hybrid model: every group's kind and layers
         parts += [type(other.kv_cache_spec).__name__, str(len(other.layer_names)),
-                  str(getattr(other.kv_cache_spec, "sliding_window", ""))]
+                  str(getattr(other.kv_cache_spec, "sliding_window", "")), str(getattr(spec, "block_size", ""))]
     return f"{COMPAT_HASH}:{hashlib.sha256(':'.join(parts).encode()).hexdigest()[:24]}"

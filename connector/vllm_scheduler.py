@@ -188,6 +188,8 @@ class VllmSchedulerSide:
         if turn2 and translated.get("remote_renewable") is not False:
             raise RefusedParams("not a decoder's hold", "do_remote_decode params name a renewable lease")
         keys = self.settings.keys
+        # P's params name P's blocks (its --block-size); a turn 2 reads D's hold, in this engine's.
+        remote_block = self.block_size if turn2 else self.settings.remote_block_size or self.block_size
         if keys is None:
             # Unauthenticated (kvplane_insecure or per-engine keypairs): still
             # the block list must cover exactly the prompt's (or, on a next
@@ -203,17 +205,17 @@ class VllmSchedulerSide:
                     raise RefusedParams("blocks do not cover the tokens", f"{problem}; the prompt has "
                                         f"{request.num_prompt_tokens} tokens, params {tokens!r}")
                 translated, groups = _flatten(translated)
-            elif not fits or not isinstance(blocks, list) or len(blocks) != -(-count // self.block_size) or \
+            elif not fits or not isinstance(blocks, list) or len(blocks) != -(-count // remote_block) or \
                     len(set(map(repr, blocks))) != len(blocks):
                 raise RefusedParams("blocks do not cover the tokens",
                                     f"{_count(blocks)} blocks for {tokens!r} tokens; the prompt has "
-                                    f"{request.num_prompt_tokens} of {self.block_size} a block")
+                                    f"{request.num_prompt_tokens}, the remote {remote_block} a block")
             if turn2:  # read as a remote prefill of the held prefix
                 translated = self._whole_blocks(dict(translated, do_remote_prefill=True, do_remote_decode=False))
             return receive_params(translated, push=self.push), None, groups
         vouched = verify(translated, keys)
         check_for_request(vouched, prompt_token_ids=getattr(request, "prompt_token_ids", None),
-                          num_prompt_tokens=request.num_prompt_tokens, block_size=self.block_size, prefix=turn2,
+                          num_prompt_tokens=request.num_prompt_tokens, block_size=remote_block, prefix=turn2,
                           groups=self.groups)
         registered = _registered(vouched)
         groups = ()

@@ -86,6 +86,10 @@ class VllmSettings:
     # engine's own.  A lease awaits every reader rank that reads it, and vLLM's
     # P learns nothing of D's TP before D's completions arrive.
     reader_tp: int | None = None
+    # kvplane_remote_block_size: the --block-size (tokens) of the engine whose
+    # blocks this one reads (P's, on D), where it differs from this engine's:
+    # P's params name P's blocks.  None: this engine's own.
+    remote_block_size: int | None = None
     drop_notifications: float = 0.0  # kvplane_drop_notifications: fault injection, fraction dropped
     fault_seed: int = 0
     unknown_keys: tuple[str, ...] = ()
@@ -117,6 +121,7 @@ _OWN = {
     "kvplane_kv_dump_dir": "kv_dump_dir",
     "kvplane_drop_notifications": "drop_notifications",
     "kvplane_reader_tp": "reader_tp",
+    "kvplane_remote_block_size": "remote_block_size",
     "kvplane_fault_seed": "fault_seed",
 }
 
@@ -181,6 +186,10 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
     if reader_tp is not None and (isinstance(reader_tp, bool) or not isinstance(reader_tp, int)
                                   or not 1 <= reader_tp <= MAX_TP):
         raise ConfigError("kvplane_reader_tp", f"must be a TP size in 1..{MAX_TP}, got {reader_tp!r}")
+    remote_block = own.get("remote_block_size")
+    if remote_block is not None and (isinstance(remote_block, bool) or not isinstance(remote_block, int)
+                                     or not 1 <= remote_block <= 1 << 16):
+        raise ConfigError("kvplane_remote_block_size", f"must be a block size in tokens, got {remote_block!r}")
     seed = own.get("fault_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError("kvplane_fault_seed", f"must be an int, got {seed!r}")

@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+from kvplane.transport.block_sizes import BlockShape, cpu_rows
+
 from .kv_dump import DumpKV, dump_kv, dump_path
 from .rank_factory import RankSetup, build_rank
 from .records import RankInfo, WorkerReport
@@ -106,6 +108,11 @@ class VllmWorkerSide:
         distinct = {name: kv_caches[name] for name in dict.fromkeys(regions.values())}
         with self.lock:
             self.worker.register_kv_caches(distinct)
+            if first.dim() == 4:
+                # [blocks, kv heads, block tokens, 2 x head size]: a peer's blocks may hold
+                # another number of tokens (transport.block_sizes; rows in bytes).
+                self.driver.block_shape = BlockShape(first.shape[2], tuple(
+                    w * first.element_size() for w in cpu_rows(first.shape[1], first.shape[3] // 2)))
         self._kv = list(distinct.values())
         self.ticker.start()
 

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplane.transport.block_sizes import BlockMappingError, BlockShape, SlicePair, cpu_rows, slice_pairs
+from kvplane.transport.block_sizes import (BlockMappingError, BlockShape, SlicePair, cpu_rows, pairs_for_read,
+                                           slice_pairs)
 from kvplane.transport.descriptors import plan_slices
 from kvplane.transport.errors import IncompatibleLayout
 from kvplane.transport.layout import CacheLayout
@@ -195,3 +196,16 @@ def test_p_writes_its_larger_blocks_into_d_s_smaller_ones(endpoints):
     complete(p, h, d, b"w:1")
     p.release(h)
     assert_tokens_moved(p_cache, d_cache, p_shape, d_shape, [4, 1], [0, 7, 2, 5], 0, 100)
+
+
+@pytest.mark.core
+def test_a_read_derives_the_remote_block_tokens_and_d_s_prefix_hit_from_the_lists():
+    d_shape = BlockShape(64, cpu_rows(2, 4))
+    p_bytes = BlockShape(32, cpu_rows(2, 4)).cells
+    got = pairs_for_read(d_shape, d_shape.cells, p_bytes, [6, 3], [9, 2, 14, 5, 11])
+    assert got == slice_pairs(d_shape, BlockShape(32, cpu_rows(2, 4)), [6, 3], [9, 2, 14, 5, 11],
+                              first_token=64, num_tokens=160)
+    with pytest.raises(BlockMappingError, match="larger than the local"):
+        pairs_for_read(BlockShape(32, cpu_rows(2, 4)), p_bytes, d_shape.cells, [1, 2], [3])
+    with pytest.raises(BlockMappingError, match="no whole number of tokens"):
+        pairs_for_read(d_shape, d_shape.cells, p_bytes + 1, [6], [9])

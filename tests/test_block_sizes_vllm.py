@@ -102,3 +102,25 @@ def test_nixl_connector_s_token_major_regrouping_does_not_give_d_s_layout(isa):
                 halves[s] = as_bytes(p_cache)[P_IDS[2 * i + s]]
     kv_postprocess_blksize_on_receive(d_cache, torch.tensor(D_IDS), 2)
     assert not torch.equal(d_cache[D_IDS[0]], want[D_IDS[0]])
+
+
+def dump_of(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """What connector.kv_dump saves of ``block_ids``: [layers, heads, rows, width]."""
+    t = cache[block_ids]
+    return t.transpose(0, 1).reshape(HEADS, len(block_ids) * cache.shape[2], -1).unsqueeze(0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_kv_check_compares_unlike_blocks_token_by_token(isa):
+    from kvplane.app.vllm.kv_check import token_major, unlike_blocks_read
+
+    key, value = tokens(4)
+    p_cache = written(isa, 32, P_IDS, key, value)
+    assert torch.equal(token_major(dump_of(p_cache, P_IDS), 32)[0, :, :TOKENS],
+                       torch.cat([key, value], dim=-1).transpose(0, 1))
+    d_cache = written(isa, 64, [0, *D_IDS[1:]], key, value)  # D read its last two blocks (tokens 64..191)
+    problem, compared = unlike_blocks_read(dump_of(d_cache, D_IDS[1:]), 64, dump_of(p_cache, P_IDS), 32, TOKENS)
+    assert (problem, compared) == ("", 96)  # tokens 64..160: P's blocks end at 160
+    d_cache[D_IDS[2], 1, 5, 0] += 1  # one element of one token of head 1
+    problem, _ = unlike_blocks_read(dump_of(d_cache, D_IDS[1:]), 64, dump_of(p_cache, P_IDS), 32, TOKENS)
+    assert problem == "1 of the 96 tokens read differ from P's"

@@ -178,10 +178,12 @@ def test_run_without_torch_names_the_extra_in_one_line(capsys, monkeypatch, tmp_
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["run", "--engine", "vllm", "--prefill-block-size", "32", "--decode-block-size", "64"],
-     "kvplane's connector moves equal blocks only"),
-    (["run", "--engine", "vllm", "--connector", "both", "--prefill-block-size", "32", "--decode-block-size", "64"],
-     "kvplane's connector moves equal blocks only"),
+    (["run", "--engine", "vllm", "--prefill-block-size", "64", "--decode-block-size", "32"],
+     "P's smaller blocks are read into D's larger ones only"),
+    (["run", "--engine", "vllm", "--push", "--prefill-block-size", "32", "--decode-block-size", "64"],
+     "without --push or --bidirectional"),
+    (["run", "--engine", "vllm", "--bidirectional", "--prefill-block-size", "32", "--decode-block-size", "64"],
+     "without --push or --bidirectional"),
     (["run", "--engine", "vllm", "--connector", "nixl", "--prefill-block-size", "64", "--decode-block-size", "96"],
      "--decode-block-size 96 must be a whole multiple of --prefill-block-size 64"),
     (["run", "--engine", "vllm", "--connector", "nixl", "--prefill-block-size", "64", "--decode-block-size", "32"],
@@ -190,7 +192,7 @@ def test_run_without_torch_names_the_extra_in_one_line(capsys, monkeypatch, tmp_
      "unlike block sizes run with --model tiny, --prefill-tp 1"),
     (["run", "--decode-block-size", "64"], "--decode-block-size needs --engine vllm"),
 ])
-def test_block_sizes_the_connector_cannot_move_are_refused_in_one_line(argv, words, capsys):
+def test_block_sizes_no_connector_moves_are_refused_in_one_line(argv, words, capsys):
     _refused(capsys, argv, words)
 
 

@@ -136,3 +136,24 @@ def slice_pairs(local: BlockShape, remote: BlockShape, local_ids: Sequence[int],
             rfirst = (before * remote.tokens + rsub * width) // unit
             out.extend(SlicePair(lb, (lfirst + k, local_of), rb, (rfirst + k, remote_of)) for k in range(width))
     return tuple(out)
+
+
+def pairs_for_read(local: BlockShape, local_block_bytes: int, remote_block_bytes: int, local_ids: Sequence[int],
+                   remote_ids: Sequence[int]) -> tuple[SlicePair, ...]:
+    """The slices of a read into larger local blocks from a remote whose
+    blocks are ``remote_block_bytes`` long (its rows as the local ones: the
+    compatibility hash agreed the model, heads and dtype, so its block size
+    in tokens follows from the bytes).  ``remote_ids``: every block of the
+    remote's prompt; ``local_ids``: the local blocks allocated for what the
+    local prefix cache lacks (the tail, whole local blocks).  The remote's
+    last block is read whole, so the token count is its blocks' tokens."""
+    if local_block_bytes % local.tokens or (remote_block_bytes * local.tokens) % local_block_bytes:
+        raise BlockMappingError(f"a remote block of {remote_block_bytes} B holds no whole number of tokens of "
+                                f"{local_block_bytes // local.tokens} B")
+    remote = BlockShape(remote_block_bytes * local.tokens // local_block_bytes, local.widths)
+    if local.tokens < remote.tokens:
+        raise BlockMappingError(f"remote blocks of {remote.tokens} tokens are larger than the local {local.tokens}: "
+                                "a read goes into larger blocks only (NixlConnector's direction)")
+    num_tokens = len(remote_ids) * remote.tokens
+    first = (blocks_for(num_tokens, local.tokens) - len(local_ids)) * local.tokens
+    return slice_pairs(local, remote, local_ids, remote_ids, first_token=first, num_tokens=num_tokens)

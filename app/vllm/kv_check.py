@@ -90,7 +90,11 @@ def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: 
         else:
             rk, pk = recv["kv"], p["kv"]
             k, pb = rk.shape[2] // block, pk.shape[2] // block
-            if rk.shape[:2] != pk.shape[:2] or rk.shape[3] != pk.shape[3] or k > pb:
+            if int(p.get("block_tokens", block)) != block:  # P's --block-size is not D's
+                problem, read_tokens = unlike_blocks_read(rk, block, pk, int(p["block_tokens"]),
+                                                          int(d.get("num_tokens", 0)))
+                problems += [problem] if problem else []
+            elif rk.shape[:2] != pk.shape[:2] or rk.shape[3] != pk.shape[3] or k > pb:
                 problems.append(f"read blocks {tuple(rk.shape)} do not fit P's {tuple(pk.shape)}")
             else:
                 theirs = pk[:, :, (pb - k) * block:]
@@ -117,6 +121,36 @@ def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: 
             if bad:
                 problems.append(f"{bad} of {(end - start) // block} blocks differ from D's recompute")
     return KvVerdict(tag=tag, ok=not problems, read_tokens=read_tokens, declined=declined, why="; ".join(problems))
+
+
+def token_major(kv, block_tokens: int):
+    """A dump's ``[layers, heads, blocks x block_tokens, 2 x head_size]`` as
+    token by token ``[layers, heads, tokens, K then V]``: vLLM's CPU block is,
+    per head, K transposed (head_size rows of block_tokens) then V token by
+    token (measured on its kernel: tests/test_block_sizes_vllm.py)."""
+    layers, heads, rows, width = kv.shape
+    hd, n = width // 2, rows // block_tokens
+    per_block = kv.reshape(layers, heads, n, block_tokens * width)
+    k = per_block[..., :block_tokens * hd].reshape(layers, heads, n, hd, block_tokens).transpose(-1, -2)
+    v = per_block[..., block_tokens * hd:].reshape(layers, heads, n, block_tokens, hd)
+    import torch
+
+    return torch.cat([k, v], dim=-1).reshape(layers, heads, n * block_tokens, width)
+
+
+def unlike_blocks_read(rk, block: int, pk, p_block: int, num_tokens: int) -> tuple[str, int]:
+    """(problem or "", tokens compared) of a read of P's blocks of ``p_block``
+    tokens into D's of ``block``: token by token, every token the read
+    brought (D's read blocks are the tail of D's blocks of the prompt; P's
+    from token 0, its last block whole) is P's."""
+    k = rk.shape[2] // block
+    start = -(-num_tokens // block) * block - k * block
+    end = min(start + k * block, pk.shape[2])
+    if rk.shape[:2] != pk.shape[:2] or rk.shape[3] != pk.shape[3] or start < 0 or end <= start:
+        return f"read blocks {tuple(rk.shape)} do not fit P's {tuple(pk.shape)}", 0
+    mine, theirs = token_major(rk, block)[:, :, :end - start], token_major(pk, p_block)[:, :, start:end]
+    bad = int((mine != theirs).any(dim=-1).any(dim=0).any(dim=0).sum())
+    return (f"{bad} of the {end - start} tokens read differ from P's" if bad else ""), end - start
 
 
 def holder_view(p_dumps: list[dict | None], prefill_tp: int, decode_tp: int, rank: int) -> dict | None:

