@@ -100,3 +100,13 @@ def test_hybrid_model_moves_and_checks_every_kv_cache_group(tmp_path):
     assert_clean(proc, s, 6)
     kv = s["kv_check"]
     assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0
+
+
+def test_unlike_block_sizes_d_reads_p_s_smaller_blocks_into_its_own(tmp_path):
+    # P --block-size 32, D 64 (NixlConnector's direction): D reads P's 32-token blocks slice by slice
+    # into its 64-token ones (per KV head each K dimension's run and the V run: transport.block_sizes),
+    # from its own prefix hit on; the KV check compares the read token by token.
+    proc, s = run_job(tmp_path, "--prefill-block-size", "32", "--decode-block-size", "64", "--requests", "6")
+    assert_clean(proc, s, 6)
+    kv = s["kv_check"]
+    assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0
