@@ -36,7 +36,7 @@ from kvplane.statemachines import events as E
 from kvplane.statemachines.config import PlaneConfig
 from kvplane.statemachines.machines.heartbeat import KIND as HEARTBEAT
 from kvplane.statemachines.plane import ControlPlane
-from kvplane.transport.block_sizes import BlockMappingError, BlockShape, pairs_for_read
+from kvplane.transport.block_sizes import BLOCK_TOKENS, BlockMappingError, BlockShape, pairs_for_read
 from kvplane.transport.endpoint import Endpoint
 from kvplane.transport.errors import PeerDisconnected as PeerGone
 from kvplane.transport.errors import TransportError
@@ -287,8 +287,14 @@ class PlaneDriver:
         if tp_rank != self.tp_rank or pp_rank != 0:
             return None
         return build_payload(engine_id=self.engine_id, compat_hash=self.compat_hash, tp_rank=tp_rank,
-                             metadata=self.endpoint.local_metadata(), cache=self.endpoint.describe_cache(),
+                             metadata=self.endpoint.local_metadata(), cache=self._cache_description(),
                              incarnation=self.incarnation)
+
+    def _cache_description(self) -> dict:
+        """The endpoint's cache layout, with its blocks' tokens where the
+        embedder set them (a peer with blocks of another size reads by slices)."""
+        cache = self.endpoint.describe_cache()
+        return cache if self.block_shape is None else dict(cache, **{BLOCK_TOKENS: self.block_shape.tokens})
 
     # --------------------------------------------------------------- input
     def feed(self, event: E.Event) -> None:
@@ -436,14 +442,15 @@ class PlaneDriver:
         remote_ids, local_ids = _align_tail(list(a.remote_block_ids), list(a.local_block_ids))
         parts = self.parts.get(a.request_id)
         try:
-            remote_bytes = self.layouts[a.engine_id].get("block_size")
-            if self.block_shape is not None and isinstance(remote_bytes, int) and \
-                    remote_bytes != self.endpoint.describe_cache()["block_size"]:
-                # Blocks of another size (P's --block-size): slice by slice.
+            remote = self.layouts[a.engine_id]
+            if self.block_shape is not None and remote.get(BLOCK_TOKENS, self.block_shape.tokens) != \
+                    self.block_shape.tokens:
+                # Blocks of another number of tokens (P's --block-size): slice by slice.
                 if op != "READ" or parts is not None:
                     raise BlockMappingError("blocks of unlike sizes move by READ, without a TP head split")
-                slices = pairs_for_read(self.block_shape, self.endpoint.describe_cache()["block_size"], remote_bytes,
-                                        list(a.local_block_ids), list(a.remote_block_ids))
+                slices = pairs_for_read(self.block_shape, self.endpoint.describe_cache()["block_size"],
+                                        remote[BLOCK_TOKENS], remote["block_size"], list(a.local_block_ids),
+                                        list(a.remote_block_ids))
                 handle = self.endpoint.post_read_slices(name, self.layouts[a.engine_id], slices, notif)
             elif parts is None:
                 handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif)

@@ -202,10 +202,11 @@ def test_p_writes_its_larger_blocks_into_d_s_smaller_ones(endpoints):
 def test_a_read_derives_the_remote_block_tokens_and_d_s_prefix_hit_from_the_lists():
     d_shape = BlockShape(64, cpu_rows(2, 4))
     p_bytes = BlockShape(32, cpu_rows(2, 4)).cells
-    got = pairs_for_read(d_shape, d_shape.cells, p_bytes, [6, 3], [9, 2, 14, 5, 11])
+    got = pairs_for_read(d_shape, d_shape.cells, 32, p_bytes, [6, 3], [9, 2, 14, 5, 11])
     assert got == slice_pairs(d_shape, BlockShape(32, cpu_rows(2, 4)), [6, 3], [9, 2, 14, 5, 11],
                               first_token=64, num_tokens=160)
     with pytest.raises(BlockMappingError, match="larger than the local"):
-        pairs_for_read(BlockShape(32, cpu_rows(2, 4)), p_bytes, d_shape.cells, [1, 2], [3])
-    with pytest.raises(BlockMappingError, match="no whole number of tokens"):
-        pairs_for_read(d_shape, d_shape.cells, p_bytes + 1, [6], [9])
+        pairs_for_read(BlockShape(32, cpu_rows(2, 4)), p_bytes, 64, d_shape.cells, [1, 2], [3])
+    # A P rank with half the heads in blocks of twice the tokens: as many bytes, another layout.
+    with pytest.raises(BlockMappingError, match="not laid out as a local one"):
+        pairs_for_read(d_shape, d_shape.cells, 128, d_shape.cells, [6], [9])

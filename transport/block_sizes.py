@@ -32,6 +32,11 @@ import attrs
 from .layout import WHOLE_BLOCK, BlockPart
 
 
+# The key of a cache description (``endpoint.describe_cache()``) a driver adds
+# with its blocks' tokens, where its embedder knows them.
+BLOCK_TOKENS = "block_tokens"
+
+
 class BlockMappingError(ValueError):
     """Two block shapes, or block lists and a token range, that do not pair:
     refused before anything is posted."""
@@ -138,19 +143,20 @@ def slice_pairs(local: BlockShape, remote: BlockShape, local_ids: Sequence[int],
     return tuple(out)
 
 
-def pairs_for_read(local: BlockShape, local_block_bytes: int, remote_block_bytes: int, local_ids: Sequence[int],
-                   remote_ids: Sequence[int]) -> tuple[SlicePair, ...]:
+def pairs_for_read(local: BlockShape, local_block_bytes: int, remote_tokens: int, remote_block_bytes: int,
+                   local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[SlicePair, ...]:
     """The slices of a read into larger local blocks from a remote whose
-    blocks are ``remote_block_bytes`` long (its rows as the local ones: the
-    compatibility hash agreed the model, heads and dtype, so its block size
-    in tokens follows from the bytes).  ``remote_ids``: every block of the
-    remote's prompt; ``local_ids``: the local blocks allocated for what the
-    local prefix cache lacks (the tail, whole local blocks).  The remote's
-    last block is read whole, so the token count is its blocks' tokens."""
-    if local_block_bytes % local.tokens or (remote_block_bytes * local.tokens) % local_block_bytes:
-        raise BlockMappingError(f"a remote block of {remote_block_bytes} B holds no whole number of tokens of "
-                                f"{local_block_bytes // local.tokens} B")
-    remote = BlockShape(remote_block_bytes * local.tokens // local_block_bytes, local.widths)
+    blocks hold ``remote_tokens`` tokens in ``remote_block_bytes`` bytes: its
+    rows must be the local ones (same heads per rank, head size and dtype:
+    the same bytes per token).  ``remote_ids``: every block of the remote's
+    prompt; ``local_ids``: the local blocks allocated for what the local
+    prefix cache lacks (the tail, whole local blocks).  The remote's last
+    block is read whole, so the token count is its blocks' tokens."""
+    if isinstance(remote_tokens, bool) or not isinstance(remote_tokens, int) or remote_tokens <= 0 or \
+            remote_block_bytes * local.tokens != local_block_bytes * remote_tokens:
+        raise BlockMappingError(f"a remote block of {remote_tokens!r} tokens in {remote_block_bytes} B is not "
+                                f"laid out as a local one ({local.tokens} tokens in {local_block_bytes} B)")
+    remote = BlockShape(remote_tokens, local.widths)
     if local.tokens < remote.tokens:
         raise BlockMappingError(f"remote blocks of {remote.tokens} tokens are larger than the local {local.tokens}: "
                                 "a read goes into larger blocks only (NixlConnector's direction)")
