@@ -81,6 +81,44 @@ def test_d_reads_ps_blocks_and_both_end_holding_nothing(pair, tmp_path):
         assert result.ok, (result.divergence, result.held)
 
 
+def _tokens(t: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """``t``'s blocks ``ids`` token by token ([heads, tokens, K then V]; vLLM's CPU block layout)."""
+    from kvplane.app.vllm.kv_check import token_major
+
+    return token_major(t[ids].transpose(0, 1).reshape(t.shape[1], len(ids) * t.shape[2], -1).unsqueeze(0),
+                       t.shape[2])[0]
+
+
+def test_d_reads_p_s_16_token_blocks_into_its_32_token_blocks(tmp_path):
+    """Unlike --block-size (transport.block_sizes): D's handshake learns P's
+    blocks hold 16 tokens, its params check counts them in P's blocks, and
+    its worker reads them slice by slice into its blocks of 32."""
+    p = Engine("prefill-0", tmp_path, seed=1)
+    d = Engine("decode-0", tmp_path, seed=2, block_tokens=32, kvplane_remote_block_size=16)
+    try:
+        x = Req("x", {"do_remote_decode": True})
+        p.sched.on_new_request(x)
+        delay, params = p.sched.request_finished(x, (3, 4, 5))
+        p.step()
+        a = Req("a", params)
+        d.sched.on_new_request(a)
+        assert d.sched.get_num_new_matched_tokens(a, 0) == (40, True)
+        before = {name: t.clone() for name, t in d.kv.items()}
+        d.sched.update_state_after_alloc(a, (10, 11), 40)
+        run_until(lambda: "a" in d.finished["recving"], p, d)
+        assert not d.finished["failed"] and d.sched.counters["bad_transfer_params"] == 0
+        for name in p.kv:
+            # Tokens 0..47 (P's 3 blocks, the last whole) in D's blocks 10, 11; D's 48..63 untouched.
+            assert torch.equal(_tokens(d.kv[name], [10, 11])[:, :48], _tokens(p.kv[name], [3, 4, 5]))
+            assert torch.equal(_tokens(d.kv[name], [11])[:, 16:], _tokens(before[name], [11])[:, 16:])
+            others = [b for b in range(32) if b not in (10, 11)]
+            assert torch.equal(d.kv[name][others], before[name][others])
+        run_until(lambda: "x" in p.finished["sending"], p, d)  # D's completion consumed P's lease
+    finally:
+        for e in (p, d):
+            e.worker.shutdown()
+
+
 def test_an_expired_lease_is_declined_not_read(tmp_path):
     p = Engine("prefill-0", tmp_path, seed=1, kv_lease_duration=6)
     d = Engine("decode-0", tmp_path, seed=2, kv_lease_duration=6)

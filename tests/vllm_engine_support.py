@@ -27,9 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kv_layers(seed: int) -> dict[str, torch.Tensor]:
+def kv_layers(seed: int, block_tokens: int = BLOCK_TOKENS) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}": torch.randn(BLOCKS, 2, BLOCK_TOKENS, WIDTH, generator=g).to(torch.bfloat16)
+    return {f"layer{i}": torch.randn(BLOCKS, 2, block_tokens, WIDTH, generator=g).to(torch.bfloat16)
             for i in range(2)}
 
 
@@ -37,7 +37,7 @@ class Engine:
     """One engine's scheduler half and worker half, stepped as vLLM's loop
     does; one deployment secret per test folder unless ``extra`` names keys."""
 
-    def __init__(self, name: str, tmp, seed: int, mode: str = "pull", **extra):
+    def __init__(self, name: str, tmp, seed: int, mode: str = "pull", block_tokens: int = BLOCK_TOKENS, **extra):
         if "kvplane_keypair" not in extra and "kvplane_insecure" not in extra:
             extra["kvplane_secret_file"] = deployment_secret(tmp)
         self.name = name
@@ -45,9 +45,9 @@ class Engine:
                                        "kvplane_status_file": str(tmp / f"{name}.status.json"),
                                        "kvplane_kv_dump_dir": str(tmp), **extra},
                                       side_channel_port=free_port())
-        self.sched = VllmSchedulerSide(name, self.settings, transfer_mode=mode)
+        self.sched = VllmSchedulerSide(name, self.settings, transfer_mode=mode, block_size=block_tokens)
         self.worker = VllmWorkerSide(name, self.settings)
-        self.kv = kv_layers(seed)
+        self.kv = kv_layers(seed, block_tokens)
         self.worker.register_kv_caches(self.kv)
         self.sched.add_ranks({0: self.worker.rank_info()})
         self.finished: dict[str, set[str]] = {"sending": set(), "recving": set(), "failed": set()}
