@@ -374,5 +374,7 @@ def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size:
              str(getattr(spec, "head_size", "")), str(getattr(spec, "dtype", ""))]
     for other in kv_cache_config.kv_cache_groups[1:]:  # a hybrid model: every group's kind and layers
         parts += [type(other.kv_cache_spec).__name__, str(len(other.layer_names)),
-                  str(getattr(other.kv_cache_spec, "sliding_window", "")), str(getattr(spec, "block_size", ""))]
+                  str(getattr(other.kv_cache_spec, "sliding_window", ""))]
+    if len(kv_cache_config.kv_cache_groups) > 1:  # groups' blocks are paired whole: one block size
+        parts.append(str(getattr(spec, "block_size", "")))
     return f"{COMPAT_HASH}:{hashlib.sha256(':'.join(parts).encode()).hexdigest()[:24]}"
