@@ -37,6 +37,8 @@ class RankSetup:
     fault_seed: int = 0
     log_path: str | None = None  # the plane's event log (JSONL); None: none
     log_flush_every: int = 4096  # records between the writer's own flushes
+    nixl_backends: tuple[str, ...] = ("UCX",)  # the NIXL agent's backends
+    nixl_num_threads: int = 0  # their worker threads (the agent itself is polled)
 
 
 @attrs.define(kw_only=True)
@@ -61,22 +63,26 @@ class Rank:
             self.log_stream.close()
 
 
-def nixl_endpoint(name: str) -> Any:
-    """The real agent (imported here: NIXL loads UCX)."""
+def nixl_endpoint(name: str, setup: RankSetup | None = None) -> Any:
+    """The real agent (imported here: NIXL loads UCX), with ``setup``'s
+    backends and threads."""
     from kvplane.transport.nixl_agent import NixlEndpoint
 
-    return NixlEndpoint(name)
+    if setup is None:
+        return NixlEndpoint(name)
+    return NixlEndpoint(name, backends=setup.nixl_backends, num_threads=setup.nixl_num_threads)
 
 
 def build_rank(setup: RankSetup, *, observers: Sequence[Observer] = (),
-               endpoint_factory: Callable[[str], Any] = nixl_endpoint, **driver_options: Any) -> Rank:
+               endpoint_factory: Callable[[str], Any] | None = None, **driver_options: Any) -> Rank:
     """Build the rank ``setup`` names.  ``driver_options``: PlaneDriver's
     keyword arguments (config, clock, host, port, curve_keypair,
     trusted_peers, insecure, deployment_keys, compat_hash, machines);
     ``observers`` observe its plane after the event log.  A rank that fails
     half-way closes what it opened."""
     rank_id = rank_engine_id(setup.engine_id, setup.rank)
-    endpoint = endpoint_factory(rank_id)
+    # None: the real agent with the setup's backends (a test passes a fake).
+    endpoint = nixl_endpoint(rank_id, setup) if endpoint_factory is None else endpoint_factory(rank_id)
     faults = (DropNotifications(endpoint, rate=setup.drop_notifications, seed=setup.fault_seed)
               if setup.drop_notifications else None)
     stream: TextIO | None = None

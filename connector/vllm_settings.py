@@ -36,9 +36,14 @@ from .secret import SECRET_ENV, SECRET_KEY, DeploymentKeys, load_keys
 # answers its side channel late, and 5 s failed handshakes on a loaded box.
 VLLM_DEFAULTS = {"engine_ttl": 3600.0, "kv_load_failure_policy": "fail", "handshake_timeout": 30.0}
 # NixlConnector keys that are not PlaneConfig fields.
-NIXL_KEYS = ("bidirectional_kv_xfer", "enforce_handshake_compat", "kv_recompute_threshold", "backends")
+NIXL_KEYS = ("bidirectional_kv_xfer", "enforce_handshake_compat", "kv_recompute_threshold", "backends", "num_threads")
 # NixlConnector 0.32.0's kv_recompute_threshold default (tokens).
 KV_RECOMPUTE_THRESHOLD = 64
+# NIXL backends that move memory between two engines' agents (the rest are
+# storage: GDS, POSIX, OBJ, ...).  A list without one of them cannot read a
+# remote engine's blocks, so it is refused at start-up, not at the first read.
+NIXL_TRANSFER_BACKENDS = ("UCX", "LIBFABRIC", "UCCL", "MOONCAKE")
+MAX_NIXL_THREADS = 64
 COMPAT_HASH = "kvplane-vllm-v1"
 # UCX_NET_DEVICES: "all", or a comma-separated list of interfaces and RDMA devices with a port.
 _UCX_DEVICES = re.compile(r"^(all|[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?(,[A-Za-z0-9_.-]{1,64}(:[0-9]{1,3})?)*)$")
@@ -64,6 +69,12 @@ class VllmSettings:
     # kvplane_ucx_net_devices: UCX_NET_DEVICES for the worker's NIXL agent (eth0,
     # mlx5_0:1, all); None: the environment's (UCX's default: every device).
     ucx_net_devices: str | None = None
+    # backends / num_threads (NixlConnector's keys): the NIXL agent's backend
+    # list and its backends' worker threads.  kvplane's default is 0 threads,
+    # not NixlConnector's 4: its agent is polled by the connector (no progress
+    # thread), and on a CPU engine every extra thread competes with the model.
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    nixl_num_threads: int = 0
     # kvplane_secret_file (or env KVPLANE_SECRET_FILE): the deployment
     # secret (connector/secret.py): P signs its params with it, D verifies
     # them, and every engine's side channel uses its CURVE keypair.
@@ -157,6 +168,10 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(key, f"must be a token count >= 0, got {value!r}")
             own["kv_recompute_threshold"] = value
+        elif key == "backends":
+            own["nixl_backends"] = _backends(value)
+        elif key == "num_threads":
+            own["nixl_num_threads"] = _threads(value)
         elif key not in NIXL_KEYS:
             unknown.append(key)
     plane = PlaneConfig(**plane_values)
@@ -219,6 +234,22 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
 def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _backends(value: Any) -> tuple[str, ...]:
+    if (not isinstance(value, (list, tuple)) or not value
+            or not all(isinstance(b, str) and b.isidentifier() for b in value) or len(set(value)) != len(value)):
+        raise ConfigError("backends", f"must be a list of NIXL backend names, each once, got {value!r}")
+    if not any(b.upper() in NIXL_TRANSFER_BACKENDS for b in value):
+        raise ConfigError("backends", f"must name a backend that moves memory between engines "
+                                      f"({', '.join(NIXL_TRANSFER_BACKENDS)}), got {list(value)!r}")
+    return tuple(value)
+
+
+def _threads(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NIXL_THREADS:
+        raise ConfigError("num_threads", f"must be a thread count in 0..{MAX_NIXL_THREADS}, got {value!r}")
     return value
 
 

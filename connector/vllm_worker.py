@@ -68,7 +68,8 @@ class VllmWorkerSide:
         self.tally = PlaneTally()
         self.parts = build_rank(
             RankSetup(engine_id=engine_id, rank=rank, tp_size=tp_size, drop_notifications=settings.drop_notifications,
-                      fault_seed=settings.fault_seed + rank, log_path=settings.rank_path(settings.event_log, rank)),
+                      fault_seed=settings.fault_seed + rank, log_path=settings.rank_path(settings.event_log, rank),
+                      nixl_backends=settings.nixl_backends, nixl_num_threads=settings.nixl_num_threads),
             observers=(self.tally,), config=settings.plane, compat_hash=compat_hash, host=settings.bind_host,
             port=port, curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
             insecure=settings.insecure, deployment_keys=deployment_keys,

@@ -64,3 +64,20 @@ def test_a_rank_that_cannot_be_built_closes_its_agent(tmp_path):
         build_rank(RankSetup(engine_id="D", rank=2, tp_size=2, log_path=str(tmp_path / "x.jsonl")),
                    endpoint_factory=endpoints, insecure=True)
     assert endpoints.made and all(ep._closed for ep in endpoints.made)
+
+
+def test_without_a_factory_the_agent_gets_the_setups_backends_and_threads(monkeypatch):
+    import kvplane.connector.rank_factory as factory
+
+    asked, endpoints = [], Endpoints()
+
+    def real(name, setup):  # stands in for the NIXL agent (tests/test_transport_nixl.py runs the real one)
+        asked.append((name, setup.nixl_backends, setup.nixl_num_threads))
+        return endpoints(name)
+
+    monkeypatch.setattr(factory, "nixl_endpoint", real)
+    rank = build_rank(RankSetup(engine_id="P", nixl_backends=("UCX", "POSIX"), nixl_num_threads=2), insecure=True)
+    try:
+        assert asked == [("P/tp0", ("UCX", "POSIX"), 2)] and rank.endpoint is endpoints.made[0]
+    finally:
+        rank.worker.shutdown()

@@ -235,3 +235,46 @@ def test_translate_maps_by_class_name():
     e = translate_nixl_error(nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT"), "READ 3")
     assert type(e).__name__ == "PeerDisconnected" and "READ 3" in str(e) and "DISCONNECT" in str(e)
     assert isinstance(translate_nixl_error(nixlBackendError("x"), "op"), TransferFailed)
+
+
+def test_an_agent_with_worker_threads_reads_the_same_bytes():
+    """NixlConnector's ``num_threads`` reaches NIXL (its UCX backend starts that many
+    threads) and the agent, still polled, moves the same bytes."""
+    import os
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+    before = threads()
+    d, p = NixlEndpoint("Dthreads", num_threads=2), NixlEndpoint("Pthreads", backends=["UCX"], num_threads=2)
+    try:
+        assert threads() >= before + 4  # two per agent, besides UCX's own
+        d_cache, p_cache = torch.zeros(NB, BS, dtype=torch.uint8), torch.randint(0, 256, (NB, BS), dtype=torch.uint8)
+        d.register_kv_cache(d_cache, BS)
+        p.register_kv_cache(p_cache, BS)
+        d.add_remote(p.local_metadata())
+        p.add_remote(d.local_metadata())
+        h = d.post_read(p.name, p.describe_cache(), [4, 2], [0, 1], b"t:1")
+        complete(d, h, p, b"t:1")
+        d.release(h)
+        assert torch.equal(d_cache[[0, 1]], p_cache[[4, 2]])
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("backend", ["NO_SUCH_BACKEND", "LIBFABRIC"])
+def test_a_backend_that_cannot_start_here_is_refused_naming_what_is_installed(backend):
+    if backend == "LIBFABRIC" and _starts("LIBFABRIC"):
+        pytest.skip("this machine has a libfabric provider")
+    with pytest.raises(NotFound) as info:
+        NixlEndpoint(f"D{backend}", backends=["UCX", backend])
+    assert backend in str(info.value) and "plugins installed" in str(info.value) and "UCX" in str(info.value)
+
+
+def _starts(backend: str) -> bool:
+    try:
+        NixlEndpoint(f"probe{backend}", backends=[backend]).close()
+    except NotFound:
+        return False
+    return True

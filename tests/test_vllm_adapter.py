@@ -51,11 +51,26 @@ def test_keys_are_read_and_checked():
     ({"kvplane_event_log": 5}, "kvplane_event_log"),
     ({"kvplane_side_channel_bind_host": "no host!"}, "kvplane_side_channel_bind_host"),
     ({"kvplane_ucx_net_devices": "eth0;rm"}, "kvplane_ucx_net_devices"),
+    ({"backends": "UCX"}, "backends"),
+    ({"backends": []}, "backends"),
+    ({"backends": ["UCX", "UCX"]}, "backends"),
+    ({"backends": ["POSIX"]}, "backends"),  # storage only: no way to read a remote engine
+    ({"backends": ["UCX; rm"]}, "backends"),
+    ({"num_threads": -1}, "num_threads"),
+    ({"num_threads": True}, "num_threads"),
+    ({"num_threads": 1000}, "num_threads"),
 ])
 def test_bad_values_name_their_key(extra, key):
     with pytest.raises(ConfigError) as info:
         settings_from({**INSECURE, **extra}, environ={})
     assert info.value.field == key
+
+
+def test_nixl_backends_and_threads_are_nixlconnectors_keys_with_kvplanes_thread_default():
+    plain = settings_from(INSECURE, environ={})
+    assert (plain.nixl_backends, plain.nixl_num_threads) == (("UCX",), 0)
+    given = settings_from({**INSECURE, "backends": ["UCX", "POSIX"], "num_threads": 2}, environ={})
+    assert (given.nixl_backends, given.nixl_num_threads, given.unknown_keys) == (("UCX", "POSIX"), 2, ())
 
 
 def test_placement_keys_bind_and_advertise_apart():

@@ -68,6 +68,14 @@ def translate_nixl_error(
     return cls(f"{what}: {name}: {exc}", nixl_error=name)
 
 
+def installed_plugins() -> list[str]:
+    """The NIXL backend plugins this installation has (a backend may still
+    fail to start: LIBFABRIC without a provider, GDS without a GPU)."""
+    with _nixl("list plugins", TransportError):
+        probe = nixl_agent(f"plugins-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=[]))
+        return list(probe.get_plugin_list())
+
+
 @contextlib.contextmanager
 def _nixl(what: str, default: type[TransportError] = TransferFailed) -> Iterator[None]:
     try:
@@ -105,13 +113,26 @@ class CallTimes:
 
 
 class NixlEndpoint:
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), num_threads: int = 0) -> None:
+        """``backends``: the NIXL backends to create; ``num_threads``: their
+        worker threads (NIXL's own option; 0: none).  The agent never runs a
+        progress thread: the owner polls it."""
         if not name:
             raise ValueError("agent name must not be empty")
         self.name = name
-        cfg = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
-        with _nixl(f"create agent {name!r}", TransportError):
-            self._agent = nixl_agent(name, cfg)
+        cfg = nixl_agent_config(enable_prog_thread=False, backends=list(backends), num_threads=num_threads)
+        try:
+            with _nixl(f"create agent {name!r}", TransportError):
+                self._agent = nixl_agent(name, cfg)
+        except NotFound as e:
+            raise NotFound(f"create agent {name!r}: a NIXL backend of {list(backends)} cannot start here "
+                           f"(plugins installed: {', '.join(installed_plugins())}): {e}", nixl_error=e.nixl_error) from e
+        # NIXL skips a backend it has no plugin for with a warning: refuse it here,
+        # not at the first transfer.
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise NotFound(f"create agent {name!r}: no NIXL plugin for {missing} "
+                           f"(plugins installed: {', '.join(self._agent.get_plugin_list())})")
         self._tensors: list[torch.Tensor] = []  # keep registered memory alive
         self._reg_descs: list[object] = []
         self._layout: CacheLayout | None = None
