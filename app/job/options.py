@@ -295,10 +295,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --engine vllm: --bidirectional, and every 4th turn 2 is sent S seconds after turn 1, "
                         "past D's hold (the run's hold TTL is S / 2): kvplane declines the read and computes (default: "
                         "every turn 2 on time)")
-    p.add_argument("--model", choices=("tiny", "hybrid"), default=argparse.SUPPRESS,
+    p.add_argument("--model", choices=("tiny", "hybrid", "mla"), default=argparse.SUPPRESS,
                    help="with --engine vllm: the local dummy-weight model: tiny (2 full-attention layers, the "
-                        "default) or hybrid (4 layers alternating sliding-window and full attention: two KV cache "
-                        "groups)")
+                        "default), hybrid (4 layers alternating sliding-window and full attention: two KV cache "
+                        "groups) or mla (a 2-layer DeepSeek-V2: one 576-wide latent per token, TP 1)")
     p.add_argument("--requests", type=int, default=argparse.SUPPRESS, metavar="N",
                    help=f"synthetic requests to send (default {d.requests}, with --engine vllm 24; the multi-turn "
                         "ones of the sim engine also run a turn 2: P reads back what D held)")

@@ -43,7 +43,7 @@ from ..job.netns import HostNet, NetnsUnavailable
 from .engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
                            split_cores, wait_healthy)
 from .model import CONFIG as TINY_CONFIG
-from .model import MODELS, write_tiny_model
+from .model import MODELS, block_tokens, write_tiny_model
 from .partition import partition_reclaim
 from .proxy import ProxyError, disaggregated, post_json
 from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
@@ -80,7 +80,7 @@ class VllmRunOptions:
     bidirectional: bool = False  # multi-turn: D holds turn 1's blocks, turn 2 goes to P with D's params
     late_turn2: float | None = None  # seconds every 4th turn 2 waits (beyond D's hold: a short TTL for the run)
     push: bool = False  # push mode: D registers its blocks, P WRITEs (KVPlanePushConnector / NixlPushConnector)
-    model: str = "tiny"  # tiny | hybrid (two KV cache groups: sliding window + full attention; model.py)
+    model: str = "tiny"  # tiny | hybrid (two KV cache groups: sliding window + full attention) | mla (model.py)
     hosts: str = "local"  # local | netns: P and D each in a network namespace of its own (run_vllm)
     prefill_engines: int = 1  # P, P1, ...: prefill-0, prefill-1, ...; requests round robin over them
     # --hosts netns: every P's link down partition_at s into the stream, up again partition_for s later.
@@ -210,7 +210,8 @@ class VllmRun:
                 name=name, engine_id=engine_id(name), http_port=http, side_channel_port=side,
                 connector=o.connector, extra_config=extra, seed=o.seed,
                 max_num_seqs=o.d_max_num_seqs if name == "D" else 8,
-                num_blocks=None if name == "D" else o.p_num_blocks,
+                # The same tokens whatever the model's block size (MLA: 16).
+                num_blocks=None if name == "D" else o.p_num_blocks * BLOCK_TOKENS // block_tokens(o.model),
                 kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], push=o.push)
         return specs
 
@@ -796,6 +797,9 @@ def options_from_args(args: Any) -> VllmRunOptions:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {opts.model!r}")
     if opts.model == "hybrid" and (opts.push or (opts.prefill_tp, opts.decode_tp) != (1, 1)):
         raise ValueError("--model hybrid runs with --prefill-tp 1 and --decode-tp 1, without --push")
+    if opts.model == "mla" and (opts.prefill_tp, opts.decode_tp) != (1, 1):
+        # MLA replicates its latent on every TP rank; kvplane's TP reads split heads (docs/parity.md "MLA").
+        raise ValueError("--model mla runs with --prefill-tp 1 and --decode-tp 1")
     if opts.hosts not in ("local", "netns"):
         raise ValueError(f"--hosts must be local or netns, got {opts.hosts!r}")
     if not 0 <= opts.drop_notifications < 1:
