@@ -8,7 +8,11 @@ vLLM's CPU KV cache is one tensor per layer shaped
 remote begin.  A hybrid model's dump (``DumpKV.groups``) holds one such
 tensor per KV cache group, of the group's blocks in every registered region
 (the groups overlay one allocation), with the block ids (0: vLLM's null
-block, a cleaned-up sliding-window block).
+block, a cleaned-up sliding-window block).  An MLA model's cache reaches the
+connector as ``[num_blocks, 1, block_size, latent]`` (vLLM's
+``allocate_kv_cache`` views every layer as ``[blocks, heads, tokens, width]``;
+MLA's one "head" is the per-token latent, 576 wide for DeepSeek's, K and V
+not split), so its dump is ``[layers, 1, num_tokens, latent]``.
 """
 from __future__ import annotations
 

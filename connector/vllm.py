@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from . import vllm_stats
 from .kv_groups import KvGroups
@@ -169,7 +170,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
                 self.engine_id, self.settings, rank=get_tensor_model_parallel_rank(), tp_size=self.tp_size,
                 dp_index=getattr(parallel, "data_parallel_index", 0) or 0,
                 compat_hash=_compat_hash(vllm_config, kv_cache_config, self.settings.enforce_handshake_compat,
-                                         tp_size=self.tp_size))
+                                         tp_size=self.tp_size),
+                cpu_attention_blocks=not _is_mla(kv_cache_config))
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -322,10 +324,18 @@ def _kv_groups(kv_cache_config: Any, tp_size: int, mode: str, bidirectional: boo
     """The model's KV cache groups as kvplane moves them; ValueError (one
     line) for what it does not: several groups with TP > 1, push or
     bidirectional, a group that is neither full nor sliding-window attention
-    (SSM state, MLA), groups of different block sizes or not all transferable."""
-    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1:
+    (SSM state, MLA beside other groups), groups of different block sizes or not all transferable;
+    an MLA model at TP > 1 (its latent is replicated on every rank: a reader
+    rank would read one holder rank's whole block, kvplane's TP splits heads)."""
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         return KvGroups()
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if len(kv_cache_config.kv_cache_groups) == 1:
+        if isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec) and tp_size != 1:
+            raise ValueError(f"KVPlaneConnector moves an MLA model at tensor parallel size 1 only (got {tp_size}): "
+                             "MLA replicates its latent on every rank, kvplane's TP reads split KV heads")
+        return KvGroups()  # full attention or MLA: whole blocks
 
     groups = kv_cache_config.kv_cache_groups
     what = f"a model with {len(groups)} KV cache groups"
@@ -356,6 +366,11 @@ def _block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     return int(vllm_config.cache_config.block_size)
 
 
+def _is_mla(kv_cache_config: Any) -> bool:
+    return kv_cache_config is not None and any(isinstance(g.kv_cache_spec, MLAAttentionSpec)
+                                               for g in kv_cache_config.kv_cache_groups)
+
+
 def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size: int = 1) -> str:
     """What both sides must agree on for their blocks to mean the same: with
     ``enforce_handshake_compat`` (default) the model's KV shape and dtype
@@ -372,6 +387,8 @@ def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size:
     parts = [COMPAT_HASH, str(getattr(model, "architecture", "")), str(len(group.layer_names)),
              str(int(getattr(spec, "num_kv_heads", 0) or 0) * tp_size),
              str(getattr(spec, "head_size", "")), str(getattr(spec, "dtype", ""))]
+    if isinstance(spec, MLAAttentionSpec):  # one latent (head_size wide) per token, not K and V heads
+        parts.append(f"mla:{getattr(spec, 'head_size', '')}")
     for other in kv_cache_config.kv_cache_groups[1:]:  # a hybrid model: every group's kind and layers
         parts += [type(other.kv_cache_spec).__name__, str(len(other.layer_names)),
                   str(getattr(other.kv_cache_spec, "sliding_window", ""))]

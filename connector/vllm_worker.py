@@ -39,8 +39,12 @@ LOG_FLUSH_EVERY_S = 0.2
 
 class VllmWorkerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1"):
+                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1", cpu_attention_blocks: bool = True):
+        """``cpu_attention_blocks``: the KV cache is laid out as vLLM's CPU
+        attention kernel writes it (not MLA's latent), so blocks of another
+        number of tokens can be read slice by slice."""
         self.settings = settings
+        self.cpu_attention_blocks = cpu_attention_blocks
         self.rank = rank
         self.engine_id = engine_id
         if settings.ucx_net_devices is not None:
@@ -102,16 +106,19 @@ class VllmWorkerSide:
                                  f"({tuple(first.shape)} {first.dtype})")
         # vLLM's CPU layout (LBHNC) is [num_blocks, kv_heads, block_size, K and V of
         # a head]: a block is head-major as a whole, so a TP head shard is one
-        # contiguous slice of it (one row).
+        # contiguous slice of it (one row).  MLA's is [num_blocks, 1, block_size, latent]
+        # (one "head": the latent; moved whole, at TP 1 only: vllm._kv_groups).
         # A hybrid model's KV cache groups overlay their layers on one allocation
         # (a block id names the same bytes in each group): each region once.
         regions = {t.data_ptr(): name for name, t in kv_caches.items()}
         distinct = {name: kv_caches[name] for name in dict.fromkeys(regions.values())}
         with self.lock:
             self.worker.register_kv_caches(distinct)
-            if first.dim() == 4:
+            if self.cpu_attention_blocks and first.dim() == 4 and first.device.type == "cpu":
                 # [blocks, kv heads, block tokens, 2 x head size]: a peer's blocks may hold
-                # another number of tokens (transport.block_sizes; rows in bytes).
+                # another number of tokens (transport.block_sizes; rows in bytes).  Only
+                # vLLM's CPU attention kernel's layout is known: any other (MLA's latent,
+                # a GPU's) keeps block_shape None and unlike blocks are never paired.
                 self.driver.block_shape = BlockShape(first.shape[2], tuple(
                     w * first.element_size() for w in cpu_rows(first.shape[1], first.shape[3] // 2)))
         self._kv = list(distinct.values())

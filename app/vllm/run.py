@@ -43,7 +43,7 @@ from ..job.netns import HostNet, NetnsUnavailable
 from .engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
                            split_cores, wait_healthy)
 from .model import CONFIG as TINY_CONFIG
-from .model import MODELS, write_tiny_model
+from .model import MODELS, block_tokens, recompute_exact, write_tiny_model
 from .partition import partition_reclaim
 from .proxy import ProxyError, disaggregated, post_json
 from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
@@ -80,7 +80,7 @@ class VllmRunOptions:
     bidirectional: bool = False  # multi-turn: D holds turn 1's blocks, turn 2 goes to P with D's params
     late_turn2: float | None = None  # seconds every 4th turn 2 waits (beyond D's hold: a short TTL for the run)
     push: bool = False  # push mode: D registers its blocks, P WRITEs (KVPlanePushConnector / NixlPushConnector)
-    model: str = "tiny"  # tiny | hybrid (two KV cache groups: sliding window + full attention; model.py)
+    model: str = "tiny"  # tiny | hybrid (two KV cache groups: sliding window + full attention) | mla (model.py)
     hosts: str = "local"  # local | netns: P and D each in a network namespace of its own (run_vllm)
     prefill_engines: int = 1  # P, P1, ...: prefill-0, prefill-1, ...; requests round robin over them
     # vLLM's --block-size of P and of D in tokens (None: vLLM's default, 128 on CPU).
@@ -218,8 +218,9 @@ class VllmRun:
                 name=name, engine_id=engine_id(name), http_port=http, side_channel_port=side,
                 connector=o.connector, extra_config=extra, seed=o.seed,
                 max_num_seqs=o.d_max_num_seqs if name == "D" else 8,
-                num_blocks=None if name == "D" else o.p_num_blocks * DEFAULT_BLOCK_SIZE // (block_sizes[name] or
-                                                                                          DEFAULT_BLOCK_SIZE),
+                # The same tokens whatever the block size (the model's: MLA's is 16; or --prefill-block-size).
+                num_blocks=None if name == "D" else o.p_num_blocks * BLOCK_TOKENS // (block_sizes[name] or
+                                                                                    block_tokens(o.model)),
                 kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], push=o.push,
                 block_size=block_sizes[name])
         return specs
@@ -663,7 +664,8 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
     }
     stream_s = summary.get("stream_s")
     out["requests_per_s"] = len(ok) / stream_s if ok and stream_s else 0.0
-    verdicts = check_all(run.dumps, [f"r{r.index}" for r in res if r.ok], opts.prefill_tp, opts.decode_tp)
+    verdicts = check_all(run.dumps, [f"r{r.index}" for r in res if r.ok], opts.prefill_tp, opts.decode_tp,
+                         recompute_exact=recompute_exact(opts.model))
     if opts.bidirectional:
         t2 = [run.turn2.get(r.index, Turn2Result(index=r.index, error="never sent")) for r in stream]
         ok2 = [t for t in t2 if t.ok]
@@ -808,6 +810,11 @@ def options_from_args(args: Any) -> VllmRunOptions:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {opts.model!r}")
     if opts.model == "hybrid" and (opts.push or (opts.prefill_tp, opts.decode_tp) != (1, 1)):
         raise ValueError("--model hybrid runs with --prefill-tp 1 and --decode-tp 1, without --push")
+    if opts.model == "mla" and ((opts.prefill_tp, opts.decode_tp) != (1, 1) or opts.bidirectional or
+                                opts.late_turn2 is not None):
+        # MLA replicates its latent on every TP rank, kvplane's TP reads split heads; the turn-2
+        # check compares P's KV with a recompute, which MLA's is not byte for byte (docs/parity.md "MLA").
+        raise ValueError("--model mla runs with --prefill-tp 1 and --decode-tp 1, without --bidirectional")
     if opts.hosts not in ("local", "netns"):
         raise ValueError(f"--hosts must be local or netns, got {opts.hosts!r}")
     if not 0 <= opts.drop_notifications < 1:
@@ -852,6 +859,9 @@ def _check_block_sizes(opts: VllmRunOptions) -> None:
     D's a whole multiple of P's, P's blocks read into D's, one attention
     group, no TP head split; kvplane reads them slice by slice
     (``transport.block_sizes``), pull mode, one turn."""
+    if opts.model == "mla" and (opts.prefill_block_size or opts.decode_block_size):
+        raise ValueError("--model mla runs at the CPU MLA kernel's block size (16 tokens): "
+                         "without --prefill-block-size or --decode-block-size")
     p = opts.prefill_block_size or DEFAULT_BLOCK_SIZE
     d = opts.decode_block_size or DEFAULT_BLOCK_SIZE
     for name, v in (("prefill", p), ("decode", d)):
