@@ -153,19 +153,29 @@ class EngineProcess:
     def kill(self) -> None:
         """SIGKILL the whole engine (the fault: no goodbye to anyone)."""
         if self.alive:
+            self._sigkill()
+
+    def _sigkill(self) -> None:
+        # A killed process group that has not gone in 30 s (a starved box) is
+        # left to the OS: waiting longer, or raising, would strand the other engines.
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            print(f"engine {self.spec.name}: still there 30 s after SIGKILL (pid {self.proc.pid})", file=sys.stderr)
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGINT (vLLM shuts down its engine core and workers, and the
-        connector writes its last status), then SIGKILL after ``timeout``."""
+        connector writes its last status), then SIGKILL after ``timeout``.
+        Never raises: the caller stops the next engine whatever this one did."""
         if self.alive:
             try:
                 os.killpg(self.proc.pid, signal.SIGINT)
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+                self._sigkill()
             except ProcessLookupError:
                 pass
         self._log.close()
