@@ -324,7 +324,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "on CPU)")
     p.add_argument("--decode-block-size", type=block_size_tokens, default=argparse.SUPPRESS, metavar="T",
                    help="with --engine vllm: D's vLLM --block-size in tokens; unlike P's, a whole multiple of it "
-                        "(P's blocks read into D's, as NixlConnector; TP 1, pull, one turn: docs/parity.md)")
+                        "(P's blocks read into D's, as NixlConnector; TP 1, pull, one turn: docs/parity.md; default "
+                        "vLLM's, 128 on CPU)")
     p.add_argument("--requests", type=int, default=argparse.SUPPRESS, metavar="N",
                    help=f"synthetic requests to send (default {d.requests}, with --engine vllm 24; the multi-turn "
                         "ones of the sim engine also run a turn 2: P reads back what D held)")
