@@ -39,10 +39,13 @@ LOG_FLUSH_EVERY_S = 0.2
 
 class VllmWorkerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1", cpu_attention_blocks: bool = True):
+                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1", cpu_attention_blocks: bool = True,
+                 replicated_kv: bool = False):
         """``cpu_attention_blocks``: the KV cache is laid out as vLLM's CPU
         attention kernel writes it (not MLA's latent), so blocks of another
-        number of tokens can be read slice by slice."""
+        number of tokens can be read slice by slice.  ``replicated_kv``:
+        every rank holds the whole KV (MLA): a rank reads one remote rank's
+        whole blocks."""
         self.settings = settings
         self.cpu_attention_blocks = cpu_attention_blocks
         self.rank = rank
@@ -73,7 +76,8 @@ class VllmWorkerSide:
         self.parts = build_rank(
             RankSetup(engine_id=engine_id, rank=rank, tp_size=tp_size, drop_notifications=settings.drop_notifications,
                       fault_seed=settings.fault_seed + rank, log_path=settings.rank_path(settings.event_log, rank),
-                      nixl_backends=settings.nixl_backends, nixl_num_threads=settings.nixl_num_threads),
+                      nixl_backends=settings.nixl_backends, nixl_num_threads=settings.nixl_num_threads,
+                      replicated_kv=replicated_kv),
             observers=(self.tally,), config=settings.plane, compat_hash=compat_hash, host=settings.bind_host,
             port=port, curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
             insecure=settings.insecure, deployment_keys=deployment_keys,

@@ -43,7 +43,7 @@ from ..job.netns import HostNet, NetnsUnavailable
 from .engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
                            split_cores, wait_healthy)
 from .model import CONFIG as TINY_CONFIG
-from .model import MODELS, block_tokens, recompute_exact, write_tiny_model
+from .model import MODELS, block_tokens, recompute_exact, replicated_kv, write_tiny_model
 from .partition import partition_reclaim
 from .proxy import ProxyError, disaggregated, post_json
 from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
@@ -665,7 +665,7 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
     stream_s = summary.get("stream_s")
     out["requests_per_s"] = len(ok) / stream_s if ok and stream_s else 0.0
     verdicts = check_all(run.dumps, [f"r{r.index}" for r in res if r.ok], opts.prefill_tp, opts.decode_tp,
-                         recompute_exact=recompute_exact(opts.model))
+                         recompute_exact=recompute_exact(opts.model), replicated_kv=replicated_kv(opts.model))
     if opts.bidirectional:
         t2 = [run.turn2.get(r.index, Turn2Result(index=r.index, error="never sent")) for r in stream]
         ok2 = [t for t in t2 if t.ok]
@@ -810,11 +810,10 @@ def options_from_args(args: Any) -> VllmRunOptions:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {opts.model!r}")
     if opts.model == "hybrid" and (opts.push or (opts.prefill_tp, opts.decode_tp) != (1, 1)):
         raise ValueError("--model hybrid runs with --prefill-tp 1 and --decode-tp 1, without --push")
-    if opts.model == "mla" and ((opts.prefill_tp, opts.decode_tp) != (1, 1) or opts.bidirectional or
-                                opts.late_turn2 is not None):
-        # MLA replicates its latent on every TP rank, kvplane's TP reads split heads; the turn-2
-        # check compares P's KV with a recompute, which MLA's is not byte for byte (docs/parity.md "MLA").
-        raise ValueError("--model mla runs with --prefill-tp 1 and --decode-tp 1, without --bidirectional")
+    if opts.model == "mla" and (opts.bidirectional or opts.late_turn2 is not None):
+        # The turn-2 check compares P's KV with a recompute, which MLA's is not byte for byte
+        # (docs/parity.md "MLA").  Any TP runs: each D rank reads one P rank's whole latents.
+        raise ValueError("--model mla runs without --bidirectional")
     if opts.hosts not in ("local", "netns"):
         raise ValueError(f"--hosts must be local or netns, got {opts.hosts!r}")
     if not 0 <= opts.drop_notifications < 1:
