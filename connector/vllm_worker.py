@@ -111,7 +111,7 @@ class VllmWorkerSide:
         # vLLM's CPU layout (LBHNC) is [num_blocks, kv_heads, block_size, K and V of
         # a head]: a block is head-major as a whole, so a TP head shard is one
         # contiguous slice of it (one row).  MLA's is [num_blocks, 1, block_size, latent]
-        # (one "head": the latent; moved whole, at TP 1 only: vllm._kv_groups).
+        # (one "head": the latent, whole on every TP rank: a D rank reads one P rank, TpMapping.replicated).
         # A hybrid model's KV cache groups overlay their layers on one allocation
         # (a block id names the same bytes in each group): each region once.
         regions = {t.data_ptr(): name for name, t in kv_caches.items()}

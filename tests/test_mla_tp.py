@@ -122,3 +122,14 @@ def test_unread_prefill_ranks_report_at_the_grant_while_the_read_rank_still_hold
     assert p.workers[0].driver.counters["blocks_freed_expired"] == 3
     assert p.workers[1].driver.counters["blocks_freed_expired"] == 0
     assert p.held() == [] and d.held() == []
+
+
+def test_the_kv_check_compares_each_decode_rank_with_its_one_prefill_rank():
+    from kvplane.app.vllm.kv_check import holder_view
+
+    p_dumps = [{"kv": torch.full((2, 1, 32, 576), float(h))} for h in range(4)]
+    for p_tp, d_tp in ((1, 2), (2, 1), (2, 2), (4, 2)):
+        mapping = TpMapping(p_tp, d_tp, replicated=True)
+        for r in range(d_tp):
+            view = holder_view(p_dumps[:p_tp], p_tp, d_tp, r, replicated=True)
+            assert view is p_dumps[mapping.sources(r)[0].holder_rank]  # whole: no head slicing
