@@ -133,3 +133,12 @@ def test_the_kv_check_compares_each_decode_rank_with_its_one_prefill_rank():
         for r in range(d_tp):
             view = holder_view(p_dumps[:p_tp], p_tp, d_tp, r, replicated=True)
             assert view is p_dumps[mapping.sources(r)[0].holder_rank]  # whole: no head slicing
+
+
+def test_an_unread_prefill_rank_s_empty_event_log_passes_only_as_unread(tmp_path):
+    from kvplane.app.vllm.run import _replay
+
+    header = tmp_path / "prefill.rank1.events.jsonl"  # a log the plane opened, with no event: its header
+    header.write_text('{"v":1,"config":{}}\n')
+    assert _replay(header, unread=True)["ok"]
+    assert not _replay(header)["ok"]  # any other rank's empty log is a failure

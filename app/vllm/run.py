@@ -37,6 +37,7 @@ from typing import Any, Callable
 import attrs
 
 from kvplane.connector.kv_dump import DUMP_KEY
+from kvplane.statemachines.tp_mapping import TpMapping
 
 from .kv_check import check_all, check_turn2_reads
 from ..job.netns import HostNet, NetnsUnavailable
@@ -732,8 +733,10 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["longest_rank_stall_ms"] = {"prefill": max(stall[r] for r in p_roles), "decode": stall["decode"]}
         out["connector_blocks_held"] = {role: g.get("kvplane_blocks_held") for role, g in gauges.items()}
         out["connector_recvs_in_flight"] = {role: g.get("kvplane_recvs_in_flight") for role, g in gauges.items()}
-        out["replay"] = {f"{role}.rank{r}" if tp > 1 else role: _replay(f) for role, tp in tps.items()
-                         for r, f in enumerate(rank_files(run.out, role, "events.jsonl", tp))}
+        # MLA with P wider than D: P ranks no D rank reads see no event (TpMapping.replicated).
+        unread = TpMapping(opts.prefill_tp, opts.decode_tp, replicated=replicated_kv(opts.model)).unread_holder_ranks
+        out["replay"] = {f"{role}.rank{r}" if tp > 1 else role: _replay(f, unread=role != "decode" and r in unread)
+                         for role, tp in tps.items() for r, f in enumerate(rank_files(run.out, role, "events.jsonl", tp))}
         if run.partition:
             # P's reclaim of what the cut stranded, from every prefill rank's event log.
             logs = [f for r in p_roles for f in rank_files(run.out, r, "events.jsonl", opts.prefill_tp)]
@@ -769,14 +772,20 @@ def _summed(dicts: list[dict]) -> dict:
     return out
 
 
-def _replay(path: Path) -> dict:
-    from kvplane.statemachines.eventlog import EventLogError
+def _replay(path: Path, unread: bool = False) -> dict:
+    """``unread``: a rank no reader reads (replicated KV), whose log may hold
+    no event (its header alone is then a pass)."""
+    from kvplane.statemachines.eventlog import EmptyLog, EventLogError
     from kvplane.statemachines.replay import replay
 
     if not path.exists():
         return {"ok": False, "why": "no event log"}
     try:
         r = replay(path)
+    except EmptyLog as exc:
+        if unread:
+            return {"ok": True, "lines": 0, "held": 0, "divergence": None, "unread": True}
+        return {"ok": False, "why": str(exc)}
     except EventLogError as exc:
         return {"ok": False, "why": str(exc)}
     return {"ok": r.ok, "lines": r.lines, "held": len(r.held),
