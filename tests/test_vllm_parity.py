@@ -122,19 +122,3 @@ def test_mla_model_moves_whole_latent_blocks_byte_for_byte(tmp_path):
     assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0
     # Whole blocks of both layers: 16 tokens x 576 bf16 latents = 18,432 B a block and layer.
     assert s["bytes_moved"] > 0 and s["bytes_moved"] % (2 * 16 * 576 * 2) == 0, s["bytes_moved"]
-
-
-def test_mla_at_decode_tp_2_each_decode_rank_reads_whole_latent_blocks_of_one_prefill_rank(tmp_path):
-    # MLA's latent is on every TP rank whole: P TP 1 -> D TP 2, both D ranks read P rank 0's whole
-    # blocks (TpMapping(replicated=True)); P's lease awaits both. A lease long enough that none
-    # expires while D's two ranks start on two busy cores (as the decode TP 2 test above).
-    proc, s = run_job(tmp_path, "--model", "mla", "--decode-tp", "2", "--requests", "6", "--lease", "120")
-    assert_clean(proc, s, 6)
-    kv = s["kv_check"]
-    assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0
-    # Each D rank read every prompt block whole (2 layers x 18,432 B), not a head slice of it.
-    # (A head split would move half of that.)
-    per_block = 2 * 16 * 576 * 2
-    assert s["bytes_moved"] % (2 * per_block) == 0, s["bytes_moved"]
-    assert s["bytes_moved"] >= 2 * per_block * -(-kv["tokens_compared"] // 16), (s["bytes_moved"], kv)
-    assert set(s["replay"]) == {"prefill", "decode.rank0", "decode.rank1"}
