@@ -39,6 +39,7 @@ class RankSetup:
     log_flush_every: int = 4096  # records between the writer's own flushes
     nixl_backends: tuple[str, ...] = ("UCX",)  # the NIXL agent's backends
     nixl_num_threads: int = 0  # their worker threads (the agent itself is polled)
+    replicated_kv: bool = False  # every rank holds the whole KV (MLA): TpMapping.replicated
 
 
 @attrs.define(kw_only=True)
@@ -95,7 +96,7 @@ def build_rank(setup: RankSetup, *, observers: Sequence[Observer] = (),
             stream.flush()  # the header: a log that is there from the start
         for observer in observers:
             driver.plane.observe(observer)
-        worker = ConnectorWorker(driver, rank=setup.rank, tp_size=setup.tp_size)
+        worker = ConnectorWorker(driver, rank=setup.rank, tp_size=setup.tp_size, replicated_kv=setup.replicated_kv)
     except BaseException:
         if stream is not None:
             stream.close()

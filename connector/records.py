@@ -100,13 +100,16 @@ class Finish:
 @attrs.frozen(kw_only=True)
 class LeaseGrant:
     """Put blocks under a lease, named ``name`` (the capability the scheduler
-    handed the consumer), for ``consumers_per_rank`` readers on each rank."""
+    handed the consumer), for ``consumers_per_rank`` readers on each rank
+    but ``unread_ranks`` (replicated KV read from fewer ranks: no reader
+    there, so no lease; the rank reports its sending done at once)."""
 
     request_id: str
     name: str
     block_ids: tuple[int, ...] = attrs.field(converter=_ints)
     consumers_per_rank: int = 1
     push: bool = False
+    unread_ranks: tuple[int, ...] = attrs.field(default=(), converter=_ints)
 
 
 @attrs.frozen(kw_only=True)

@@ -77,8 +77,12 @@ class RequestInputs:
 
 class ConnectorScheduler:
     def __init__(self, engine_id: str, *, tp_size: int = 1, config: PlaneConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic, host: str = "127.0.0.1"):
+                 clock: Callable[[], float] = time.monotonic, host: str = "127.0.0.1",
+                 replicated_kv: bool = False):
+        """``replicated_kv``: every rank holds the whole KV (MLA): a reader
+        rank reads one holder rank's whole blocks (``TpMapping.replicated``)."""
         self.engine_id = engine_id
+        self.replicated_kv = replicated_kv
         self.tp_size = TpMapping(tp_size, tp_size).holder_tp  # validated like any TP size
         self.config = config or PlaneConfig()
         self.clock = clock
@@ -194,7 +198,7 @@ class ConnectorScheduler:
             return
         rk = attrs.evolve(RemoteKV.from_dict(params), remote_public_key=server_public_key)
         try:
-            mapping = TpMapping(rk.tp_size, self.tp_size)
+            mapping = TpMapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv)
         except TpMismatch as exc:
             raise BadTransferParams(f"kv_transfer_params: 'tp_size': {exc}") from None
         if rk.expected_consumers < mapping.consumers_per_holder_rank:
@@ -302,13 +306,13 @@ class ConnectorScheduler:
             self.request_finished(request_id, (), normal=False)
 
     def _grant(self, request_id: str, block_ids: tuple, push: bool) -> LeaseGrant:
-        mapping = TpMapping(self.tp_size, self._reader_tp or self.tp_size)
+        mapping = TpMapping(self.tp_size, self._reader_tp or self.tp_size, replicated=self.replicated_kv)
         self._lease_ranks.expect(request_id)
         lost = [o for rank in self._lost if (o := self._lease_ranks.report(rank, request_id)) is not None]
         # The lease's unguessable name: only who is handed the params can act on it.
         grant = LeaseGrant(request_id=request_id, name=f"{request_id}-{secrets.token_hex(16)}",
                            block_ids=block_ids, consumers_per_rank=self._consumers * mapping.consumers_per_holder_rank,
-                           push=push)
+                           push=push, unread_ranks=mapping.unread_holder_ranks)
         if lost:  # every rank is gone: nothing holds the blocks (reported after this call)
             self._lease_done.append(request_id)
         return grant

@@ -162,7 +162,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = VllmSchedulerSide(self.engine_id, self.settings, tp_size=self.tp_size,
                                                     block_size=_block_size(vllm_config, kv_cache_config),
                                                     warn=log.warning, transfer_mode=self.TRANSFER_MODE,
-                                                    groups=self.kv_groups)
+                                                    groups=self.kv_groups, replicated_kv=_is_mla(kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -171,7 +171,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
                 dp_index=getattr(parallel, "data_parallel_index", 0) or 0,
                 compat_hash=_compat_hash(vllm_config, kv_cache_config, self.settings.enforce_handshake_compat,
                                          tp_size=self.tp_size),
-                cpu_attention_blocks=not _is_mla(kv_cache_config))
+                cpu_attention_blocks=not _is_mla(kv_cache_config), replicated_kv=_is_mla(kv_cache_config))
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -324,17 +324,14 @@ def _kv_groups(kv_cache_config: Any, tp_size: int, mode: str, bidirectional: boo
     """The model's KV cache groups as kvplane moves them; ValueError (one
     line) for what it does not: several groups with TP > 1, push or
     bidirectional, a group that is neither full nor sliding-window attention
-    (SSM state, MLA beside other groups), groups of different block sizes or not all transferable;
-    an MLA model at TP > 1 (its latent is replicated on every rank: a reader
-    rank would read one holder rank's whole block, kvplane's TP splits heads)."""
+    (SSM state, MLA beside other groups), groups of different block sizes or not all transferable.
+    A one-group MLA model runs at any TP: its latent is on every rank whole,
+    a reader rank reads one holder rank's blocks (``TpMapping.replicated``)."""
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         return KvGroups()
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     if len(kv_cache_config.kv_cache_groups) == 1:
-        if isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec) and tp_size != 1:
-            raise ValueError(f"KVPlaneConnector moves an MLA model at tensor parallel size 1 only (got {tp_size}): "
-                             "MLA replicates its latent on every rank, kvplane's TP reads split KV heads")
         return KvGroups()  # full attention or MLA: whole blocks
 
     groups = kv_cache_config.kv_cache_groups
@@ -376,7 +373,8 @@ def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size:
     ``enforce_handshake_compat`` (default) the model's KV shape and dtype
     (a hybrid model's also its block size); without it only the protocol
     version.  The KV heads are the
-    model's (a rank's heads times TP): P and D may shard them differently."""
+    model's (a rank's heads times TP): P and D may shard them differently;
+    MLA's one latent "head" is on every rank whole, not sharded."""
     if not enforce or kv_cache_config is None:
         return COMPAT_HASH
     group = kv_cache_config.kv_cache_groups[0]
@@ -385,7 +383,7 @@ def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size:
     # The block size is not hashed: blocks of unlike sizes are read slice by
     # slice (transport.block_sizes); a hybrid model's groups hash theirs.
     parts = [COMPAT_HASH, str(getattr(model, "architecture", "")), str(len(group.layer_names)),
-             str(int(getattr(spec, "num_kv_heads", 0) or 0) * tp_size),
+             str(int(getattr(spec, "num_kv_heads", 0) or 0) * (1 if isinstance(spec, MLAAttentionSpec) else tp_size)),
              str(getattr(spec, "head_size", "")), str(getattr(spec, "dtype", ""))]
     if isinstance(spec, MLAAttentionSpec):  # one latent (head_size wide) per token, not K and V heads
         parts.append(f"mla:{getattr(spec, 'head_size', '')}")

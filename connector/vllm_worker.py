@@ -39,10 +39,13 @@ LOG_FLUSH_EVERY_S = 0.2
 
 class VllmWorkerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1", cpu_attention_blocks: bool = True):
+                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1", cpu_attention_blocks: bool = True,
+                 replicated_kv: bool = False):
         """``cpu_attention_blocks``: the KV cache is laid out as vLLM's CPU
         attention kernel writes it (not MLA's latent), so blocks of another
-        number of tokens can be read slice by slice."""
+        number of tokens can be read slice by slice.  ``replicated_kv``:
+        every rank holds the whole KV (MLA): a rank reads one remote rank's
+        whole blocks."""
         self.settings = settings
         self.cpu_attention_blocks = cpu_attention_blocks
         self.rank = rank
@@ -73,7 +76,8 @@ class VllmWorkerSide:
         self.parts = build_rank(
             RankSetup(engine_id=engine_id, rank=rank, tp_size=tp_size, drop_notifications=settings.drop_notifications,
                       fault_seed=settings.fault_seed + rank, log_path=settings.rank_path(settings.event_log, rank),
-                      nixl_backends=settings.nixl_backends, nixl_num_threads=settings.nixl_num_threads),
+                      nixl_backends=settings.nixl_backends, nixl_num_threads=settings.nixl_num_threads,
+                      replicated_kv=replicated_kv),
             observers=(self.tally,), config=settings.plane, compat_hash=compat_hash, host=settings.bind_host,
             port=port, curve_keypair=keypair, trusted_peers=dict(settings.trusted_peers) or None,
             insecure=settings.insecure, deployment_keys=deployment_keys,
@@ -107,7 +111,7 @@ class VllmWorkerSide:
         # vLLM's CPU layout (LBHNC) is [num_blocks, kv_heads, block_size, K and V of
         # a head]: a block is head-major as a whole, so a TP head shard is one
         # contiguous slice of it (one row).  MLA's is [num_blocks, 1, block_size, latent]
-        # (one "head": the latent; moved whole, at TP 1 only: vllm._kv_groups).
+        # (one "head": the latent, whole on every TP rank: a D rank reads one P rank, TpMapping.replicated).
         # A hybrid model's KV cache groups overlay their layers on one allocation
         # (a block id names the same bytes in each group): each region once.
         regions = {t.data_ptr(): name for name, t in kv_caches.items()}

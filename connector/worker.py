@@ -34,11 +34,14 @@ MAX_HOLDER_RANKS_SCANNED = 64
 
 
 class ConnectorWorker:
-    def __init__(self, driver: PlaneDriver, *, rank: int = 0, tp_size: int = 1, rank_names: bool = True):
+    def __init__(self, driver: PlaneDriver, *, rank: int = 0, tp_size: int = 1, rank_names: bool = True,
+                 replicated_kv: bool = False):
         """The worker observes the plane (``ControlPlane.observe``) to keep
         why each recv failed (the reason its ``ReportRecv`` names).  ``rank_names``: a remote engine's ranks are
         ``"<engine>/tp<r>"`` (the split's); False for the single-process
-        facades, whose peers are plain engines (TP 1)."""
+        facades, whose peers are plain engines (TP 1).  ``replicated_kv``:
+        every rank holds the whole KV (MLA): this rank reads one holder rank's
+        whole blocks (``TpMapping.replicated``)."""
         TpMapping(tp_size, tp_size)  # a valid TP size
         if not 0 <= rank < tp_size:
             raise ValueError(f"rank {rank} out of range for TP {tp_size}")
@@ -46,6 +49,7 @@ class ConnectorWorker:
         self.rank = rank
         self.tp_size = tp_size
         self.rank_names = rank_names
+        self.replicated_kv = replicated_kv
         self._subs: dict[str, tuple[str, ...]] = {}  # request -> its decode requests on this rank
         self._parent: dict[str, str] = {}  # decode request -> request
         self._results: dict[str, dict[str, bool]] = {}  # request -> reported decode requests -> ok
@@ -170,7 +174,7 @@ class ConnectorWorker:
         if rid in self._subs:
             self.counters["duplicate_new_request"] += 1
             return
-        sources = TpMapping(rk.tp_size, self.tp_size).sources(self.rank)
+        sources = TpMapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv).sources(self.rank)
         subs = []
         for src in sources:
             sub = rid if len(sources) == 1 else f"{rid}@tp{src.holder_rank}"
@@ -215,6 +219,11 @@ class ConnectorWorker:
 
     def _grant(self, grant: LeaseGrant, *, duration: float | None, renewable: bool) -> None:
         d = self.driver
+        if self.rank in grant.unread_ranks:
+            # No reader reads this rank's copy (replicated KV): nothing held here.
+            self.counters["grants_unread_rank"] += 1
+            self._out_sending.add(grant.request_id)
+            return
         d.feed(E.LeaseGranted(request_id=grant.request_id, block_ids=grant.block_ids,
                               expected_consumers=grant.consumers_per_rank, duration=duration,
                               renewable=renewable))

@@ -16,6 +16,12 @@ holder ranks that hold its heads:
 A "part ``i`` of ``n``" is the ``i``-th of ``n`` equal contiguous slices of
 a block: a rank's block is laid out head-major, so a head shard is one
 slice.  Pure: no I/O; the explorer and both connector sides use it.
+
+``replicated``: every rank holds the whole KV (MLA's latent is not split
+by heads).  Reader rank ``r`` then reads whole blocks from ONE holder rank,
+``r * holder_tp // reader_tp`` (NixlConnector's ``compute_tp_mapping`` for
+``is_mla``); a holder wider than the reader has ranks nobody reads
+(``unread_holder_ranks``): their blocks are not leased at all.
 """
 from __future__ import annotations
 
@@ -66,6 +72,7 @@ class TpMapping:
 
     holder_tp: int = attrs.field(converter=int)
     reader_tp: int = attrs.field(converter=int)
+    replicated: bool = attrs.field(default=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         h = _check_tp("holder_tp", self.holder_tp)
@@ -80,8 +87,18 @@ class TpMapping:
 
     @property
     def consumers_per_holder_rank(self) -> int:
-        """How many reader ranks read each holder rank (its lease's expected consumers)."""
+        """How many reader ranks read each holder rank that is read (its
+        lease's expected consumers; replicated KV: the unread ones have none)."""
         return max(1, self.reader_tp // self.holder_tp)
+
+    @property
+    def unread_holder_ranks(self) -> tuple[int, ...]:
+        """Holder ranks no reader rank reads (replicated KV with a wider
+        holder only): they lease nothing and free their blocks at once."""
+        if not self.replicated or self.holder_tp <= self.reader_tp:
+            return ()
+        k = self.ratio
+        return tuple(h for h in range(self.holder_tp) if h % k)
 
     def sources(self, reader_rank: int) -> tuple[Source, ...]:
         """What reader rank ``reader_rank`` reads, in holder-rank order."""
@@ -89,6 +106,8 @@ class TpMapping:
                 0 <= reader_rank < self.reader_tp):
             raise TpMismatch(f"reader rank {reader_rank!r} out of range [0, {self.reader_tp})")
         k = self.ratio
+        if self.replicated:  # one whole-block source: the holder's KV is on each of its ranks
+            return (Source(reader_rank * self.holder_tp // self.reader_tp),)
         if self.holder_tp >= self.reader_tp:
             if k == 1:
                 return (Source(reader_rank),)

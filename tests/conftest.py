@@ -63,6 +63,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_packaging.py": "core",
     "test_kv_groups.py": "core",
     "test_mla.py": "core",
+    "test_mla_tp.py": "core",
     "test_param_auth.py": "core",
     "test_incarnation.py": "core",
     "test_params.py": "core",

@@ -44,18 +44,21 @@ def rank_slice(tp: int, rank: int) -> slice:
 
 
 class SplitEngine:
-    def __init__(self, fabric: LoopbackFabric, name: str, clock, cfg_fields: dict, tp: int, keypair, peers: dict):
-        self.name, self.tp = name, tp
-        self.sched = ConnectorScheduler(name, tp_size=tp, config=PlaneConfig(**cfg_fields), clock=clock)
+    def __init__(self, fabric: LoopbackFabric, name: str, clock, cfg_fields: dict, tp: int, keypair, peers: dict,
+                 replicated: bool = False):
+        """``replicated``: every rank holds whole blocks (MLA's latent), not a head shard."""
+        self.name, self.tp, self.replicated = name, tp, replicated
+        self.sched = ConnectorScheduler(name, tp_size=tp, config=PlaneConfig(**cfg_fields), clock=clock,
+                                        replicated_kv=replicated)
         self.workers: list[ConnectorWorker] = []
         self.kv: list[torch.Tensor] = []
         for r in range(tp):
             # The rank factory the main job and vLLM's worker use, over the loopback transport.
-            worker = build_rank(RankSetup(engine_id=name, rank=r, tp_size=tp),
+            worker = build_rank(RankSetup(engine_id=name, rank=r, tp_size=tp, replicated_kv=replicated),
                                 endpoint_factory=lambda rank_id: LoopbackEndpoint(fabric, rank_id),
                                 config=PlaneConfig(**cfg_fields), clock=clock, curve_keypair=keypair,
                                 trusted_peers=peers).worker
-            kv = torch.zeros(BLOCKS, HEADS * HEAD_ELEMS // tp)
+            kv = torch.zeros(BLOCKS, HEADS * HEAD_ELEMS // (1 if replicated else tp))
             worker.register_kv_caches(kv)
             self.sched.add_rank(through_the_wire(worker.rank_info()))
             self.workers.append(worker)
@@ -67,11 +70,15 @@ class SplitEngine:
         self.dead: set[int] = set()
         self.late_meta: list[bytes] | None = None  # a list: metadata waits there until delivered
 
-    def fill(self, tag: int, blocks) -> None:
+    def fill(self, tag: int, blocks, per_rank_tags: bool = False) -> None:
+        """``per_rank_tags`` (replicated): rank ``r`` holds engine ``tag + r``'s
+        blocks, so a reader shows which rank it read."""
         for b in blocks:
-            whole = block_value(tag, b)
             for r in range(self.tp):
-                self.kv[r][b] = whole[rank_slice(self.tp, r)]
+                if self.replicated:
+                    self.kv[r][b] = block_value(tag + r if per_rank_tags else tag, b)
+                else:
+                    self.kv[r][b] = block_value(tag, b)[rank_slice(self.tp, r)]
 
     def whole_block(self, b: int) -> torch.Tensor:
         return torch.cat([self.kv[r][b] for r in range(self.tp)])
@@ -116,9 +123,9 @@ class SplitEngine:
         shutdown_all(self.workers)
 
 
-def engine_pair(p_tp: int, d_tp: int, clock, **cfg_fields):
+def engine_pair(p_tp: int, d_tp: int, clock, replicated: bool = False, **cfg_fields):
     fabric = LoopbackFabric()
     pk, dk = zmq.curve_keypair(), zmq.curve_keypair()
-    p = SplitEngine(fabric, "P", clock, cfg_fields, p_tp, pk, {"D": dk[0]})
-    d = SplitEngine(fabric, "D", clock, cfg_fields, d_tp, dk, {"P": pk[0]})
+    p = SplitEngine(fabric, "P", clock, cfg_fields, p_tp, pk, {"D": dk[0]}, replicated)
+    d = SplitEngine(fabric, "D", clock, cfg_fields, d_tp, dk, {"P": pk[0]}, replicated)
     return fabric, p, d

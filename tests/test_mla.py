@@ -152,15 +152,12 @@ def _config(*specs):
 
 
 @needs_vllm
-def test_the_connector_moves_an_mla_model_whole_at_tp_1_and_refuses_it_at_tp_2_in_one_line():
+def test_the_connector_moves_an_mla_model_whole_at_any_tp():
     from kvplane.connector.kv_groups import KvGroups
     from kvplane.connector.vllm import _kv_groups
 
-    assert _kv_groups(_config(_mla_spec()), 1, "pull", False) == KvGroups()
-    for tp in (2, 4):
-        with pytest.raises(ValueError, match=f"MLA model at tensor parallel size 1 only \\(got {tp}\\)") as info:
-            _kv_groups(_config(_mla_spec()), tp, "pull", False)
-        assert "\n" not in str(info.value)
+    for tp in (1, 2, 4):  # replicated latent: each D rank reads one P rank's whole blocks (test_mla_tp.py)
+        assert _kv_groups(_config(_mla_spec()), tp, "pull", False) == KvGroups()
     with pytest.raises(ValueError, match="has MLAAttentionSpec"):  # MLA beside another group: not moved
         _kv_groups(_config(_mla_spec(), _full_spec()), 1, "pull", False)
 
@@ -179,12 +176,15 @@ def test_the_compatibility_hash_tells_mla_from_full_attention_and_one_latent_wid
     # The same bytes per block (one 576-wide head, 16 tokens), but not the same meaning.
     assert mla != h(_full_spec(heads=1, head_size=LATENT))
     assert mla != h(_mla_spec(latent=512))
+    # The latent is on every rank whole: P and D of different TP agree (full attention's heads are the model's).
+    assert _compat_hash(vllm_config, _config(_mla_spec()), True, tp_size=2) == mla
+    assert _compat_hash(vllm_config, _config(_full_spec(heads=1)), True, tp_size=2) == h(_full_spec(heads=2))
     assert h(_full_spec(heads=2, head_size=32)) != h(_full_spec(heads=1, head_size=64))
 
 
 # ---------------------------------------------------------------- --model mla
 @needs_vllm
-def test_model_mla_writes_a_576_latent_deepseek_and_runs_at_tp_1_only(tmp_path, capsys):
+def test_model_mla_writes_a_576_latent_deepseek_and_runs_at_any_tp_without_bidirectional(tmp_path, capsys):
     import json
 
     from kvplane.app.cli import build_parser, main
@@ -201,9 +201,14 @@ def test_model_mla_writes_a_576_latent_deepseek_and_runs_at_tp_1_only(tmp_path, 
         return options_from_args(build_parser().parse_args(["run", "--engine", "vllm", *argv]))
 
     assert opts("--model", "mla").model == "mla"
-    for argv in (("--prefill-tp", "2"), ("--decode-tp", "2"), ("--bidirectional",), ("--late-turn2", "40")):
-        with pytest.raises(ValueError, match="--model mla runs with --prefill-tp 1 and --decode-tp 1, without"):
+    assert (opts("--model", "mla", "--prefill-tp", "2", "--decode-tp", "1").prefill_tp,
+            opts("--model", "mla", "--decode-tp", "2").decode_tp) == (2, 2)
+    for argv in (("--bidirectional",), ("--late-turn2", "40")):
+        with pytest.raises(ValueError, match="--model mla runs without --bidirectional"):
             opts("--model", "mla", *argv)
-    assert main(["run", "--engine", "vllm", "--model", "mla", "--decode-tp", "2"]) == 2
+    assert main(["run", "--engine", "vllm", "--model", "mla", "--decode-tp", "4"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "kvplane run: --model mla runs with --prefill-tp 1 and --decode-tp 1, without --bidirectional", err
+    assert err == "kvplane run: --decode-tp must divide the job's model's 2 KV heads, got 4", err
+    assert main(["run", "--engine", "vllm", "--model", "mla", "--bidirectional"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kvplane run: --model mla runs without --bidirectional", err

@@ -162,15 +162,20 @@ def unlike_blocks_read(rk, block: int, pk, p_block: int, num_tokens: int) -> tup
     return (f"{bad} of the {end - start} tokens read differ from P's" if bad else ""), end - start
 
 
-def holder_view(p_dumps: list[dict | None], prefill_tp: int, decode_tp: int, rank: int) -> dict | None:
+def holder_view(p_dumps: list[dict | None], prefill_tp: int, decode_tp: int, rank: int,
+                replicated: bool = False) -> dict | None:
     """P's dump as D rank ``rank`` holds it: its heads of every block, from
     the P ranks that hold them.  A block is head-major (vLLM's CPU layout:
     [heads, block tokens, K and V]), so a TP part of a block is a range of
-    heads: dim 1 of a dump."""
+    heads: dim 1 of a dump.  ``replicated`` (MLA): every P rank holds the
+    whole KV; D rank ``rank`` reads, and is compared with, its one source."""
     import torch
 
     from kvplane.statemachines.tp_mapping import TpMapping
 
+    if replicated:
+        (src,) = TpMapping(prefill_tp, decode_tp, replicated=True).sources(rank)
+        return p_dumps[src.holder_rank]
     if prefill_tp == decode_tp:
         return p_dumps[rank]
     if any(d is None for d in p_dumps):
@@ -193,17 +198,18 @@ def holder_view(p_dumps: list[dict | None], prefill_tp: int, decode_tp: int, ran
 
 
 def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: int = 1,
-              recompute_exact: bool = True) -> list[KvVerdict]:
+              recompute_exact: bool = True, replicated_kv: bool = False) -> list[KvVerdict]:
     """One verdict per tag: every D rank's checks hold (with TP, each rank
     against P's blocks of its heads).  ``recompute_exact``: the model's KV
-    of a prompt is the same bytes in any batch (False: MLA, see above)."""
+    of a prompt is the same bytes in any batch (False: MLA, see above).
+    ``replicated_kv`` (MLA): each D rank against its one P source rank."""
     out = []
     for t in tags:
         per_rank = []
         p_dumps = [_load(dump_dir / f"{t}.p.rank{r}.pt") for r in range(prefill_tp)]
         for rank in range(decode_tp):
             d, local, recv = (_load(dump_dir / f"{t}{part}.rank{rank}.pt") for part in ("", ".local", ".recv"))
-            theirs = holder_view(p_dumps, prefill_tp, decode_tp, rank)
+            theirs = holder_view(p_dumps, prefill_tp, decode_tp, rank, replicated=replicated_kv)
             if prefill_tp != decode_tp and d is not None and d.get("read_ok") is not False:
                 # Dummy weights are drawn per rank shard: engines of different TP run
                 # different models, so D's recompute is no reference for P's KV; what

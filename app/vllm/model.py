@@ -65,6 +65,12 @@ def recompute_exact(model: str) -> bool:
     return model_config(model) is not MLA_CONFIG
 
 
+def replicated_kv(model: str) -> bool:
+    """Whether every TP rank holds ``model``'s whole KV (MLA's latent, not
+    split by heads): a D rank reads one P rank (``TpMapping.replicated``)."""
+    return model_config(model) is MLA_CONFIG
+
+
 def block_tokens(model: str) -> int:
     """Tokens per KV block vLLM's CPU backend gives ``model``: 128 (its
     default), 16 for MLA (the CPU MLA kernel's only block size)."""

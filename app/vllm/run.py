@@ -37,13 +37,14 @@ from typing import Any, Callable
 import attrs
 
 from kvplane.connector.kv_dump import DUMP_KEY
+from kvplane.statemachines.tp_mapping import TpMapping
 
 from .kv_check import check_all, check_turn2_reads
 from ..job.netns import HostNet, NetnsUnavailable
 from .engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
                            split_cores, wait_healthy)
 from .model import CONFIG as TINY_CONFIG
-from .model import MODELS, block_tokens, recompute_exact, write_tiny_model
+from .model import MODELS, block_tokens, recompute_exact, replicated_kv, write_tiny_model
 from .partition import partition_reclaim
 from .proxy import ProxyError, disaggregated, post_json
 from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
@@ -665,7 +666,7 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
     stream_s = summary.get("stream_s")
     out["requests_per_s"] = len(ok) / stream_s if ok and stream_s else 0.0
     verdicts = check_all(run.dumps, [f"r{r.index}" for r in res if r.ok], opts.prefill_tp, opts.decode_tp,
-                         recompute_exact=recompute_exact(opts.model))
+                         recompute_exact=recompute_exact(opts.model), replicated_kv=replicated_kv(opts.model))
     if opts.bidirectional:
         t2 = [run.turn2.get(r.index, Turn2Result(index=r.index, error="never sent")) for r in stream]
         ok2 = [t for t in t2 if t.ok]
@@ -732,8 +733,10 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["longest_rank_stall_ms"] = {"prefill": max(stall[r] for r in p_roles), "decode": stall["decode"]}
         out["connector_blocks_held"] = {role: g.get("kvplane_blocks_held") for role, g in gauges.items()}
         out["connector_recvs_in_flight"] = {role: g.get("kvplane_recvs_in_flight") for role, g in gauges.items()}
-        out["replay"] = {f"{role}.rank{r}" if tp > 1 else role: _replay(f) for role, tp in tps.items()
-                         for r, f in enumerate(rank_files(run.out, role, "events.jsonl", tp))}
+        # MLA with P wider than D: P ranks no D rank reads see no event (TpMapping.replicated).
+        unread = TpMapping(opts.prefill_tp, opts.decode_tp, replicated=replicated_kv(opts.model)).unread_holder_ranks
+        out["replay"] = {f"{role}.rank{r}" if tp > 1 else role: _replay(f, unread=role != "decode" and r in unread)
+                         for role, tp in tps.items() for r, f in enumerate(rank_files(run.out, role, "events.jsonl", tp))}
         if run.partition:
             # P's reclaim of what the cut stranded, from every prefill rank's event log.
             logs = [f for r in p_roles for f in rank_files(run.out, r, "events.jsonl", opts.prefill_tp)]
@@ -769,14 +772,20 @@ def _summed(dicts: list[dict]) -> dict:
     return out
 
 
-def _replay(path: Path) -> dict:
-    from kvplane.statemachines.eventlog import EventLogError
+def _replay(path: Path, unread: bool = False) -> dict:
+    """``unread``: a rank no reader reads (replicated KV), whose log may hold
+    no event (its header alone is then a pass)."""
+    from kvplane.statemachines.eventlog import EmptyLog, EventLogError
     from kvplane.statemachines.replay import replay
 
     if not path.exists():
         return {"ok": False, "why": "no event log"}
     try:
         r = replay(path)
+    except EmptyLog as exc:
+        if unread:
+            return {"ok": True, "lines": 0, "held": 0, "divergence": None, "unread": True}
+        return {"ok": False, "why": str(exc)}
     except EventLogError as exc:
         return {"ok": False, "why": str(exc)}
     return {"ok": r.ok, "lines": r.lines, "held": len(r.held),
@@ -810,11 +819,10 @@ def options_from_args(args: Any) -> VllmRunOptions:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {opts.model!r}")
     if opts.model == "hybrid" and (opts.push or (opts.prefill_tp, opts.decode_tp) != (1, 1)):
         raise ValueError("--model hybrid runs with --prefill-tp 1 and --decode-tp 1, without --push")
-    if opts.model == "mla" and ((opts.prefill_tp, opts.decode_tp) != (1, 1) or opts.bidirectional or
-                                opts.late_turn2 is not None):
-        # MLA replicates its latent on every TP rank, kvplane's TP reads split heads; the turn-2
-        # check compares P's KV with a recompute, which MLA's is not byte for byte (docs/parity.md "MLA").
-        raise ValueError("--model mla runs with --prefill-tp 1 and --decode-tp 1, without --bidirectional")
+    if opts.model == "mla" and (opts.bidirectional or opts.late_turn2 is not None):
+        # The turn-2 check compares P's KV with a recompute, which MLA's is not byte for byte
+        # (docs/parity.md "MLA").  Any TP runs: each D rank reads one P rank's whole latents.
+        raise ValueError("--model mla runs without --bidirectional")
     if opts.hosts not in ("local", "netns"):
         raise ValueError(f"--hosts must be local or netns, got {opts.hosts!r}")
     if not 0 <= opts.drop_notifications < 1:
