@@ -318,7 +318,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("tiny", "hybrid", "mla"), default=argparse.SUPPRESS,
                    help="with --engine vllm: the local dummy-weight model: tiny (2 full-attention layers, the "
                         "default), hybrid (4 layers alternating sliding-window and full attention: two KV cache "
-                        "groups) or mla (a 2-layer DeepSeek-V2: one 576-wide latent per token, TP 1)")
+                        "groups) or mla (a 2-layer DeepSeek-V2: one 576-wide latent per token)")
     p.add_argument("--prefill-block-size", type=block_size_tokens, default=argparse.SUPPRESS, metavar="T",
                    help="with --engine vllm: P's vLLM --block-size in tokens (a multiple of 32; default vLLM's, 128 "
                         "on CPU)")
