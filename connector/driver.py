@@ -451,11 +451,11 @@ class PlaneDriver:
                 slices = pairs_for_read(self.block_shape, self.endpoint.describe_cache()["block_size"],
                                         remote[BLOCK_TOKENS], remote["block_size"], list(a.local_block_ids),
                                         list(a.remote_block_ids))
-                handle = self.endpoint.post_read_slices(name, self.layouts[a.engine_id], slices, notif)
+                handle = self.endpoint.post_read_slices(name, remote, slices, notif)
             elif parts is None:
-                handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif)
+                handle = post(name, remote, remote_ids, local_ids, notif)
             else:
-                handle = post(name, self.layouts[a.engine_id], remote_ids, local_ids, notif,
+                handle = post(name, remote, remote_ids, local_ids, notif,
                               remote_part=parts[0], local_part=parts[1])
         except (TransportError, ValueError) as exc:
             # A refused post (a block id past the peer's pool, a layout that

@@ -64,13 +64,11 @@ class Rank:
             self.log_stream.close()
 
 
-def nixl_endpoint(name: str, setup: RankSetup | None = None) -> Any:
+def nixl_endpoint(name: str, setup: RankSetup) -> Any:
     """The real agent (imported here: NIXL loads UCX), with ``setup``'s
     backends and threads."""
     from kvplane.transport.nixl_agent import NixlEndpoint
 
-    if setup is None:
-        return NixlEndpoint(name)
     return NixlEndpoint(name, backends=setup.nixl_backends, num_threads=setup.nixl_num_threads)
 
 

@@ -155,6 +155,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("KVPlaneConnector supports tensor parallelism only (PP, DCP and PCP must be 1)")
         self.tp_size: int = parallel.tensor_parallel_size
         self.kv_groups = _kv_groups(kv_cache_config, self.tp_size, self.TRANSFER_MODE, self.settings.bidirectional)
+        mla = _is_mla(kv_cache_config)  # its latent is whole on every TP rank (TpMapping.replicated)
         self._load_error_blocks: set[int] = set()
         self.scheduler_side: VllmSchedulerSide | None = None
         self.worker_side: VllmWorkerSide | None = None
@@ -162,7 +163,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = VllmSchedulerSide(self.engine_id, self.settings, tp_size=self.tp_size,
                                                     block_size=_block_size(vllm_config, kv_cache_config),
                                                     warn=log.warning, transfer_mode=self.TRANSFER_MODE,
-                                                    groups=self.kv_groups, replicated_kv=_is_mla(kv_cache_config))
+                                                    groups=self.kv_groups, replicated_kv=mla)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -171,7 +172,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
                 dp_index=getattr(parallel, "data_parallel_index", 0) or 0,
                 compat_hash=_compat_hash(vllm_config, kv_cache_config, self.settings.enforce_handshake_compat,
                                          tp_size=self.tp_size),
-                cpu_attention_blocks=not _is_mla(kv_cache_config), replicated_kv=_is_mla(kv_cache_config))
+                replicated_kv=mla)
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -39,15 +39,13 @@ LOG_FLUSH_EVERY_S = 0.2
 
 class VllmWorkerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1", cpu_attention_blocks: bool = True,
-                 replicated_kv: bool = False):
-        """``cpu_attention_blocks``: the KV cache is laid out as vLLM's CPU
-        attention kernel writes it (not MLA's latent), so blocks of another
-        number of tokens can be read slice by slice.  ``replicated_kv``:
-        every rank holds the whole KV (MLA): a rank reads one remote rank's
-        whole blocks."""
+                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1", replicated_kv: bool = False):
+        """``replicated_kv``: every rank holds the whole KV (MLA's latent): a
+        rank reads one remote rank's whole blocks, and its cache is not laid
+        out as vLLM's CPU attention kernel writes K and V, so blocks of
+        another number of tokens are never read slice by slice."""
         self.settings = settings
-        self.cpu_attention_blocks = cpu_attention_blocks
+        self.replicated_kv = replicated_kv
         self.rank = rank
         self.engine_id = engine_id
         if settings.ucx_net_devices is not None:
@@ -118,7 +116,7 @@ class VllmWorkerSide:
         distinct = {name: kv_caches[name] for name in dict.fromkeys(regions.values())}
         with self.lock:
             self.worker.register_kv_caches(distinct)
-            if self.cpu_attention_blocks and first.dim() == 4 and first.device.type == "cpu":
+            if not self.replicated_kv and first.dim() == 4 and first.device.type == "cpu":
                 # [blocks, kv heads, block tokens, 2 x head size]: a peer's blocks may hold
                 # another number of tokens (transport.block_sizes; rows in bytes).  Only
                 # vLLM's CPU attention kernel's layout is known: any other (MLA's latent,
