@@ -165,13 +165,11 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
         elif key == "enforce_handshake_compat":
             own["enforce_handshake_compat"] = _bool(key, value)
         elif key == "kv_recompute_threshold":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(key, f"must be a token count >= 0, got {value!r}")
-            own["kv_recompute_threshold"] = value
+            own["kv_recompute_threshold"] = _int_in(key, value, 0, None, "a token count >= 0")
         elif key == "backends":
             own["nixl_backends"] = _backends(value)
         elif key == "num_threads":
-            own["nixl_num_threads"] = _threads(value)
+            own["nixl_num_threads"] = _int_in(key, value, 0, MAX_NIXL_THREADS, f"a thread count in 0..{MAX_NIXL_THREADS}")
         elif key not in NIXL_KEYS:
             unknown.append(key)
     plane = PlaneConfig(**plane_values)
@@ -198,13 +196,11 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or not 0 <= rate <= 1:
         raise ConfigError("kvplane_drop_notifications", f"must be a fraction in 0..1, got {rate!r}")
     reader_tp = own.get("reader_tp")
-    if reader_tp is not None and (isinstance(reader_tp, bool) or not isinstance(reader_tp, int)
-                                  or not 1 <= reader_tp <= MAX_TP):
-        raise ConfigError("kvplane_reader_tp", f"must be a TP size in 1..{MAX_TP}, got {reader_tp!r}")
+    if reader_tp is not None:
+        _int_in("kvplane_reader_tp", reader_tp, 1, MAX_TP, f"a TP size in 1..{MAX_TP}")
     remote_block = own.get("remote_block_size")
-    if remote_block is not None and (isinstance(remote_block, bool) or not isinstance(remote_block, int)
-                                     or not 1 <= remote_block <= 1 << 16):
-        raise ConfigError("kvplane_remote_block_size", f"must be a block size in tokens, got {remote_block!r}")
+    if remote_block is not None:
+        _int_in("kvplane_remote_block_size", remote_block, 1, 1 << 16, "a block size in tokens")
     seed = own.get("fault_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError("kvplane_fault_seed", f"must be an int, got {seed!r}")
@@ -247,15 +243,16 @@ def _backends(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _threads(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NIXL_THREADS:
-        raise ConfigError("num_threads", f"must be a thread count in 0..{MAX_NIXL_THREADS}, got {value!r}")
+def _int_in(key: str, value: Any, low: int, high: int | None, what: str) -> int:
+    """``value`` if it is an int (not a bool) in ``low..high`` (None: no
+    bound), else ConfigError naming ``key``: "must be <what>"."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        raise ConfigError(key, f"must be {what}, got {value!r}")
     return value
 
 
 def _check_port(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ConfigError(key, f"must be a port in 1..65535, got {value!r}")
+    _int_in(key, value, 1, 65535, "a port in 1..65535")
 
 
 def _key_of(field: str) -> str:
