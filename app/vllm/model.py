@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .workload import BLOCK_TOKENS
+
 VOCAB = 1024
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
@@ -38,6 +40,7 @@ SLIDING_WINDOW = 64  # tokens: less than a block, so a sliding group sends 2 blo
 HYBRID_CONFIG = dict(CONFIG, num_hidden_layers=4, sliding_window=SLIDING_WINDOW,
                      layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
 
+MLA_BLOCK_TOKENS = 16
 MLA_CONFIG = {
     **{k: CONFIG[k] for k in ("vocab_size", "max_position_embeddings", "rms_norm_eps", "torch_dtype", "bos_token_id",
                               "eos_token_id", "tie_word_embeddings", "hidden_act", "rope_theta")},
@@ -72,9 +75,10 @@ def replicated_kv(model: str) -> bool:
 
 
 def block_tokens(model: str) -> int:
-    """Tokens per KV block vLLM's CPU backend gives ``model``: 128 (its
-    default), 16 for MLA (the CPU MLA kernel's only block size)."""
-    return 16 if model_config(model) is MLA_CONFIG else 128
+    """Tokens per KV block vLLM's CPU backend gives ``model`` when no
+    --block-size is given: its default (``workload.BLOCK_TOKENS``), 16 for
+    MLA (the CPU MLA kernel's only block size)."""
+    return MLA_BLOCK_TOKENS if model_config(model) is MLA_CONFIG else BLOCK_TOKENS
 
 
 def write_tiny_model(folder: str | Path, model: str = "tiny") -> Path:

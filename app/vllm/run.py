@@ -214,7 +214,7 @@ class VllmRun:
                 extra["kvplane_reader_tp"] = o.prefill_tp if name == "D" else o.decode_tp
                 if name == "D" and block_sizes["P"] != block_sizes["D"]:
                     # P's params name blocks of P's size.
-                    extra["kvplane_remote_block_size"] = block_sizes["P"] or DEFAULT_BLOCK_SIZE
+                    extra["kvplane_remote_block_size"] = block_sizes["P"] or block_tokens(o.model)
             specs[name] = EngineSpec(
                 name=name, engine_id=engine_id(name), http_port=http, side_channel_port=side,
                 connector=o.connector, extra_config=extra, seed=o.seed,
@@ -792,8 +792,6 @@ def _replay(path: Path, unread: bool = False) -> dict:
             "divergence": None if r.divergence is None else str(r.divergence)}
 
 
-# vLLM's block size on CPU when --block-size is not given (CpuPlatform).
-DEFAULT_BLOCK_SIZE = 128
 # The sim job's flags this job does not have: each refused by name.
 _SIM_ONLY = ("hang_decode_at", "rank", "clock_skew", "overload", "hold_ttl")
 
@@ -870,8 +868,8 @@ def _check_block_sizes(opts: VllmRunOptions) -> None:
     if opts.model == "mla" and (opts.prefill_block_size or opts.decode_block_size):
         raise ValueError("--model mla runs at the CPU MLA kernel's block size (16 tokens): "
                          "without --prefill-block-size or --decode-block-size")
-    p = opts.prefill_block_size or DEFAULT_BLOCK_SIZE
-    d = opts.decode_block_size or DEFAULT_BLOCK_SIZE
+    p = opts.prefill_block_size or BLOCK_TOKENS
+    d = opts.decode_block_size or BLOCK_TOKENS
     for name, v in (("prefill", p), ("decode", d)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % 32:
             raise ValueError(f"--{name}-block-size must be a multiple of 32 tokens, got {v!r}")
