@@ -4,6 +4,7 @@ hand-driven clock.  Everything between the sides crosses as pickled bytes
 (the records of ``connector.records``), as between processes."""
 from __future__ import annotations
 
+import contextlib
 import pickle
 
 import torch
@@ -129,3 +130,21 @@ def engine_pair(p_tp: int, d_tp: int, clock, replicated: bool = False, **cfg_fie
     p = SplitEngine(fabric, "P", clock, cfg_fields, p_tp, pk, {"D": dk[0]}, replicated)
     d = SplitEngine(fabric, "D", clock, cfg_fields, d_tp, dk, {"P": pk[0]}, replicated)
     return fabric, p, d
+
+
+@contextlib.contextmanager
+def engine_pairs(clock, *, replicated: bool = False, **cfg_fields):
+    """``make(p_tp, d_tp)`` -> (fabric, P, D) on ``clock``; every engine made
+    is closed on exit (a test fixture's body)."""
+    made: list[SplitEngine] = []
+
+    def make(p_tp: int, d_tp: int):
+        fabric, p, d = engine_pair(p_tp, d_tp, clock, replicated, **cfg_fields)
+        made.extend((p, d))
+        return fabric, p, d
+
+    try:
+        yield make
+    finally:
+        for engine in made:
+            engine.close()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loopback_support import Clock, run
-from split_support import SplitEngine, block_value, engine_pair
+from split_support import SplitEngine, block_value, engine_pairs
 
 from kvplane.connector.params import BadTransferParams
 from kvplane.statemachines.machines import LOGGED_MACHINES
@@ -30,16 +30,8 @@ def clock():
 @pytest.fixture
 def engines(clock):
     """``engines(p_tp, d_tp)`` -> (fabric, P, D) on the test's clock, closed after the test."""
-    made: list[SplitEngine] = []
-
-    def make(p_tp: int, d_tp: int):
-        fabric, p, d = engine_pair(p_tp, d_tp, clock, **CFG)
-        made.extend((p, d))
-        return fabric, p, d
-
-    yield make
-    for engine in made:
-        engine.close()
+    with engine_pairs(clock, **CFG) as make:
+        yield make
 
 
 def pull(p: SplitEngine, d: SplitEngine, blocks=(1, 2, 3), local=(5, 6, 7), hold=False):

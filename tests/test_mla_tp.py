@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from loopback_support import Clock, run
-from split_support import SplitEngine, block_value, engine_pair
+from split_support import SplitEngine, block_value, engine_pairs
 
 from kvplane.connector.records import LeaseGrant
 from kvplane.statemachines.tp_mapping import Source, TpMapping, TpMismatch
@@ -61,16 +61,8 @@ def clock():
 
 @pytest.fixture
 def engines(clock):
-    made: list[SplitEngine] = []
-
-    def make(p_tp: int, d_tp: int):
-        fabric, p, d = engine_pair(p_tp, d_tp, clock, replicated=True, **CFG)
-        made.extend((p, d))
-        return fabric, p, d
-
-    yield make
-    for engine in made:
-        engine.close()
+    with engine_pairs(clock, replicated=True, **CFG) as make:
+        yield make
 
 
 def pull(p: SplitEngine, d: SplitEngine, blocks=(1, 2, 3), local=(5, 6, 7)):
