@@ -22,6 +22,7 @@ from typing import Any, Sized
 
 from kvplane.statemachines import events as E
 from kvplane.statemachines.actions import ReportRecv
+from kvplane.statemachines.observe import CaptureObserver
 from kvplane.statemachines.tp_mapping import TpMapping
 
 from .driver import PlaneDriver
@@ -62,7 +63,8 @@ class ConnectorWorker:
         self._broken_failed: set[str] = set()  # of those, awaited: failed in the next report
         self._out_sending: set[str] = set()
         self.counters: Counter = Counter()
-        driver.plane.observe(self._observe)
+        # Captures (no Step built per stimulus): a failed ReportRecv is external, so in ``out``.
+        driver.plane.observe(CaptureObserver(self._capture, self._observe))
 
     # ------------------------------------------------------------ start-up
     def rank_info(self) -> RankInfo:
@@ -247,8 +249,15 @@ class ConnectorWorker:
                     if all(plane.get("decode_request", s) is None for s in self._subs.get(r, ()))]:
             self._forget(rid)
 
+    def _capture(self, _stimulus, out) -> None:
+        if out:
+            self._note_failed_recvs(out)
+
     def _observe(self, step) -> None:
-        for a in step.actions:
+        self._note_failed_recvs(step.actions)
+
+    def _note_failed_recvs(self, actions) -> None:
+        for a in actions:
             if isinstance(a, ReportRecv) and not a.ok:
                 # The first of a request's sub-reads to fail names why (the table
                 # names a reason on every failed report).

@@ -400,39 +400,43 @@ class EventLogWriter:
         return writer
 
     def capture(self, stimulus: Stimulus, out: Sequence[Action] | None) -> None:
-        """The plane's way in (see ControlPlane.recorder): the line's actions
-        in ``stimulus_actions``' order (own, timer, the cascade's effects),
-        the timer's written without a call where its key is a string."""
-        event, now, kind, key, before, after, acts, old_deadline, deadline = stimulus
-        self.seq += 1
-        cls = event.__class__
-        try:
-            value = _VALUES.get(cls, _UNSEEN)
-            if value is _UNSEEN:
-                value = _value(cls)
-            data = event if value is None else value(event)
-            entries = _entries(acts) if acts else []
-            if deadline != old_deadline:
-                if key.__class__ is not str:
-                    entries += _entries((timer_action(kind, key, old_deadline, deadline),))
-                elif deadline is None:
-                    entries.append(("CancelTimer", CancelTimer(kind, key)))
-                elif deadline - deadline == 0.0:  # finite (the plane's deadlines are)
-                    entries.append(("ArmTimer", ArmTimer(kind, key, deadline)))
-                else:
-                    raise _NotFinite
-            effects = cascade_effects(acts, out) if out else None
-            if effects:
-                entries += _entries(effects)
-            lines = self._lines
-            lines.append(_Line(LOG_VERSION, self.seq, now, f"{kind}:{key}", cls.__name__, data, before, after,
-                               entries))
-        except _NotFinite:
-            self._add_json(_line_json(self.seq, event, now, f"{kind}:{key}", before, after,
-                                      stimulus_actions(stimulus, out)))
-            return
+        """The plane's way in (see ControlPlane.recorder): the stimulus is
+        numbered and kept as the plane handed it; its line's record is made
+        with its batch's (``_record``), so the plane's call does no more
+        than this append.  What it holds is never changed once handled (the
+        events, the machine's action list, ``out``: the plane's copy)."""
+        seq = self.seq = self.seq + 1
+        lines = self._lines
+        lines.append((seq, stimulus, out))
         if len(lines) >= self._encode_at:
             self._encode_due()
+
+    @staticmethod
+    def _record(seq: int, stimulus: Stimulus, out: Sequence[Action] | None) -> _Line:
+        """A captured stimulus's line record: the line's actions in
+        ``stimulus_actions``' order (own, timer, the cascade's effects), the
+        timer's written without a call where its key is a string; raises
+        _NotFinite."""
+        event, now, kind, key, before, after, acts, old_deadline, deadline = stimulus
+        cls = event.__class__
+        value = _VALUES.get(cls, _UNSEEN)
+        if value is _UNSEEN:
+            value = _value(cls)
+        data = event if value is None else value(event)
+        entries = _entries(acts) if acts else []
+        if deadline != old_deadline:
+            if key.__class__ is not str:
+                entries += _entries((timer_action(kind, key, old_deadline, deadline),))
+            elif deadline is None:
+                entries.append(("CancelTimer", CancelTimer(kind, key)))
+            elif deadline - deadline == 0.0:  # finite (the plane's deadlines are)
+                entries.append(("ArmTimer", ArmTimer(kind, key, deadline)))
+            else:
+                raise _NotFinite
+        effects = cascade_effects(acts, out) if out else None
+        if effects:
+            entries += _entries(effects)
+        return _Line(LOG_VERSION, seq, now, f"{kind}:{key}", cls.__name__, data, before, after, entries)
 
     def _capture_stimulus(self, stimulus: Stimulus, out: Sequence[Action] | None) -> None:
         """``capture`` of a stimuli-only writer."""
@@ -471,14 +475,47 @@ class EventLogWriter:
             self._next_encode()
 
     def _encode(self) -> None:
+        """Encode what was recorded since the last time, in order: a captured
+        stimulus (a tuple) gets its record here, one that msgspec cannot
+        write as recorded its ``json`` line."""
         lines = self._lines
-        if lines:
-            self._lines = []
+        if not lines:
+            return
+        self._lines = []
+        records: list = []
+        failed: TypeError | None = None
+        for item in lines:
+            if item.__class__ is tuple:
+                seq, stimulus, out = item
+                try:
+                    item = self._record(seq, stimulus, out)
+                except _NotFinite:
+                    failed = self._encode_records(records) or failed
+                    records = []
+                    event, now, kind, key, before, after = stimulus[:6]
+                    self._encoded.append(_line_json(seq, event, now, f"{kind}:{key}", before, after,
+                                                    stimulus_actions(stimulus, out)) + b"\n")
+                    self._unwritten += 1
+                    continue
+            records.append(item)
+        failed = self._encode_records(records) or failed
+        if failed is not None:
+            raise failed
+
+    def _encode_records(self, records: list) -> TypeError | None:
+        """Encode ``records`` in one call, or line by line when one holds a
+        value JSON cannot hold (the others are kept); returns that error."""
+        if not records:
+            return None
+        try:
+            self._encoded.append(_ENCODER.encode_lines(records))
+            self._unwritten += len(records)
+        except TypeError:
             try:
-                self._encoded.append(_ENCODER.encode_lines(lines))
-                self._unwritten += len(lines)
-            except TypeError:  # a value JSON cannot hold: keep the batch's other lines
-                self._encode_each(lines)
+                self._encode_each(records)
+            except TypeError as exc:
+                return exc
+        return None
 
     def _encode_each(self, lines: list) -> None:
         """Encode ``lines`` one by one, keeping every line that encodes; then

@@ -53,42 +53,68 @@ class Step:
 Observer = Callable[[Step], None]
 
 
+class CaptureObserver:
+    """An observer given as two functions: ``capture(stimulus, out)``, which
+    the plane hands each stimulus as it kept it (``Stimulus``; ``out`` its
+    external actions, the cascade's included, or None), so that no Step is
+    built for it; and ``step(step)``, for the Steps the plane builds itself
+    (a refused stimulus, which no instance handled).  An observer that only
+    reads the stimulus's external actions needs no Step: they are ``out``."""
+
+    __slots__ = ("capture", "step")
+
+    def __init__(self, capture: Callable[[Stimulus, Sequence[Action] | None], None], step: Observer):
+        self.capture = capture
+        self.step = step
+
+    def __call__(self, step: Step) -> None:
+        self.step(step)
+
+
 class ObservedMachine:
     """A machine (compiled or reference) that reports every ``apply`` and
-    ``handle`` to an observer; everything else is the wrapped machine's."""
+    ``handle`` to an observer; everything else is the wrapped machine's.
+    ``wrap``: applied once to what reports a transition (building its Step
+    and calling the observer), e.g. to time that apart from the machine's
+    own work (``kvplane run``'s ``PlaneCpu.apart``)."""
 
     # The plane reads these on every dispatch: copied, not forwarded by
     # ``__getattr__`` (a slot left unset, as for a machine without one, forwards).
     _COPIED = ("name", "spec", "terminal_states", "new")
-    __slots__ = ("inner", "observer", *_COPIED)
+    __slots__ = ("inner", "observer", "_report", *_COPIED)
 
-    def __init__(self, inner: Any, observer: Observer):
+    def __init__(self, inner: Any, observer: Observer, wrap: Callable[[Callable], Callable] | None = None):
         self.inner = inner
         self.observer = observer
+        self._report = self._step if wrap is None else wrap(self._step)
         for name in self._COPIED:
             if hasattr(inner, name):
                 setattr(self, name, getattr(inner, name))
 
+    def _step(self, inst: Any, event: Event, now: float, before: str, acts: Any, deadline: float | None) -> None:
+        self.observer(Step(event, now, self.inner.name, inst.key, before, inst.state, acts, deadline, inst))
+
     def apply(self, inst, event, config, now):
         before, deadline = inst.state, inst.deadline
         acts = self.inner.apply(inst, event, config, now)
-        self.observer(Step(event, now, self.inner.name, inst.key, before, inst.state, acts, deadline, inst))
+        self._report(inst, event, now, before, acts, deadline)
         return acts
 
     def handle(self, inst, event, config, now):
         before, deadline = inst.state, inst.deadline
         acts = self.inner.handle(inst, event, config, now)
-        self.observer(Step(event, now, self.inner.name, inst.key, before, inst.state, acts, deadline, inst))
+        self._report(inst, event, now, before, acts, deadline)
         return acts
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
-def observed(machines: dict[str, Any], observer: Observer) -> dict[str, Any]:
+def observed(machines: dict[str, Any], observer: Observer,
+             wrap: Callable[[Callable], Callable] | None = None) -> dict[str, Any]:
     # Any: an ObservedMachine stands in for the Machine it wraps (the plane's
     # ``machines``), forwarding what it does not observe.
-    return {kind: ObservedMachine(m, observer) for kind, m in machines.items()}
+    return {kind: ObservedMachine(m, observer, wrap) for kind, m in machines.items()}
 
 
 # One top-level stimulus as the plane keeps it while its cascade runs (a

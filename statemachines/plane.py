@@ -175,8 +175,10 @@ class ControlPlane:
             if top is not None:  # None: a refused stimulus, handed to the recorder as a Step already
                 # A cascade's effects follow the stimulus's own in out: out is
                 # passed whenever it holds anything.
-                for capture in self._captures:  # the caller's, copied: a capture may keep it
-                    capture(top, out[:] if out else None)
+                if self._captures:  # the caller's list, copied once: a capture may keep it (none changes it)
+                    kept = out[:] if out else None
+                    for capture in self._captures:
+                        capture(top, kept)
                 if self._steppers:  # stimulus_step keeps slices of out, not out
                     step = stimulus_step(top, out if out else None)
                     for observer in self._steppers:

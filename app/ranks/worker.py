@@ -47,7 +47,7 @@ from kvplane.statemachines.actions import FreeBlocks
 from kvplane.statemachines.events import HandshakeOk, LeaseHeartbeat
 from kvplane.statemachines.lifecycle_counts import LifecycleCounts
 from kvplane.statemachines.machines import MACHINES
-from kvplane.statemachines.observe import observed
+from kvplane.statemachines.observe import CaptureObserver, observed
 from kvplane.statemachines.stats import PROTOCOL_VIOLATION, UNKNOWN_ID, UNKNOWN_KIND, Anomaly, FailClosed
 
 from ..job.messages import handlers
@@ -92,8 +92,9 @@ class RankWorker:
         # transitions, counted as replay counts them (LifecycleCounts).
         self.lifecycle = LifecycleCounts()
         self.plane_cpu = PlaneCpu()  # the plane's CPU, recorder on, for the summary
-        # The job's own observers (these counts, ``_tally``) are summed apart: no engine runs them.
-        counted = observed({k: MACHINES[k] for k in LifecycleCounts.KINDS}, self.plane_cpu.apart(self.lifecycle))
+        # The job's own observers (these counts, ``_tally``) are summed apart: no engine runs them
+        # (the counts' Steps too: ``observed``'s ``wrap``).
+        counted = observed({k: MACHINES[k] for k in LifecycleCounts.KINDS}, self.lifecycle, wrap=self.plane_cpu.apart)
         self._lease_events: list[tuple[str, str, float, float]] = []
         self.busy_s = 0.0
         self._offsets: list[tuple[str, float]] = []
@@ -103,7 +104,7 @@ class RankWorker:
             RankSetup(engine_id=opts.engine_id, rank=opts.rank, tp_size=opts.tp_size,
                       drop_notifications=opts.drop_notifications, fault_seed=opts.seed, log_path=opts.log_path,
                       log_flush_every=1 << 30),  # flushed by the loop (and at the end)
-            observers=(self.plane_cpu.apart(self._tally),), config=PlaneConfig(**opts.plane_fields), clock=clock,
+            observers=(CaptureObserver(self.plane_cpu.apart(self._tally_capture), self.plane_cpu.apart(self._tally)),), config=PlaneConfig(**opts.plane_fields), clock=clock,
             curve_keypair=tuple(opts.keypair), trusted_peers=opts.peers, host=opts.side_channel_host,
             machines={**MACHINES, **counted})
         self.rank_id, self.ep, self.faults = self.parts.rank_id, self.parts.endpoint, self.parts.faults
@@ -175,16 +176,23 @@ class RankWorker:
         self.stopped = True
 
     # ------------------------------------------------------------ tally
+    def _tally_capture(self, stimulus, out) -> None:
+        # FreeBlocks is external: the stimulus's are in ``out`` (no Step is built for this observer).
+        self._tally_parts(stimulus[0], stimulus[2], stimulus[3], out or ())
+
     def _tally(self, step) -> None:
-        if isinstance(step.event, LeaseHeartbeat) and step.kind == "lease":
-            lease = self.driver.plane.get("lease", step.event.request_id)
+        self._tally_parts(step.event, step.kind, step.key, step.actions)
+
+    def _tally_parts(self, event, kind: str, key, actions) -> None:
+        if isinstance(event, LeaseHeartbeat) and kind == "lease":
+            lease = self.driver.plane.get("lease", event.request_id)
             if lease is not None:
-                self._lease_events.append((step.event.request_id, "heartbeat", time.monotonic(), lease.expiry))
-        if isinstance(step.event, HandshakeOk) and step.kind == "remote_engine":
-            engine = self.driver.plane.get("remote_engine", step.key)
+                self._lease_events.append((event.request_id, "heartbeat", time.monotonic(), lease.expiry))
+        if isinstance(event, HandshakeOk) and kind == "remote_engine":
+            engine = self.driver.plane.get("remote_engine", key)
             if engine is not None and math.isfinite(engine.best_rtt):
-                self._offsets.append((str(step.key), engine.clock_offset))
-        for a in step.actions:
+                self._offsets.append((str(key), engine.clock_offset))
+        for a in actions:
             if isinstance(a, FreeBlocks):
                 self._ended[a.reason] += 1
                 self._lease_events.append((a.request_id, a.reason, time.monotonic(), 0.0))
