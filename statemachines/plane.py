@@ -332,7 +332,10 @@ class ControlPlane:
                 deadline = self._nonfinite_deadline(kind, key, event, inst, now)
             self._push_timer(inst, deadline, kind, key)
         if note:
-            self._note_top(event, now, kind, key, before, inst.state, acts, old_deadline, deadline)
+            # The stimulus, kept for its log line as parts (``observe.Stimulus``): ``handle``
+            # hands it to the recorder once its effects are known; the timer action and the
+            # line's action list are built only where a recorder needs them.
+            self._top = (event, now, kind, key, before, inst.state, acts, old_deadline, deadline)
         state = inst.state
         insts = self.instances[kind]
         if state in k.terminal:
@@ -359,14 +362,6 @@ class ControlPlane:
         self._anomaly(NONFINITE_DEADLINE, kind, key, event, repr(inst.deadline))
         inst.deadline = now
         return now
-
-    def _note_top(self, event: Event, now: float, kind: str, key: Any, before: str, after: str, acts: Any,
-                  old_deadline: float | None, deadline: float | None) -> None:
-        """Keep the stimulus being handled for its log line (``handle`` hands
-        it to the recorder once its effects are known), as parts
-        (``observe.Stimulus``): the timer action and the line's action list
-        are built only where a recorder needs them."""
-        self._top = (event, now, kind, key, before, after, acts, old_deadline, deadline)
 
     def _refuse_uncreated(self, event: Event, kind: str, key: Any, what: str, detail: str, now: float,
                           out: list, note: bool) -> None:

@@ -78,14 +78,15 @@ def wire_executor(w: Wire) -> Executor:
             return event(*args, **{field: read(a, plane, tgt, req, chain) for field, read in by_keyword})
         return event(*args)
 
+    # Only a chained wire reads the heartbeat chain (None for the others, without a call).
     def chain_of(plane: Any, a: Action) -> Any:
-        return plane.heartbeats.chain(a.engine_id) if chained else None  # type: ignore[attr-defined]
+        return plane.heartbeats.chain(a.engine_id)  # type: ignore[attr-defined]
 
     if isinstance(w.target, Requesters):
         requesters = w.target.field
 
         def fan_out(plane: Any, a: Action, now: float, queue: list) -> None:
-            chain = chain_of(plane, a)
+            chain = chain_of(plane, a) if chained else None
             for req in getattr(a, requesters):
                 queue.append(build(a, plane, None, req, chain))
 
@@ -97,7 +98,7 @@ def wire_executor(w: Wire) -> Executor:
         live_key = key
 
         def if_live(plane: Any, a: Action, now: float, queue: list) -> None:
-            chain = chain_of(plane, a)
+            chain = chain_of(plane, a) if chained else None
             tgt = plane.instances[target].get(live_key(a, plane, None, None, chain))
             if tgt is not None:
                 queue.append(build(a, plane, tgt, None, chain))
@@ -105,6 +106,6 @@ def wire_executor(w: Wire) -> Executor:
         return if_live
 
     def always(plane: Any, a: Action, now: float, queue: list) -> None:
-        queue.append(build(a, plane, None, None, chain_of(plane, a)))
+        queue.append(build(a, plane, None, None, chain_of(plane, a) if chained else None))
 
     return always
