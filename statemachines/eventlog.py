@@ -483,22 +483,26 @@ class EventLogWriter:
             return
         self._lines = []
         records: list = []
-        failed: TypeError | None = None
+        failed: Exception | None = None
         for item in lines:
             if item.__class__ is tuple:
                 seq, stimulus, out = item
                 try:
                     item = self._record(seq, stimulus, out)
                 except _NotFinite:
-                    failed = self._encode_records(records) or failed
-                    records = []
+                    error = self._encode_records(records)
+                    failed, records = failed or error, []
                     event, now, kind, key, before, after = stimulus[:6]
                     self._encoded.append(_line_json(seq, event, now, f"{kind}:{key}", before, after,
                                                     stimulus_actions(stimulus, out)) + b"\n")
                     self._unwritten += 1
                     continue
+                except Exception as exc:  # (a bug) that line only is lost, as when records were made at capture
+                    failed = failed or exc
+                    continue
             records.append(item)
-        failed = self._encode_records(records) or failed
+        error = self._encode_records(records)
+        failed = failed or error
         if failed is not None:
             raise failed
 

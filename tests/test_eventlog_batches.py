@@ -138,3 +138,22 @@ def test_the_stream_sees_records_every_flush_every_and_on_flush(monkeypatch):
     assert [r.seq for r in log.records] == list(range(1, 26))
     writer.flush()  # nothing new: nothing written
     assert stream.getvalue().count("\n") == 26
+
+
+def test_a_stimulus_whose_record_fails_loses_its_own_line_only(monkeypatch):
+    # Records are made when their batch is encoded: one that cannot be made
+    # (not something the plane hands over: a deadline that is not a number)
+    # raises there, after every other line of its batch is kept, in order.
+    monkeypatch.setattr(EventLogWriter, "ENCODE_BATCH", 4)
+    writer = EventLogWriter(io.StringIO())
+    plain = E.LeaseHeartbeat(request_id="L")
+    raised = []
+    for i in range(5):
+        deadline = "soon" if i == 1 else None
+        try:
+            writer.capture((plain, float(i), "lease", "L", "LEASED", "LEASED", [], None, deadline), None)
+        except TypeError:
+            raised.append(i)
+    assert raised == [3]  # when its batch (4) was encoded
+    writer.flush()
+    assert [json.loads(line)["seq"] for line in writer.stream.getvalue().splitlines()] == [1, 3, 4, 5]
