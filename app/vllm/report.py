@@ -124,6 +124,12 @@ def print_report(s: dict, console: Console | None = None) -> bool:
         ]
         if s.get("push") is not None:
             rows.append(("push: P's WRITEs / D's READs", f"{s['push']['p_writes']} / {s['push']['d_reads']}"))
+        for role, cores in (s.get("dp_ranks") or {}).items():
+            # Each DP engine core (engine id ..._dp{k}) is a connector of its own.
+            rows.append((f"{role} DP engine cores: leases consumed, expired / reads, declined, failed", ", ".join(
+                f"dp{c['dp_rank']} {c['kvplane_leases_consumed']}, {c['num_kv_expired_reqs']} / "
+                f"{c['num_successful_transfers']}, {c['kvplane_declined_reads']}, {c['kvplane_failed_recvs']}"
+                for c in cores)))
     engines = s.get("prefill_engines") or []
     if len(engines) > 1:
         rows.append(("prefill engines: requests / leases consumed, expired / blocks held", ", ".join(
