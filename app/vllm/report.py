@@ -112,6 +112,10 @@ def print_report(s: dict, console: Console | None = None) -> bool:
          f"{s['kv_check']['declined']} / {s['kv_check']['no_whole_block_read']}"),
         ("KV wrong among late-forwarded", str(s["kv_check"].get("late_bad", 0))),
     ]
+    by_engine = s["kv_check"].get("by_engine")
+    if by_engine:
+        rows.append(("KV check per engine core (DP): right / checked", ", ".join(
+            f"{e} {r['ok']} / {r['checked']}" for e, r in by_engine.items())))
     if s["connector"] == "kvplane":
         rows += [
             ("reads declined by the expiry gate (recomputed)", str(s.get("declined_reads", 0))),

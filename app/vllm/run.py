@@ -710,6 +710,9 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
                        "declined": sum(v.declined for v in verdicts),
                        "no_whole_block_read": sum(1 for v in verdicts if not v.declined and not v.read_tokens),
                        "bad": [(v.tag, v.why) for v in verdicts if not v.ok]}
+    if max(opts.prefill_dp, opts.decode_dp) > 1:
+        # The KV check per DP engine core: each request's P and D engine cores, from their dumps.
+        out["kv_check"]["by_engine"] = _kv_by_engine(verdicts)
     late_tags = {f"r{r.index}" for r in res if r.late and r.ok}
     out["kv_check"]["late_bad"] = sum(1 for v in verdicts if v.tag in late_tags and not v.ok)
     by_engine = {n: sum(r.prefill == n for r in res) for n in opts.prefill_names}
@@ -792,6 +795,18 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
 # The counts a DP engine core's report row shows (summed over its TP ranks).
 DP_RANK_COUNTS = ("kvplane_leases_consumed", "num_kv_expired_reqs", "num_successful_transfers", "bytes_transferred",
                   "kvplane_declined_reads", "kvplane_failed_recvs")
+
+
+def _kv_by_engine(verdicts: list) -> dict[str, dict]:
+    """KV verdicts counted per engine core that served them (P's and D's)."""
+    rows: dict[str, dict] = {}
+    for v in verdicts:
+        for engine in (v.prefill_engine, v.decode_engine):
+            row = rows.setdefault(str(engine), {"checked": 0, "ok": 0, "tokens_compared": 0})
+            row["checked"] += 1
+            row["ok"] += v.ok
+            row["tokens_compared"] += v.read_tokens
+    return dict(sorted(rows.items()))
 
 
 def _per_dp_rank(statuses: list[dict | None], tp: int, dp: int) -> list[dict]:
