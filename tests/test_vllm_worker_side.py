@@ -222,7 +222,8 @@ def test_d_reads_from_the_dp_engine_core_that_served_p_at_its_port_and_engine_id
             d.sched.on_new_request(a)
             assert d.sched.get_num_new_matched_tokens(a, 0) == (40, True)
             d.sched.update_state_after_alloc(a, (10 + 3 * k, 11 + 3 * k, 12 + 3 * k), 40)
-            run_until(lambda: f"a{k}" in d.finished["recving"] and f"x{k}" in core.finished["sending"], *cores, d)
+            run_until(lambda k=k, core=core: f"a{k}" in d.finished["recving"] and f"x{k}" in core.finished["sending"],
+                      *cores, d)
             for layer in core.kv:
                 assert torch.equal(d.kv[layer][[10 + 3 * k, 11 + 3 * k, 12 + 3 * k]], core.kv[layer][[3, 4, 5]])
         assert not d.finished["failed"]
