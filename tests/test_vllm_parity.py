@@ -122,3 +122,19 @@ def test_mla_model_moves_whole_latent_blocks_byte_for_byte(tmp_path):
     assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0
     # Whole blocks of both layers: 16 tokens x 576 bf16 latents = 18,432 B a block and layer.
     assert s["bytes_moved"] > 0 and s["bytes_moved"] % (2 * 16 * 576 * 2) == 0, s["bytes_moved"]
+
+
+def test_data_parallel_each_d_engine_core_reads_from_the_p_engine_core_that_served_it(tmp_path):
+    # --prefill-dp 2 --decode-dp 2: each engine is one API server over two engine cores (engine ids
+    # prefill-0_dp0/_dp1, decode-0_dp0/_dp1; side channels port + dp_index), vLLM balancing requests
+    # over them. P's params name the P core that served a request; whichever D core gets it reads
+    # from that one. Every core writes its own status and event log; the KV check per core.
+    proc, s = run_job(tmp_path, "--prefill-dp", "2", "--decode-dp", "2", "--requests", "8", "--lease", "120")
+    assert_clean(proc, s, 8)
+    assert set(s["replay"]) == {"prefill.dp0", "prefill.dp1", "decode.dp0", "decode.dp1"}
+    cores = {role: [c["dp_rank"] for c in rows if c["kvplane_leases_consumed"] + c["num_successful_transfers"]]
+             for role, rows in s["dp_ranks"].items()}
+    assert cores == {"prefill": [0, 1], "decode": [0, 1]}, s["dp_ranks"]  # vLLM spread the 8 over both
+    by_engine = s["kv_check"]["by_engine"]
+    assert set(by_engine) == {"prefill-0_dp0", "prefill-0_dp1", "decode-0_dp0", "decode-0_dp1"}, by_engine
+    assert all(r["ok"] == r["checked"] > 0 for r in by_engine.values()), by_engine
