@@ -24,7 +24,8 @@ def _opts(*flags: str):
 @pytest.mark.parametrize("argv,words", [
     (["--decode-dp", "3"], "--decode-dp must be in 1..2, got 3"),
     (["--prefill-dp", "2", "--push"], "--prefill-dp and --decode-dp > 1 run with --model tiny, --prefill-tp 1"),
-    (["--decode-dp", "2", "--bidirectional"], "without --push or --bidirectional"),
+    (["--decode-dp", "2", "--bidirectional"], "without --push, --bidirectional"),
+    (["--decode-dp", "2", "--kill-decode-at", "5"], "or --kill-decode-at"),
     (["--decode-dp", "2", "--prefill-tp", "2"], "--prefill-tp 1, --decode-tp 1"),
     (["--decode-dp", "2", "--model", "hybrid"], "--model tiny"),
     (["--prefill-dp", "2", "--prefill-engines", "2"], "one prefill engine"),
