@@ -72,9 +72,11 @@ def dump_path(directory: str, tag: str, rank: int) -> str:
     return os.path.join(directory, f"{tag}.rank{rank}.pt")
 
 
-def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
+def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str, engine_id: str | None = None) -> None:
     """Write ``{"kv": [layers, heads, whole blocks' rows, width], "num_tokens",
-    "first_read_token", "read_ok", "block_tokens", "when"}`` to ``path``
+    "first_read_token", "read_ok", "block_tokens", "when", "engine_id"}`` to
+    ``path`` (``engine_id``: the engine core that saved it; with DP, which
+    one served the request)
     (atomically: a reader never sees half a file).  ValueError when the
     blocks cannot hold the tokens."""
     import torch
@@ -98,7 +100,8 @@ def dump_kv(layers: Sequence[Any], dump: DumpKV, path: str) -> None:
 
     out, _ = blocks_kv(dump.groups[0] if dump.groups else dump.block_ids)
     saved = {"kv": out, "num_tokens": num_tokens, "first_read_token": dump.first_read_token,
-             "read_ok": dump.read_ok, "block_tokens": block_tokens, "when": dump.when}
+             "read_ok": dump.read_ok, "block_tokens": block_tokens, "when": dump.when,
+             "engine_id": engine_id}
     if dump.groups:
         saved["groups"] = [dict(zip(("kv", "block_ids"), blocks_kv(g))) for g in dump.groups]
     tmp = path + ".tmp"

@@ -42,7 +42,7 @@ from . import vllm_stats
 from .kv_groups import KvGroups
 from .records import RankInfo, StepMeta, WorkerReport
 from .vllm_scheduler import SchedulerStep, VllmSchedulerSide
-from .vllm_settings import COMPAT_HASH, settings_from
+from .vllm_settings import COMPAT_HASH, for_dp_rank, settings_from
 from .vllm_worker import VllmWorkerSide
 
 if TYPE_CHECKING:
@@ -140,6 +140,11 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
                                       kv_load_failure_policy=ktc.kv_load_failure_policy,
                                       side_channel_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
                                       side_channel_host="127.0.0.1" if host == "localhost" else host)
+        parallel = vllm_config.parallel_config
+        # With DP each engine core is one connector: its own DP index (vLLM
+        # suffixed the engine id with it) names its files and its ports.
+        self.dp_index: int = getattr(parallel, "data_parallel_index", 0) or 0
+        self.settings = for_dp_rank(self.settings, self.dp_index)
         if self.settings.insecure:
             log.warning("kvplane: kvplane_insecure: the side channel is plaintext, notifications are accepted "
                         "from any agent and kv_transfer_params are not authenticated (docs/security.md)")
@@ -149,7 +154,6 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         if self.settings.unknown_keys:
             log.warning("kvplane: unknown kv_connector_extra_config keys ignored: %s",
                         ", ".join(self.settings.unknown_keys))
-        parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1 or getattr(parallel, "decode_context_parallel_size", 1) != 1 or \
                 getattr(parallel, "prefill_context_parallel_size", 1) != 1:
             raise ValueError("KVPlaneConnector supports tensor parallelism only (PP, DCP and PCP must be 1)")
@@ -169,7 +173,7 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
 
             self.worker_side = VllmWorkerSide(
                 self.engine_id, self.settings, rank=get_tensor_model_parallel_rank(), tp_size=self.tp_size,
-                dp_index=getattr(parallel, "data_parallel_index", 0) or 0,
+                dp_index=self.dp_index,
                 compat_hash=_compat_hash(vllm_config, kv_cache_config, self.settings.enforce_handshake_compat,
                                          tp_size=self.tp_size),
                 replicated_kv=mla)

@@ -89,8 +89,11 @@ class VllmSettings:
     # notifications from any agent, params unauthenticated (as with
     # NixlConnector).  Required to start without a secret or keypair.
     allow_insecure: bool = False
-    event_log: str | None = None  # kvplane_event_log: JSONL path ("{rank}" is replaced)
-    status_file: str | None = None  # kvplane_status_file: JSON written every step ("{rank}" is replaced)
+    # kvplane_event_log: JSONL path; kvplane_status_file: JSON written every
+    # step.  "{rank}" is replaced by the TP rank, "{dp}" by the engine core's
+    # data-parallel index (for_dp_rank).
+    event_log: str | None = None
+    status_file: str | None = None
     kv_dump_dir: str | None = None  # kvplane_kv_dump_dir: where requests tagged kvplane_dump_kv save their KV
     # kvplane_reader_tp: the TP of the engines that read this engine's blocks
     # (D's for a prefill engine, P's for a decoder's holds); None: this
@@ -225,6 +228,28 @@ def settings_from(extra: Mapping[str, Any] | None, *, kv_load_failure_policy: st
                                           "for every engine; or set kvplane_insecure: true to run unauthenticated "
                                           "(docs/security.md)")
     return VllmSettings(plane=plane, unknown_keys=tuple(sorted(unknown)), **own)
+
+
+DP_FIELD = "{dp}"
+
+
+def for_dp_rank(settings: VllmSettings, dp_index: int) -> VllmSettings:
+    """``settings`` for the engine core of data-parallel index ``dp_index``:
+    ``{dp}`` in the event log and status file names replaced by it.  vLLM
+    runs a dense model's DP ranks as independent engine cores that share
+    kv_connector_extra_config and tell a connector its DP index, never the DP
+    size; so a name without ``{dp}`` is refused on a core of index > 0, where
+    it would be the same file as index 0's (ConfigError)."""
+    named = {}
+    for field in ("event_log", "status_file"):
+        template = getattr(settings, field)
+        if template is None:
+            continue
+        if DP_FIELD not in template and dp_index > 0:
+            raise ConfigError(_key_of(field), f"{template!r} has no {DP_FIELD} field, but this engine core is "
+                                              f"data-parallel rank {dp_index}: every DP rank would write that file")
+        named[field] = template.replace(DP_FIELD, str(dp_index))
+    return attrs.evolve(settings, **named)
 
 
 def _bool(key: str, value: Any) -> bool:

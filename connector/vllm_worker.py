@@ -186,7 +186,7 @@ class VllmWorkerSide:
         try:
             if directory is None:
                 raise ValueError("no kvplane_kv_dump_dir")
-            dump_kv(self._kv, dump, dump_path(directory, dump.tag, self.rank))
+            dump_kv(self._kv, dump, dump_path(directory, dump.tag, self.rank), engine_id=self.engine_id)
         except (OSError, ValueError, RuntimeError) as exc:  # a dump is a check's input, never the plane's
             log.warning("kvplane: KV dump of %s failed: %s", dump.request_id, exc)
         if dump.holds_blocks:

@@ -122,3 +122,23 @@ def test_mla_model_moves_whole_latent_blocks_byte_for_byte(tmp_path):
     assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0
     # Whole blocks of both layers: 16 tokens x 576 bf16 latents = 18,432 B a block and layer.
     assert s["bytes_moved"] > 0 and s["bytes_moved"] % (2 * 16 * 576 * 2) == 0, s["bytes_moved"]
+
+
+def test_data_parallel_d_reads_each_request_from_the_p_engine_core_that_served_it(tmp_path):
+    # --prefill-dp 2: P is one API server over two engine cores (engine ids prefill-0_dp0 / _dp1, side
+    # channels port + dp_index), vLLM balancing requests over them. P's params name the core that served
+    # a request; D handshakes with and reads from that one. Every core writes its own status and event
+    # log; the KV check per core. (P DP 2 with D DP 2 as well starved D for 46 s here: docs/parity.md.)
+    proc, s = run_job(tmp_path, "--prefill-dp", "2", "--requests", "8", "--lease", "120")
+    assert_clean(proc, s, 8)
+    assert set(s["replay"]) == {"prefill.dp0", "prefill.dp1", "decode"}
+    assert [c["dp_rank"] for c in s["dp_ranks"]["prefill"]] == [0, 1], s["dp_ranks"]
+    # Each request's P and D cores (from their dumps): vLLM spread the 8 over both P cores.
+    by_engine = s["kv_check"]["by_engine"]
+    assert set(by_engine) == {"prefill-0_dp0", "prefill-0_dp1", "decode-0"}, by_engine
+    assert all(r["ok"] == r["checked"] > 0 for r in by_engine.values()), by_engine
+    unread = [e for e in ("prefill-0_dp0", "prefill-0_dp1") if not by_engine[e]["tokens_compared"]]
+    if unread:
+        # A core none of whose requests was read: recomputed, never wrong (assert_clean). As in the TP
+        # tests, only a starved process explains it (D seeing the requests after P's leases expired).
+        assert max(s["longest_rank_stall_ms"].values()) >= STARVED_MS, (unread, s["dp_ranks"], s["longest_rank_stall_ms"])

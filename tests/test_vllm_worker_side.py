@@ -194,3 +194,56 @@ def test_layers_must_agree(tmp_path):
 ])
 def test_the_scheduler_log_is_named_for_the_scheduler_not_as_a_rank(template, path):
     assert scheduler_log_path(template) == path
+
+
+def test_d_reads_from_the_dp_engine_core_that_served_p_at_its_port_and_engine_id(tmp_path):
+    """vLLM's P with --data-parallel-size 2: two engine cores, one
+    kv_connector_extra_config (one side-channel port, file names with
+    ``{dp}``), engine ids suffixed ``_dp0`` / ``_dp1``.  Each core listens on
+    port + dp_index (TP 1), writes its own files, and a D reads each request
+    from the core its params name, byte for byte."""
+    base = free_port()
+    while not all(_port_free(base + k) for k in range(2)):
+        base = free_port()
+    names = {"kvplane_event_log": str(tmp_path / "prefill.dp{dp}.events.jsonl"),
+             "kvplane_status_file": str(tmp_path / "prefill.dp{dp}.status.json")}
+    cores = [Engine(f"prefill-0_dp{k}", tmp_path, seed=1 + k, dp_index=k, side_channel_port=base, **names)
+             for k in range(2)]
+    d = Engine("decode-0", tmp_path, seed=9)
+    try:
+        assert [c.worker.rank_info().side_channel_port for c in cores] == [base, base + 1]
+        for k, core in enumerate(cores):
+            x = Req(f"x{k}", {"do_remote_decode": True})
+            core.sched.on_new_request(x)
+            _, params = core.sched.request_finished(x, (3, 4, 5))
+            assert (params["remote_engine_id"], params["remote_port"]) == (f"prefill-0_dp{k}", base + k)
+            core.step()
+            a = Req(f"a{k}", params)
+            d.sched.on_new_request(a)
+            assert d.sched.get_num_new_matched_tokens(a, 0) == (40, True)
+            d.sched.update_state_after_alloc(a, (10 + 3 * k, 11 + 3 * k, 12 + 3 * k), 40)
+            run_until(lambda k=k, core=core: f"a{k}" in d.finished["recving"] and f"x{k}" in core.finished["sending"],
+                      *cores, d)
+            for layer in core.kv:
+                assert torch.equal(d.kv[layer][[10 + 3 * k, 11 + 3 * k, 12 + 3 * k]], core.kv[layer][[3, 4, 5]])
+        assert not d.finished["failed"]
+        assert cores[0].kv["layer0"][3].ne(cores[1].kv["layer0"][3]).any()  # two cores' KV: D read each one's
+    finally:
+        for e in (*cores, d):
+            e.worker.shutdown()
+    for k in range(2):
+        status = json.loads((tmp_path / f"prefill.dp{k}.status.json").read_text())
+        assert status["engine_id"] == f"prefill-0_dp{k}" and status["closed"] and status["plane_held"] == []
+        result = replay(tmp_path / f"prefill.dp{k}.events.jsonl")
+        assert result.ok and result.lines > 1, (result.divergence, result.held)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

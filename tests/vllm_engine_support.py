@@ -8,7 +8,7 @@ import socket
 import torch
 
 from kvplane.connector.vllm_scheduler import VllmSchedulerSide
-from kvplane.connector.vllm_settings import settings_from
+from kvplane.connector.vllm_settings import for_dp_rank, settings_from
 from kvplane.connector.vllm_worker import VllmWorkerSide
 from vllm_support import Req as VllmRequest
 from vllm_support import deployment_secret
@@ -37,16 +37,20 @@ class Engine:
     """One engine's scheduler half and worker half, stepped as vLLM's loop
     does; one deployment secret per test folder unless ``extra`` names keys."""
 
-    def __init__(self, name: str, tmp, seed: int, mode: str = "pull", block_tokens: int = BLOCK_TOKENS, **extra):
+    def __init__(self, name: str, tmp, seed: int, mode: str = "pull", block_tokens: int = BLOCK_TOKENS, *,
+                 dp_index: int = 0, side_channel_port: int | None = None, **extra):
+        """``dp_index``: the engine core's data-parallel index, as vLLM's DP
+        rank k's connector gets it (its files' ``{dp}``, its port's offset
+        from ``side_channel_port``)."""
         if "kvplane_keypair" not in extra and "kvplane_insecure" not in extra:
             extra["kvplane_secret_file"] = deployment_secret(tmp)
         self.name = name
-        self.settings = settings_from({"kvplane_event_log": str(tmp / f"{name}.events.jsonl"),
-                                       "kvplane_status_file": str(tmp / f"{name}.status.json"),
-                                       "kvplane_kv_dump_dir": str(tmp), **extra},
-                                      side_channel_port=free_port())
+        self.settings = for_dp_rank(settings_from({"kvplane_event_log": str(tmp / f"{name}.events.jsonl"),
+                                                   "kvplane_status_file": str(tmp / f"{name}.status.json"),
+                                                   "kvplane_kv_dump_dir": str(tmp), **extra},
+                                                  side_channel_port=side_channel_port or free_port()), dp_index)
         self.sched = VllmSchedulerSide(name, self.settings, transfer_mode=mode, block_size=block_tokens)
-        self.worker = VllmWorkerSide(name, self.settings)
+        self.worker = VllmWorkerSide(name, self.settings, dp_index=dp_index)
         self.kv = kv_layers(seed, block_tokens)
         self.worker.register_kv_caches(self.kv)
         self.sched.add_ranks({0: self.worker.rank_info()})

@@ -326,6 +326,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --engine vllm: D's vLLM --block-size in tokens; unlike P's, a whole multiple of it "
                         "(P's blocks read into D's, as NixlConnector; TP 1, pull, one turn: docs/parity.md; default "
                         "vLLM's, 128 on CPU)")
+    p.add_argument("--prefill-dp", type=int_at_least(1), default=argparse.SUPPRESS, metavar="N",
+                   help="with --engine vllm: P's vLLM --data-parallel-size: N engine cores behind P's API server, "
+                        "each its own engine id (_dp0, _dp1, ...), side channel and event log; 1 or 2 here "
+                        "(default 1)")
+    p.add_argument("--decode-dp", type=int_at_least(1), default=argparse.SUPPRESS, metavar="N",
+                   help="with --engine vllm: D's vLLM --data-parallel-size (as --prefill-dp)")
     p.add_argument("--requests", type=int, default=argparse.SUPPRESS, metavar="N",
                    help=f"synthetic requests to send (default {d.requests}, with --engine vllm 24; the multi-turn "
                         "ones of the sim engine also run a turn 2: P reads back what D held)")

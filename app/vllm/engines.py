@@ -65,6 +65,7 @@ class EngineSpec:
     kv_load_failure_policy: str = "fail"
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on ('|' between ranks)
     tp: int = 1  # --tensor-parallel-size: one worker process per rank
+    dp: int = 1  # --data-parallel-size: engine cores behind the one API server (each its TP ranks)
     push: bool = False  # push mode: the connector's push class (PUSH_CONNECTORS)
     # --hosts netns: the network namespace it runs in (``ip netns exec``), the
     # address its HTTP server and side channel use there, UCX on its veth.
@@ -98,6 +99,8 @@ class EngineSpec:
             cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
+        if self.dp > 1:
+            cmd += ["--data-parallel-size", str(self.dp)]
         if self.block_size is not None:
             cmd += ["--block-size", str(self.block_size)]
         return cmd

@@ -60,6 +60,10 @@ class KvVerdict:
     read_tokens: int  # tokens of the blocks D read from P, compared with P's
     declined: bool  # kvplane declined the read (D recomputed)
     why: str = ""
+    # The engine cores whose dumps these are (with DP, the ``..._dp{k}`` ones
+    # that served the request); None where a dump is missing or older.
+    prefill_engine: str | None = None
+    decode_engine: str | None = None
 
 
 def _load(path: Path) -> dict | None:
@@ -223,12 +227,14 @@ def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: i
                 per_rank.append(_by_group(t, d, theirs, local, recv))
                 continue
             per_rank.append(verdict(t, d, theirs, local, recv))
+        engines = {"prefill_engine": (p_dumps[0] or {}).get("engine_id"),
+                   "decode_engine": (_load(dump_dir / f"{t}.rank0.pt") or {}).get("engine_id")}
         if decode_tp == 1:
-            out.append(per_rank[0])
+            out.append(attrs.evolve(per_rank[0], **engines))
             continue
         bad = [f"D rank {r}: {v.why}" for r, v in enumerate(per_rank) if not v.ok]
         out.append(KvVerdict(tag=t, ok=not bad, read_tokens=min(v.read_tokens for v in per_rank),
-                             declined=any(v.declined for v in per_rank), why="; ".join(bad)))
+                             declined=any(v.declined for v in per_rank), why="; ".join(bad), **engines))
     return out
 
 

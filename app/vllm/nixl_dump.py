@@ -121,7 +121,8 @@ class _Dumping:
                 self._recv_dumps[dump.request_id] = dump
                 continue
             try:
-                dump_kv(self._layers, dump, dump_path(self._dump_dir, dump.tag, 0))
+                dump_kv(self._layers, dump, dump_path(self._dump_dir, dump.tag, 0),
+                        engine_id=self._vllm_config.kv_transfer_config.engine_id)
             except (OSError, ValueError, RuntimeError) as exc:
                 log.warning("KV dump of %s failed: %s", dump.request_id, exc)
             if dump.holds_blocks:
@@ -133,7 +134,8 @@ class _Dumping:
             dump = self._recv_dumps.pop(rid, None)
             if dump is not None and rid not in results.failed_recving:
                 try:  # before the request runs: the blocks hold just what was read
-                    dump_kv(self._layers, dump, dump_path(self._dump_dir, dump.tag, 0))
+                    dump_kv(self._layers, dump, dump_path(self._dump_dir, dump.tag, 0),
+                        engine_id=self._vllm_config.kv_transfer_config.engine_id)
                 except (OSError, ValueError, RuntimeError) as exc:
                     log.warning("KV dump of %s failed: %s", dump.request_id, exc)
         results.finished_sending |= self._dumped

@@ -112,6 +112,10 @@ def print_report(s: dict, console: Console | None = None) -> bool:
          f"{s['kv_check']['declined']} / {s['kv_check']['no_whole_block_read']}"),
         ("KV wrong among late-forwarded", str(s["kv_check"].get("late_bad", 0))),
     ]
+    by_engine = s["kv_check"].get("by_engine")
+    if by_engine:
+        rows.append(("KV check per engine core (DP): right / checked", ", ".join(
+            f"{e} {r['ok']} / {r['checked']}" for e, r in by_engine.items())))
     if s["connector"] == "kvplane":
         rows += [
             ("reads declined by the expiry gate (recomputed)", str(s.get("declined_reads", 0))),
@@ -124,6 +128,12 @@ def print_report(s: dict, console: Console | None = None) -> bool:
         ]
         if s.get("push") is not None:
             rows.append(("push: P's WRITEs / D's READs", f"{s['push']['p_writes']} / {s['push']['d_reads']}"))
+        for role, cores in (s.get("dp_ranks") or {}).items():
+            # Each DP engine core (engine id ..._dp{k}) is a connector of its own.
+            rows.append((f"{role} DP engine cores: leases consumed, expired / reads, declined, failed", ", ".join(
+                f"dp{c['dp_rank']} {c['kvplane_leases_consumed']}, {c['num_kv_expired_reqs']} / "
+                f"{c['num_successful_transfers']}, {c['kvplane_declined_reads']}, {c['kvplane_failed_recvs']}"
+                for c in cores)))
     engines = s.get("prefill_engines") or []
     if len(engines) > 1:
         rows.append(("prefill engines: requests / leases consumed, expired / blocks held", ", ".join(

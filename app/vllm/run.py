@@ -51,6 +51,7 @@ from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
 
 ENGINE_IDS = {"P": "prefill-0", "D": "decode-0"}
 MAX_PREFILL_ENGINES = 4  # each is a vLLM server: start-up takes minutes, memory a few GiB
+MAX_DP = 2  # engine cores per vLLM server: each one OpenMP thread, on this 2-core machine's cores
 # --partition-at S: the cut waits for a prefill answered after S (a lease live across it) this long at most.
 PARTITION_WAIT_S = 10.0
 # decoder_kv_blocks_ttl of a --bidirectional run (vLLM's default, 480 s, would hold
@@ -78,6 +79,9 @@ class VllmRunOptions:
     p_num_blocks: int = 96  # small, so a busy P reuses freed blocks soon
     prefill_tp: int = 1  # P's tensor-parallel size (one worker process, one OpenMP thread per rank)
     decode_tp: int = 1
+    # P's and D's --data-parallel-size: engine cores behind one API server, each a connector of its own.
+    prefill_dp: int = 1
+    decode_dp: int = 1
     bidirectional: bool = False  # multi-turn: D holds turn 1's blocks, turn 2 goes to P with D's params
     late_turn2: float | None = None  # seconds every 4th turn 2 waits (beyond D's hold: a short TTL for the run)
     push: bool = False  # push mode: D registers its blocks, P WRITEs (KVPlanePushConnector / NixlPushConnector)
@@ -180,13 +184,16 @@ class VllmRun:
         self.model = model
         # A side channel per rank: port + rank (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT rule).
         names = (*o.prefill_names, "D")
-        ports = _free_ports(2 * len(names), span=max(o.prefill_tp, o.decode_tp))
         tps = {n: o.decode_tp if n == "D" else o.prefill_tp for n in names}
+        dps = {n: o.decode_dp if n == "D" else o.prefill_dp for n in names}
+        # DP rank k's TP rank r listens on port + k * tp + r (NixlConnector's rule).
+        ports = _free_ports(2 * len(names), span=max(tps[n] * dps[n] for n in names))
         # Every prefill engine on P's half of the cores (one OpenMP thread each; slow is fine).
         p_cores, d_cores = split_cores()
         cores = {n: d_cores if n == "D" else p_cores for n in names}
-        if max(tps.values()) > 1:
-            cores = {n: rank_cores(tp) for n, tp in tps.items()}
+        if max(tps[n] * dps[n] for n in names) > 1:
+            # vLLM gives DP rank k the list's entries k * tp .. (k + 1) * tp - 1.
+            cores = {n: rank_cores(tps[n] * dps[n]) for n in names}
         specs = {}
         # P's pool keeps its token capacity whatever its block size.
         block_sizes = {n: o.decode_block_size if n == "D" else o.prefill_block_size for n in names}
@@ -204,8 +211,8 @@ class VllmRun:
                               "kvplane_fault_seed": _fault_seed(o.seed, name)})
             if o.connector == "kvplane":
                 extra.update({
-                    "kvplane_event_log": str(self.out / log_name(role, "events.jsonl", tps[name])),
-                    "kvplane_status_file": str(self.out / log_name(role, "status.json", tps[name])),
+                    "kvplane_event_log": str(self.out / log_name(role, "events.jsonl", tps[name], dps[name])),
+                    "kvplane_status_file": str(self.out / log_name(role, "status.json", tps[name], dps[name])),
                     "kvplane_drop_notifications": o.drop_notifications,
                     "kvplane_fault_seed": _fault_seed(o.seed, name),
                 })
@@ -222,7 +229,7 @@ class VllmRun:
                 # The same tokens whatever the block size (the model's: MLA's is 16; or --prefill-block-size).
                 num_blocks=None if name == "D" else o.p_num_blocks * BLOCK_TOKENS // (block_sizes[name] or
                                                                                     block_tokens(o.model)),
-                kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], push=o.push,
+                kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], dp=dps[name], push=o.push,
                 block_size=block_sizes[name])
         return specs
 
@@ -531,14 +538,26 @@ def engine_id(name: str) -> str:
     return ENGINE_IDS.get(name) or f"prefill-{name[1:]}"
 
 
-def log_name(role: str, suffix: str, tp: int) -> str:
-    """An engine's event log or status file name; with TP > 1 one per rank
-    (the connector replaces ``{rank}``)."""
-    return f"{role}.{suffix}" if tp == 1 else f"{role}.rank{{rank}}.{suffix}"
+def log_name(role: str, suffix: str, tp: int, dp: int = 1) -> str:
+    """An engine's event log or status file name; with TP > 1 one per rank,
+    with DP > 1 one per engine core (the connector replaces ``{rank}`` and
+    ``{dp}``)."""
+    return f"{rank_stem(role, tp, dp)}.{suffix}"
 
 
-def rank_files(out: Path, role: str, suffix: str, tp: int) -> list[Path]:
-    return [out / log_name(role, suffix, tp).replace("{rank}", str(r)) for r in range(tp)]
+def rank_stem(role: str, tp: int, dp: int = 1, *, dp_index: int | str = "{dp}", rank: int | str = "{rank}") -> str:
+    """``prefill``, ``prefill.rank1``, ``prefill.dp1``, ``prefill.dp1.rank0``:
+    one rank's name in the job's files and report rows."""
+    return ".".join([role, *([f"dp{dp_index}"] if dp > 1 else []), *([f"rank{rank}"] if tp > 1 else [])])
+
+
+def rank_stems(role: str, tp: int, dp: int = 1) -> list[str]:
+    """Every rank's stem of an engine, DP rank by DP rank, TP rank by TP rank."""
+    return [rank_stem(role, tp, dp, dp_index=k, rank=r) for k in range(dp) for r in range(tp)]
+
+
+def rank_files(out: Path, role: str, suffix: str, tp: int, dp: int = 1) -> list[Path]:
+    return [out / f"{stem}.{suffix}" for stem in rank_stems(role, tp, dp)]
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -691,13 +710,20 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
                        "declined": sum(v.declined for v in verdicts),
                        "no_whole_block_read": sum(1 for v in verdicts if not v.declined and not v.read_tokens),
                        "bad": [(v.tag, v.why) for v in verdicts if not v.ok]}
+    if max(opts.prefill_dp, opts.decode_dp) > 1:
+        # The KV check per DP engine core: each request's P and D engine cores, from their dumps.
+        out["kv_check"]["by_engine"] = _kv_by_engine(verdicts)
     late_tags = {f"r{r.index}" for r in res if r.late and r.ok}
     out["kv_check"]["late_bad"] = sum(1 for v in verdicts if v.tag in late_tags and not v.ok)
     by_engine = {n: sum(r.prefill == n for r in res) for n in opts.prefill_names}
     if opts.connector == "kvplane":
         tps = {engine_role(n): opts.prefill_tp for n in opts.prefill_names} | {"decode": opts.decode_tp}
-        # One status file and event log per rank: counts and gauges add up over the ranks.
-        status = {role: [_status(f) for f in rank_files(run.out, role, "status.json", tp)] for role, tp in tps.items()}
+        dps = {engine_role(n): opts.prefill_dp for n in opts.prefill_names} | {"decode": opts.decode_dp}
+        stems = {role: rank_stems(role, tp, dps[role]) for role, tp in tps.items()}
+        # One status file and event log per rank (per DP engine core, per TP rank): counts and gauges
+        # add up over the ranks.
+        status = {role: [_status(f) for f in rank_files(run.out, role, "status.json", tp, dps[role])]
+                  for role, tp in tps.items()}
         out["status"] = status
         each = {role: _summed([(s or {}).get("counts", {}) for s in ss]) for role, ss in status.items()}
         each_gauges = {role: _summed([(s or {}).get("gauges", {}) for s in ss]) for role, ss in status.items()}
@@ -710,7 +736,11 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         # "prefill": every prefill engine's, added up.
         counts = {"prefill": _summed([each[r] for r in p_roles]), "decode": each["decode"]}
         gauges = {"prefill": _summed([each_gauges[r] for r in p_roles]), "decode": each_gauges["decode"]}
-        out["status_missing"] = [f"{role} rank {r}" for role, ss in status.items() for r, s in enumerate(ss) if s is None]
+        out["status_missing"] = [stem for role, ss in status.items() for stem, s in zip(stems[role], ss) if s is None]
+        if max(dps.values()) > 1:
+            # Each DP engine core's own share: which of them leased, read, declined.
+            out["dp_ranks"] = {role: _per_dp_rank(ss, tps[role], dps[role]) for role, ss in status.items()
+                               if dps[role] > 1}
         # Pull: D READs; push: P WRITEs (what D counts is then what it read: nothing).
         mover = "prefill" if opts.push else "decode"
         out["bytes_moved"] = counts[mover].get("bytes_transferred", 0)
@@ -735,8 +765,10 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["connector_recvs_in_flight"] = {role: g.get("kvplane_recvs_in_flight") for role, g in gauges.items()}
         # MLA with P wider than D: P ranks no D rank reads see no event (TpMapping.replicated).
         unread = TpMapping(opts.prefill_tp, opts.decode_tp, replicated=replicated_kv(opts.model)).unread_holder_ranks
-        out["replay"] = {f"{role}.rank{r}" if tp > 1 else role: _replay(f, unread=role != "decode" and r in unread)
-                         for role, tp in tps.items() for r, f in enumerate(rank_files(run.out, role, "events.jsonl", tp))}
+        out["replay"] = {stem: _replay(f, unread=role != "decode" and i % tp in unread)
+                         for role, tp in tps.items()
+                         for i, (stem, f) in enumerate(zip(stems[role], rank_files(run.out, role, "events.jsonl", tp,
+                                                                                     dps[role])))}
         if run.partition:
             # P's reclaim of what the cut stranded, from every prefill rank's event log.
             logs = [f for r in p_roles for f in rank_files(run.out, r, "events.jsonl", opts.prefill_tp)]
@@ -758,6 +790,32 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["declined_reads"] = 0  # NixlConnector has no such decision
         out["failed_transfers"] = int(d_metrics.get("vllm:nixl_num_failed_transfers_total", 0))
     return out
+
+
+# The counts a DP engine core's report row shows (summed over its TP ranks).
+DP_RANK_COUNTS = ("kvplane_leases_consumed", "num_kv_expired_reqs", "num_successful_transfers", "bytes_transferred",
+                  "kvplane_declined_reads", "kvplane_failed_recvs")
+
+
+def _kv_by_engine(verdicts: list) -> dict[str, dict]:
+    """KV verdicts counted per engine core that served them (P's and D's)."""
+    rows: dict[str, dict] = {}
+    for v in verdicts:
+        for engine in (v.prefill_engine, v.decode_engine):
+            row = rows.setdefault(str(engine), {"checked": 0, "ok": 0, "tokens_compared": 0})
+            row["checked"] += 1
+            row["ok"] += v.ok
+            row["tokens_compared"] += v.read_tokens
+    return dict(sorted(rows.items()))
+
+
+def _per_dp_rank(statuses: list[dict | None], tp: int, dp: int) -> list[dict]:
+    """One row per DP engine core of an engine: its TP ranks' counts added up."""
+    rows = []
+    for k in range(dp):
+        counts = _summed([(s or {}).get("counts", {}) for s in statuses[k * tp:(k + 1) * tp]])
+        rows.append({"dp_rank": k, **{c: counts.get(c, 0) for c in DP_RANK_COUNTS}})
+    return rows
 
 
 def _summed(dicts: list[dict]) -> dict:
@@ -847,6 +905,7 @@ def options_from_args(args: Any) -> VllmRunOptions:
     if opts.push and (opts.bidirectional or (opts.prefill_tp, opts.decode_tp) != (1, 1)):
         raise ValueError("--push runs with --prefill-tp 1 and --decode-tp 1, without --bidirectional "
                          "(as NixlPushConnector)")
+    _check_dp(opts)
     if opts.late_forward is not None and opts.kill_decode_at is not None:
         raise ValueError("--late-forward and --kill-decode-at are one fault each: pick one")
     n = opts.prefill_engines
@@ -857,6 +916,24 @@ def options_from_args(args: Any) -> VllmRunOptions:
     _check_partition(opts)
     _check_block_sizes(opts)
     return opts
+
+
+def _check_dp(opts: VllmRunOptions) -> None:
+    """--prefill-dp / --decode-dp: 1..MAX_DP engine cores, in the runs measured
+    here (docs/parity.md "Data parallel"): the tiny model, TP 1, pull, one
+    turn, one prefill engine, loopback."""
+    for name in ("prefill_dp", "decode_dp"):
+        v = getattr(opts, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_DP:
+            raise ValueError(f"--{name.replace('_', '-')} must be in 1..{MAX_DP}, got {v!r}")
+    if (opts.prefill_dp, opts.decode_dp) == (1, 1):
+        return
+    if opts.model != "tiny" or (opts.prefill_tp, opts.decode_tp) != (1, 1) or opts.push or opts.bidirectional or \
+            opts.prefill_engines != 1 or opts.hosts != "local" or opts.prefill_block_size or opts.decode_block_size \
+            or opts.kill_decode_at is not None:
+        raise ValueError("--prefill-dp and --decode-dp > 1 run with --model tiny, --prefill-tp 1, --decode-tp 1, one "
+                         "prefill engine, --hosts local, vLLM's block size, without --push, --bidirectional or "
+                         "--kill-decode-at")
 
 
 def _check_block_sizes(opts: VllmRunOptions) -> None:
@@ -935,9 +1012,9 @@ def cmd_run_vllm(args: Any) -> int:
             passed = print_report(summary, console)
             console.print(f"summary: {Path(one.out) / 'summary.json'}", highlight=False)
             if name == "kvplane":
-                for role, tp in (*((engine_role(n), one.prefill_tp) for n in one.prefill_names),
-                                 ("decode", one.decode_tp)):
-                    for f in rank_files(Path(one.out), role, "events.jsonl", tp):
+                for role, tp, dp in (*((engine_role(n), one.prefill_tp, one.prefill_dp) for n in one.prefill_names),
+                                     ("decode", one.decode_tp, one.decode_dp)):
+                    for f in rank_files(Path(one.out), role, "events.jsonl", tp, dp):
                         console.print(f"{role} event log: {f}", highlight=False)
             # Side by side, NixlConnector's outcome is a finding, not our failure.
             ok &= passed or (len(names) > 1 and name == "nixl")
