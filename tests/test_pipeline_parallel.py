@@ -235,3 +235,46 @@ def test_an_engine_running_pp_refuses_to_read(make, clock):
     _, params = d.sched.request_finished("r0", (1,))
     with pytest.raises(BadTransferParams, match="pipeline parallel size 2"):
         p.sched.on_new_request("x", params)
+
+
+# ---------------------------------------------------------------- vLLM's scheduler half at PP 2
+def pp_side(name: str, pp: int = 2, tp: int = 1):
+    from kvplane.connector.records import RankInfo
+    from kvplane.connector.vllm_scheduler import VllmSchedulerSide
+    from kvplane.connector.vllm_settings import settings_from
+
+    s = VllmSchedulerSide(name, settings_from({"kvplane_insecure": True}), tp_size=tp, pp_size=pp)
+    s.add_ranks({r: RankInfo(rank=r, engine_id=f"{name}/tp{r}", side_channel_port=5700 + 10 * r, public_key=None)
+                 for r in range(tp * pp)})
+    return s
+
+
+def test_a_pp_prefill_names_every_stage_and_reports_sent_when_every_stage_did():
+    from kvplane.connector.records import WorkerReport
+    from vllm_support import Req
+
+    p = pp_side("prefill-0")
+    r = Req("x", {"do_remote_decode": True})
+    p.on_new_request(r)
+    delay, params = p.request_finished(r, (4, 5, 6))
+    assert delay and params["pp_size"] == 2 and params["tp_size"] == 1
+    assert params["remote_rank_ports"] == [5700, 5710]  # stage 0's rank, stage 1's rank
+    assert [g.request_id for g in p.build_step([]).meta.grants] == ["x"]  # one grant, every rank applies it
+    p.update_from_workers([WorkerReport(rank=0, finished_sending={"x"})])
+    assert "x" not in p.last_report.finished_sending  # stage 1 still holds its layers' blocks
+    p.update_from_workers([WorkerReport(rank=1, finished_sending={"x"})])
+    assert "x" in p.last_report.finished_sending
+
+
+def test_a_pp_engine_computes_a_remote_prefill_itself():
+    from vllm_support import Req
+
+    p = pp_side("prefill-0")
+    d = pp_side("decode-0", pp=1)
+    src = Req("y", {"do_remote_decode": True})
+    d.on_new_request(src)
+    _, params = d.request_finished(src, (1, 2, 3))
+    r = Req("z", params)
+    p.on_new_request(r)
+    assert p.get_num_new_matched_tokens(r, 0) == (0, False)  # computed locally, nothing read
+    assert p.counters["bad_transfer_params"] == 1
