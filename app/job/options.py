@@ -326,6 +326,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --engine vllm: D's vLLM --block-size in tokens; unlike P's, a whole multiple of it "
                         "(P's blocks read into D's, as NixlConnector; TP 1, pull, one turn: docs/parity.md; default "
                         "vLLM's, 128 on CPU)")
+    p.add_argument("--prefill-pp", type=int, choices=(1, 2), default=argparse.SUPPRESS, metavar="S",
+                   help="with --engine vllm: P's pipeline-parallel size, 1 or 2 (the tiny model's 2 layers): each "
+                        "stage a worker holding its layers, D (PP 1) reads each layer from the stage that holds "
+                        "it (as NixlConnector; pull, --model tiny, one turn: docs/parity.md; default 1)")
     p.add_argument("--requests", type=int, default=argparse.SUPPRESS, metavar="N",
                    help=f"synthetic requests to send (default {d.requests}, with --engine vllm 24; the multi-turn "
                         "ones of the sim engine also run a turn 2: P reads back what D held)")

@@ -65,6 +65,8 @@ class EngineSpec:
     kv_load_failure_policy: str = "fail"
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on ('|' between ranks)
     tp: int = 1  # --tensor-parallel-size: one worker process per rank
+    pp: int = 1  # --pipeline-parallel-size: tp worker processes per stage, each stage a slice of the layers
+    traced: bool = False  # run as a PP engine must (execution()), whatever its PP: its peer's KV bytes are alike
     push: bool = False  # push mode: the connector's push class (PUSH_CONNECTORS)
     # --hosts netns: the network namespace it runs in (``ip netns exec``), the
     # address its HTTP server and side channel use there, UCX on its veth.
@@ -86,7 +88,7 @@ class EngineSpec:
     def command(self, model_dir: str | Path) -> list[str]:
         netns = [] if self.netns is None else ["ip", "netns", "exec", self.netns]
         cmd = [*netns, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--host", self.host, "--port", str(self.http_port), "--load-format", "dummy", "--enforce-eager",
+               "--host", self.host, "--port", str(self.http_port), "--load-format", "dummy", *self.execution(),
                "--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
                "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
                "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
@@ -98,9 +100,23 @@ class EngineSpec:
             cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
+        if self.pp > 1:
+            cmd += ["--pipeline-parallel-size", str(self.pp)]
         if self.block_size is not None:
             cmd += ["--block-size", str(self.block_size)]
         return cmd
+
+    def execution(self) -> list[str]:
+        """Eager, except at PP > 1: vllm-cpu 0.32.0 makes a later stage's
+        buffer for the previous stage's hidden states only in a warm-up
+        forward, which it skips for an eager model, so an eager PP engine
+        fails its first request (docs/parity.md "Pipeline parallel"); traced
+        by dynamo and run by its eager backend, the model is warmed up and
+        computes the same (no inductor kernels).  ``traced``: so, at any PP
+        (a PP engine's peer, whose KV is compared with the PP engine's)."""
+        if self.pp > 1 or self.traced:
+            return ["--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
+        return ["--enforce-eager"]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -77,6 +77,7 @@ class VllmRunOptions:
     d_max_num_seqs: int = 2  # small, so the burst waits in D's queue
     p_num_blocks: int = 96  # small, so a busy P reuses freed blocks soon
     prefill_tp: int = 1  # P's tensor-parallel size (one worker process, one OpenMP thread per rank)
+    prefill_pp: int = 1  # P's pipeline-parallel size (each stage prefill_tp ranks holding a slice of the layers)
     decode_tp: int = 1
     bidirectional: bool = False  # multi-turn: D holds turn 1's blocks, turn 2 goes to P with D's params
     late_turn2: float | None = None  # seconds every 4th turn 2 waits (beyond D's hold: a short TTL for the run)
@@ -90,6 +91,11 @@ class VllmRunOptions:
     # --hosts netns: every P's link down partition_at s into the stream, up again partition_for s later.
     partition_at: float | None = None
     partition_for: float | None = None
+
+    @property
+    def prefill_ranks(self) -> int:
+        """Each prefill engine's worker ranks: TP x PP."""
+        return self.prefill_tp * self.prefill_pp
 
     @property
     def prefill_names(self) -> tuple[str, ...]:
@@ -180,8 +186,8 @@ class VllmRun:
         self.model = model
         # A side channel per rank: port + rank (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT rule).
         names = (*o.prefill_names, "D")
-        ports = _free_ports(2 * len(names), span=max(o.prefill_tp, o.decode_tp))
-        tps = {n: o.decode_tp if n == "D" else o.prefill_tp for n in names}
+        ports = _free_ports(2 * len(names), span=max(o.prefill_ranks, o.decode_tp))
+        tps = {n: o.decode_tp if n == "D" else o.prefill_ranks for n in names}  # worker ranks
         # Every prefill engine on P's half of the cores (one OpenMP thread each; slow is fine).
         p_cores, d_cores = split_cores()
         cores = {n: d_cores if n == "D" else p_cores for n in names}
@@ -222,7 +228,9 @@ class VllmRun:
                 # The same tokens whatever the block size (the model's: MLA's is 16; or --prefill-block-size).
                 num_blocks=None if name == "D" else o.p_num_blocks * BLOCK_TOKENS // (block_sizes[name] or
                                                                                     block_tokens(o.model)),
-                kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], push=o.push,
+                kv_load_failure_policy="recompute", cpus=cores[name], push=o.push,
+                tp=o.decode_tp if name == "D" else o.prefill_tp, pp=1 if name == "D" else o.prefill_pp,
+                traced=o.prefill_pp > 1,
                 block_size=block_sizes[name])
         return specs
 
@@ -666,7 +674,8 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
     stream_s = summary.get("stream_s")
     out["requests_per_s"] = len(ok) / stream_s if ok and stream_s else 0.0
     verdicts = check_all(run.dumps, [f"r{r.index}" for r in res if r.ok], opts.prefill_tp, opts.decode_tp,
-                         recompute_exact=recompute_exact(opts.model), replicated_kv=replicated_kv(opts.model))
+                         recompute_exact=recompute_exact(opts.model), replicated_kv=replicated_kv(opts.model),
+                         prefill_pp=opts.prefill_pp)
     if opts.bidirectional:
         t2 = [run.turn2.get(r.index, Turn2Result(index=r.index, error="never sent")) for r in stream]
         ok2 = [t for t in t2 if t.ok]
@@ -695,7 +704,7 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
     out["kv_check"]["late_bad"] = sum(1 for v in verdicts if v.tag in late_tags and not v.ok)
     by_engine = {n: sum(r.prefill == n for r in res) for n in opts.prefill_names}
     if opts.connector == "kvplane":
-        tps = {engine_role(n): opts.prefill_tp for n in opts.prefill_names} | {"decode": opts.decode_tp}
+        tps = {engine_role(n): opts.prefill_ranks for n in opts.prefill_names} | {"decode": opts.decode_tp}
         # One status file and event log per rank: counts and gauges add up over the ranks.
         status = {role: [_status(f) for f in rank_files(run.out, role, "status.json", tp)] for role, tp in tps.items()}
         out["status"] = status
@@ -734,12 +743,13 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["connector_blocks_held"] = {role: g.get("kvplane_blocks_held") for role, g in gauges.items()}
         out["connector_recvs_in_flight"] = {role: g.get("kvplane_recvs_in_flight") for role, g in gauges.items()}
         # MLA with P wider than D: P ranks no D rank reads see no event (TpMapping.replicated).
-        unread = TpMapping(opts.prefill_tp, opts.decode_tp, replicated=replicated_kv(opts.model)).unread_holder_ranks
+        unread = TpMapping(opts.prefill_tp, opts.decode_tp, replicated=replicated_kv(opts.model),
+                           holder_pp=opts.prefill_pp).unread_holder_ranks
         out["replay"] = {f"{role}.rank{r}" if tp > 1 else role: _replay(f, unread=role != "decode" and r in unread)
                          for role, tp in tps.items() for r, f in enumerate(rank_files(run.out, role, "events.jsonl", tp))}
         if run.partition:
             # P's reclaim of what the cut stranded, from every prefill rank's event log.
-            logs = [f for r in p_roles for f in rank_files(run.out, r, "events.jsonl", opts.prefill_tp)]
+            logs = [f for r in p_roles for f in rank_files(run.out, r, "events.jsonl", opts.prefill_ranks)]
             out["partition"] = dict(summary.get("partition") or {}, **partition_reclaim(
                 logs, cut=run.partition["at"], healed=run.partition.get("healed"), lease=opts.lease,
                 stall_s=out["longest_rank_stall_ms"]["prefill"] / 1000))
@@ -840,6 +850,14 @@ def options_from_args(args: Any) -> VllmRunOptions:
             raise ValueError(f"--late-turn2 must be a number of seconds in {MIN_LATE_TURN2_S:g}..3600 (its hold TTL, "
                              f"half of it, must outlast an on-time turn 2), got {v!r}")
         opts = attrs.evolve(opts, bidirectional=True)
+    pp = opts.prefill_pp
+    if isinstance(pp, bool) or pp not in (1, 2):
+        raise ValueError(f"--prefill-pp must be 1 or 2 (the job's model has 2 layers), got {pp!r}")
+    if pp > 1 and (opts.model != "tiny" or opts.push or opts.late_turn2 is not None or opts.bidirectional or
+                   opts.prefill_block_size != opts.decode_block_size):
+        # As NixlConnector (pull, one attention group) and kvplane's connector (one turn).
+        raise ValueError("--prefill-pp 2 runs with --model tiny, one turn, pull mode and one block size: without "
+                         "--push, --bidirectional, --late-turn2 or unlike block sizes")
     if opts.bidirectional and (opts.prefill_tp, opts.decode_tp) != (1, 1):
         raise ValueError("--bidirectional runs with --prefill-tp 1 and --decode-tp 1")
     if opts.bidirectional and (opts.late_forward is not None or opts.kill_decode_at is not None):
@@ -935,7 +953,7 @@ def cmd_run_vllm(args: Any) -> int:
             passed = print_report(summary, console)
             console.print(f"summary: {Path(one.out) / 'summary.json'}", highlight=False)
             if name == "kvplane":
-                for role, tp in (*((engine_role(n), one.prefill_tp) for n in one.prefill_names),
+                for role, tp in (*((engine_role(n), one.prefill_ranks) for n in one.prefill_names),
                                  ("decode", one.decode_tp)):
                     for f in rank_files(Path(one.out), role, "events.jsonl", tp):
                         console.print(f"{role} event log: {f}", highlight=False)
