@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 
+import attrs
 import pytest
 import torch
 import zmq
@@ -278,3 +279,32 @@ def test_a_pp_engine_computes_a_remote_prefill_itself():
     p.on_new_request(r)
     assert p.get_num_new_matched_tokens(r, 0) == (0, False)  # computed locally, nothing read
     assert p.counters["bad_transfer_params"] == 1
+
+
+# ---------------------------------------------------------------- the job's --prefill-pp
+@pytest.mark.parametrize("flags,problem", [
+    (dict(prefill_pp=3), "1 or 2"), (dict(prefill_pp=True), "1 or 2"),
+    (dict(prefill_pp=2, push=True), "pull mode"), (dict(prefill_pp=2, model="hybrid"), "--model tiny"),
+    (dict(prefill_pp=2, bidirectional=True), "one turn"), (dict(prefill_pp=2, late_turn2=40.0), "one turn"),
+    (dict(prefill_pp=2, prefill_block_size=32, decode_block_size=64), "block size"),
+])
+def test_the_job_refuses_what_prefill_pp_does_not_run_with(flags, problem):
+    import argparse
+
+    from kvplane.app.vllm.run import options_from_args
+
+    with pytest.raises(ValueError, match=problem):
+        options_from_args(argparse.Namespace(**flags))
+
+
+def test_a_pp_engine_and_its_peer_run_traced_not_eager():
+    from kvplane.app.vllm.engines import EngineSpec
+
+    spec = EngineSpec(name="P", engine_id="prefill-0", http_port=1, side_channel_port=2, connector="kvplane", pp=2)
+    cmd = spec.command("/m")
+    assert "--enforce-eager" not in cmd and cmd[cmd.index("--pipeline-parallel-size") + 1] == "2"
+    assert '"backend": "eager"' in cmd[cmd.index("--compilation-config") + 1]
+    peer = EngineSpec(name="D", engine_id="decode-0", http_port=3, side_channel_port=4, connector="kvplane",
+                      traced=True)
+    assert "--compilation-config" in peer.command("/m") and "--pipeline-parallel-size" not in peer.command("/m")
+    assert "--enforce-eager" in attrs.evolve(peer, traced=False).command("/m")
