@@ -297,14 +297,12 @@ def test_the_job_refuses_what_prefill_pp_does_not_run_with(flags, problem):
         options_from_args(argparse.Namespace(**flags))
 
 
-def test_a_pp_engine_and_its_peer_run_traced_not_eager():
+def test_a_pp_engine_runs_traced_and_its_peer_eager():
     from kvplane.app.vllm.engines import EngineSpec
 
     spec = EngineSpec(name="P", engine_id="prefill-0", http_port=1, side_channel_port=2, connector="kvplane", pp=2)
     cmd = spec.command("/m")
     assert "--enforce-eager" not in cmd and cmd[cmd.index("--pipeline-parallel-size") + 1] == "2"
     assert '"backend": "eager"' in cmd[cmd.index("--compilation-config") + 1]
-    peer = EngineSpec(name="D", engine_id="decode-0", http_port=3, side_channel_port=4, connector="kvplane",
-                      traced=True)
-    assert "--compilation-config" in peer.command("/m") and "--pipeline-parallel-size" not in peer.command("/m")
-    assert "--enforce-eager" in attrs.evolve(peer, traced=False).command("/m")
+    peer = attrs.evolve(spec, name="D", pp=1).command("/m")
+    assert "--enforce-eager" in peer and "--compilation-config" not in peer and "--pipeline-parallel-size" not in peer

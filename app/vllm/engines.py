@@ -66,7 +66,6 @@ class EngineSpec:
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on ('|' between ranks)
     tp: int = 1  # --tensor-parallel-size: one worker process per rank
     pp: int = 1  # --pipeline-parallel-size: tp worker processes per stage, each stage a slice of the layers
-    traced: bool = False  # run as a PP engine must (execution()), whatever its PP: its peer's KV bytes are alike
     push: bool = False  # push mode: the connector's push class (PUSH_CONNECTORS)
     # --hosts netns: the network namespace it runs in (``ip netns exec``), the
     # address its HTTP server and side channel use there, UCX on its veth.
@@ -112,9 +111,9 @@ class EngineSpec:
         forward, which it skips for an eager model, so an eager PP engine
         fails its first request (docs/parity.md "Pipeline parallel"); traced
         by dynamo and run by its eager backend, the model is warmed up and
-        computes the same (no inductor kernels).  ``traced``: so, at any PP
-        (a PP engine's peer, whose KV is compared with the PP engine's)."""
-        if self.pp > 1 or self.traced:
+        computes the same bytes as an eager peer (no inductor kernels;
+        measured: every KV check of ``--prefill-pp 2`` with an eager D passes)."""
+        if self.pp > 1:
             return ["--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
         return ["--enforce-eager"]
 

@@ -230,7 +230,6 @@ class VllmRun:
                                                                                     block_tokens(o.model)),
                 kv_load_failure_policy="recompute", cpus=cores[name], push=o.push,
                 tp=o.decode_tp if name == "D" else o.prefill_tp, pp=1 if name == "D" else o.prefill_pp,
-                traced=o.prefill_pp > 1,
                 block_size=block_sizes[name])
         return specs
 
