@@ -141,7 +141,7 @@ def _run(args) -> int:
             return 2
         return cmd_run_vllm(args)
     for flag in ("connector", "late_forward", "bidirectional", "late_turn2", "model", "prefill_block_size",
-                 "decode_block_size", "prefill_dp", "decode_dp"):
+                 "decode_block_size", "prefill_dp", "decode_dp", "prefill_pp"):
         if hasattr(args, flag):
             print(f"kvplane run: --{flag.replace('_', '-')} needs --engine vllm", file=sys.stderr)
             return 2

@@ -40,6 +40,7 @@ from kvplane.transport.block_sizes import BLOCK_TOKENS, BlockMappingError, Block
 from kvplane.transport.endpoint import Endpoint
 from kvplane.transport.errors import PeerDisconnected as PeerGone
 from kvplane.transport.errors import TransportError
+from kvplane.transport.layer_slice import LAYER_SLICE, LayerSlice, local_first_region
 from kvplane.statemachines.machines.lease import HELD as LEASE_HELD
 from kvplane.statemachines.machines.lease import admits
 from kvplane.statemachines.machines.remote_engine import UP as ENGINE_UP
@@ -134,6 +135,9 @@ class PlaneDriver:
         # This rank's block as rows of token slots (set by an embedder whose
         # peers' blocks may hold another number of tokens: vLLM's --block-size).
         self.block_shape: BlockShape | None = None
+        # The model's layers this rank's regions are (set by an embedder whose
+        # engine runs pipeline parallel: each stage holds a slice; None: all).
+        self.layer_slice: LayerSlice | None = None
         self.insecure = insecure
         if insecure and curve_keypair is not None:
             raise ValueError("curve_keypair and insecure=True are exclusive")
@@ -294,7 +298,11 @@ class PlaneDriver:
         """The endpoint's cache layout, with its blocks' tokens where the
         embedder set them (a peer with blocks of another size reads by slices)."""
         cache = self.endpoint.describe_cache()
-        return cache if self.block_shape is None else dict(cache, **{BLOCK_TOKENS: self.block_shape.tokens})
+        if self.block_shape is not None:
+            cache = dict(cache, **{BLOCK_TOKENS: self.block_shape.tokens})
+        if self.layer_slice is not None and not self.layer_slice.whole:  # a reader puts our regions at its first
+            cache = dict(cache, **{LAYER_SLICE: self.layer_slice.to_list()})
+        return cache
 
     # --------------------------------------------------------------- input
     def feed(self, event: E.Event) -> None:
@@ -443,20 +451,24 @@ class PlaneDriver:
         parts = self.parts.get(a.request_id)
         try:
             remote = self.layouts[a.engine_id]
+            # A peer holding a layer slice (a PP stage): its regions go to ours from its first layer.
+            first_region = local_first_region(remote, len(self.endpoint.describe_cache()["base_addrs"]),
+                                              self.layer_slice)
             if self.block_shape is not None and remote.get(BLOCK_TOKENS, self.block_shape.tokens) != \
                     self.block_shape.tokens:
                 # Blocks of another number of tokens (P's --block-size): slice by slice.
-                if op != "READ" or parts is not None:
-                    raise BlockMappingError("blocks of unlike sizes move by READ, without a TP head split")
+                if op != "READ" or parts is not None or first_region is not None:
+                    raise BlockMappingError("blocks of unlike sizes move by READ, without a TP head split or a "
+                                            "layer slice")
                 slices = pairs_for_read(self.block_shape, self.endpoint.describe_cache()["block_size"],
                                         remote[BLOCK_TOKENS], remote["block_size"], list(a.local_block_ids),
                                         list(a.remote_block_ids))
                 handle = self.endpoint.post_read_slices(name, remote, slices, notif)
             elif parts is None:
-                handle = post(name, remote, remote_ids, local_ids, notif)
+                handle = post(name, remote, remote_ids, local_ids, notif, local_first_region=first_region)
             else:
                 handle = post(name, remote, remote_ids, local_ids, notif,
-                              remote_part=parts[0], local_part=parts[1])
+                              remote_part=parts[0], local_part=parts[1], local_first_region=first_region)
         except (TransportError, ValueError) as exc:
             # A refused post (a block id past the peer's pool, a layout that
             # does not pair, a gone peer) fails this transfer only.

@@ -42,7 +42,7 @@ AUTH_VERSION = 1
 # The params D acts on, all signed (vLLM's shape; remote_block_ids flat).
 SIGNED = ("remote_engine_id", "remote_host", "remote_port", "remote_rank_ports", "remote_ranks", "tp_size",
           "remote_request_id", "remote_block_ids", "remote_num_tokens", "remote_expiry", "remote_renewable",
-          "expected_consumers", "transfer_mode", "remote_rank_incarnations")
+          "expected_consumers", "transfer_mode", "remote_rank_incarnations", "pp_size")
 MAX_TOKENS = 1 << 24
 # How long past a lease's term D remembers it consumed it (clock skew, the
 # READ gate's own margin).

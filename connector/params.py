@@ -37,6 +37,10 @@ class RemoteKV:
     # channel port on remote_host; absent: rank r listens on remote_port + r.
     tp_size: int = 1
     remote_rank_ports: tuple = attrs.field(converter=lambda ports: tuple(ports), default=())
+    # The holder's pipeline-parallel size (NixlConnector's ``pp_size``): its
+    # ranks are stage x TP rank, ``stage * tp_size + tp rank``, each with its
+    # port and incarnation in the lists above (tp_size x pp_size of each).
+    pp_size: int = 1
     # The CURVE public key (z85) the holder's side channel must prove: set by
     # D from the deployment key that vouched for the params, never read from
     # them (None: the key the driver already knows for the engine, if any).
@@ -49,7 +53,12 @@ class RemoteKV:
     def __attrs_post_init__(self) -> None:
         if not self.remote_rank_ports:
             object.__setattr__(self, "remote_rank_ports",
-                               tuple(self.remote_port + r for r in range(self.tp_size)))
+                               tuple(self.remote_port + r for r in range(self.ranks)))
+
+    @property
+    def ranks(self) -> int:
+        """The holder's ranks: TP x PP."""
+        return self.tp_size * self.pp_size
 
     def incarnation_of(self, rank: int) -> str | None:
         """The incarnation of the holder's ``rank`` the params name (None: none named)."""
@@ -113,22 +122,29 @@ class RemoteKV:
         tp_size = d.get("tp_size", 1)
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or not 1 <= tp_size <= MAX_RANKS:
             check("tp_size", f"must be an int in 1..{MAX_RANKS}, got {_short(tp_size)}")
+        pp_size = d.get("pp_size")
+        pp_size = 1 if pp_size is None else pp_size  # absent (or unsigned: None): one stage
+        if isinstance(pp_size, bool) or not isinstance(pp_size, int) or not 1 <= pp_size <= MAX_RANKS // tp_size:
+            check("pp_size", f"must be an int in 1..{MAX_RANKS // tp_size} (tp_size x pp_size ranks at most "
+                             f"{MAX_RANKS}), got {_short(pp_size)}")
+        holder_ranks = tp_size * pp_size
         ports = d.get("remote_rank_ports")
         if ports is not None:
-            if not isinstance(ports, (list, tuple)) or len(ports) != tp_size:
-                check("remote_rank_ports", f"must be a list of tp_size ({tp_size}) ports, got {_short(ports)}")
+            if not isinstance(ports, (list, tuple)) or len(ports) != holder_ranks:
+                check("remote_rank_ports", f"must be a list of tp_size x pp_size ({holder_ranks}) ports, got {_short(ports)}")
             for port in ports:
                 check("remote_rank_ports", wire.port_problem(port))
-        elif d["remote_port"] + tp_size - 1 > 65535:
-            check("tp_size", f"{tp_size} ranks from port {d['remote_port']} run past port 65535")
+        elif d["remote_port"] + holder_ranks - 1 > 65535:
+            check("tp_size", f"{holder_ranks} ranks from port {d['remote_port']} run past port 65535")
         incarnations = d.get("remote_rank_incarnations") or ()
-        if not isinstance(incarnations, (list, tuple)) or incarnations and len(incarnations) != tp_size:
-            check("remote_rank_incarnations", f"must be a list of tp_size ({tp_size}) names, got {_short(incarnations)}")
+        if not isinstance(incarnations, (list, tuple)) or incarnations and len(incarnations) != holder_ranks:
+            check("remote_rank_incarnations", f"must be a list of tp_size x pp_size ({holder_ranks}) names, got "
+                                              f"{_short(incarnations)}")
         for name in incarnations:
             check("remote_rank_incarnations", wire.name_problem(name, "an incarnation"))
         return cls(
             remote_rank_incarnations=incarnations,
-            tp_size=tp_size, remote_rank_ports=ports or (),
+            tp_size=tp_size, pp_size=pp_size, remote_rank_ports=ports or (),
             remote_engine_id=d["remote_engine_id"], remote_host=d["remote_host"], remote_port=d["remote_port"],
             remote_request_id=d["remote_request_id"], remote_block_ids=d["remote_block_ids"],
             remote_ranks=ranks, expected_consumers=consumers,

@@ -31,8 +31,9 @@ class RankSetup:
     """What every rank is built from, whichever engine embeds it."""
 
     engine_id: str  # the engine's; the rank's own is rank_engine_id(engine_id, rank)
-    rank: int = 0
+    rank: int = 0  # with PP: stage * tp_size + tp rank
     tp_size: int = 1
+    pp_size: int = 1  # pipeline stages (each a slice of the layers; such a rank serves reads only)
     drop_notifications: float = 0.0  # injected loss of received notifications (0: none)
     fault_seed: int = 0
     log_path: str | None = None  # the plane's event log (JSONL); None: none
@@ -94,7 +95,8 @@ def build_rank(setup: RankSetup, *, observers: Sequence[Observer] = (),
             stream.flush()  # the header: a log that is there from the start
         for observer in observers:
             driver.plane.observe(observer)
-        worker = ConnectorWorker(driver, rank=setup.rank, tp_size=setup.tp_size, replicated_kv=setup.replicated_kv)
+        worker = ConnectorWorker(driver, rank=setup.rank, tp_size=setup.tp_size, replicated_kv=setup.replicated_kv,
+                                 pp_size=setup.pp_size)
     except BaseException:
         if stream is not None:
             stream.close()

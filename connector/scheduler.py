@@ -78,12 +78,18 @@ class RequestInputs:
 class ConnectorScheduler:
     def __init__(self, engine_id: str, *, tp_size: int = 1, config: PlaneConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, host: str = "127.0.0.1",
-                 replicated_kv: bool = False):
+                 replicated_kv: bool = False, pp_size: int = 1):
         """``replicated_kv``: every rank holds the whole KV (MLA): a reader
-        rank reads one holder rank's whole blocks (``TpMapping.replicated``)."""
+        rank reads one holder rank's whole blocks (``TpMapping.replicated``).
+        ``pp_size``: the engine runs pipeline parallel, its ranks stage x TP
+        rank (``stage * tp_size + tp rank``), each stage a slice of the
+        layers: it serves reads (every rank's lease and report counted) but
+        reads nothing itself (NixlConnector's decode side runs PP 1 only)."""
         self.engine_id = engine_id
         self.replicated_kv = replicated_kv
-        self.tp_size = TpMapping(tp_size, tp_size).holder_tp  # validated like any TP size
+        self.tp_size = TpMapping(tp_size, tp_size, holder_pp=pp_size).holder_tp  # validated like any TP size
+        self.pp_size = pp_size
+        self.num_ranks = tp_size * pp_size
         self.config = config or PlaneConfig()
         self.clock = clock
         self.host = host
@@ -92,8 +98,8 @@ class ConnectorScheduler:
         # knows every machine a log may name (its wiring is checked as a
         # whole, and replay builds the same one); only engine_request runs.
         self.plane = ControlPlane(self.config, machines=LOGGED_MACHINES)
-        self._lease_ranks = RankResults(self.tp_size)  # leases (and holds) until every rank ended them
-        self._recv_ranks = RankResults(self.tp_size)  # awaited recvs until every rank reported
+        self._lease_ranks = RankResults(self.num_ranks)  # leases (and holds) until every rank ended them
+        self._recv_ranks = RankResults(self.num_ranks)  # awaited recvs until every rank reported
         self._lost: set[int] = set()
         self._meta: dict[str, list] = _empty_meta()
         # What get_finished tells the engine next (built from the machines' Tell* actions).
@@ -109,8 +115,8 @@ class ConnectorScheduler:
     def add_rank(self, info: RankInfo) -> None:
         """What worker rank ``info.rank`` published (its side channel)."""
         info = check(info, RankInfo)
-        if not 0 <= info.rank < self.tp_size:
-            raise ValueError(f"rank {info.rank} out of range for TP {self.tp_size}")
+        if not 0 <= info.rank < self.num_ranks:
+            raise ValueError(f"rank {info.rank} out of range for TP {self.tp_size} x PP {self.pp_size}")
         self.ranks[info.rank] = info
 
     # ------------------------------------------------------------ the machine
@@ -197,8 +203,12 @@ class ConnectorScheduler:
                            RequestInputs(push=bool(params.get("push"))))
             return
         rk = attrs.evolve(RemoteKV.from_dict(params), remote_public_key=server_public_key)
+        if self.pp_size > 1:
+            # Our ranks hold a layer slice each: a read needs the whole model on every rank.
+            raise BadTransferParams(f"this engine runs pipeline parallel size {self.pp_size}: it serves reads "
+                                    "but reads only at PP 1 (as NixlConnector)")
         try:
-            mapping = TpMapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv)
+            mapping = TpMapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv, holder_pp=rk.pp_size)
         except TpMismatch as exc:
             raise BadTransferParams(f"kv_transfer_params: 'tp_size': {exc}") from None
         if rk.expected_consumers < mapping.consumers_per_holder_rank:
@@ -208,7 +218,7 @@ class ConnectorScheduler:
                 f"kv_transfer_params: 'expected_consumers': {rk.expected_consumers} per holder rank, but "
                 f"{mapping.consumers_per_holder_rank} of our ranks read each of the holder's {rk.tp_size}")
         push = bool(params.get("push"))
-        if push and (rk.tp_size > 1 or self.tp_size > 1):
+        if push and (rk.tp_size > 1 or self.tp_size > 1 or rk.pp_size > 1):
             raise BadTransferParams("kv_transfer_params: push mode needs TP 1 on both sides")
         tokens = params.get("remote_num_tokens")
         self._feed(C.EngineNewRequest(request_id=request_id, remote_prefill=True, recompute_below=recompute_below),
@@ -306,7 +316,8 @@ class ConnectorScheduler:
             self.request_finished(request_id, (), normal=False)
 
     def _grant(self, request_id: str, block_ids: tuple, push: bool) -> LeaseGrant:
-        mapping = TpMapping(self.tp_size, self._reader_tp or self.tp_size, replicated=self.replicated_kv)
+        mapping = TpMapping(self.tp_size, self._reader_tp or self.tp_size, replicated=self.replicated_kv,
+                            holder_pp=self.pp_size)
         self._lease_ranks.expect(request_id)
         lost = [o for rank in self._lost if (o := self._lease_ranks.report(rank, request_id)) is not None]
         # The lease's unguessable name: only who is handed the params can act on it.
@@ -318,14 +329,15 @@ class ConnectorScheduler:
         return grant
 
     def _params(self, grant: LeaseGrant, block_ids: tuple, expiry: float, renewable: bool) -> dict[str, Any]:
-        ports = tuple(self.ranks[r].side_channel_port for r in range(self.tp_size))
-        incarnations = tuple(self.ranks[r].incarnation for r in range(self.tp_size))
+        ports = tuple(self.ranks[r].side_channel_port for r in range(self.num_ranks))
+        incarnations = tuple(self.ranks[r].incarnation for r in range(self.num_ranks))
         return {
             "do_remote_prefill": True,
             **RemoteKV(remote_engine_id=self.engine_id, remote_host=self.host, remote_port=ports[0],
                        remote_request_id=grant.name, remote_block_ids=block_ids,
                        expected_consumers=grant.consumers_per_rank, remote_expiry=expiry,
-                       remote_renewable=renewable, tp_size=self.tp_size, remote_rank_ports=ports,
+                       remote_renewable=renewable, tp_size=self.tp_size, pp_size=self.pp_size,
+                       remote_rank_ports=ports,
                        remote_rank_incarnations=incarnations if None not in incarnations else ()).to_dict(),
         }
 
@@ -345,7 +357,7 @@ class ConnectorScheduler:
             reason: str | None = None
             if not ok:
                 reason = reasons.get(rid, RecvFailure.UNEXPLAINED)
-                reason = reason if self.tp_size == 1 else f"{reason} (rank {report.rank})"
+                reason = reason if self.num_ranks == 1 else f"{reason} (rank {report.rank})"
             self._fold_recv(self._recv_ranks.report(report.rank, rid, ok, reason))
         self._outbox = self._outbox.load_errors(report.load_error_blocks)
         self._flush_lease_done()

@@ -38,6 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+from kvplane.transport.layer_slice import LayerSlice
+
 from . import vllm_stats
 from .kv_groups import KvGroups
 from .records import RankInfo, StepMeta, WorkerReport
@@ -154,12 +156,18 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
         if self.settings.unknown_keys:
             log.warning("kvplane: unknown kv_connector_extra_config keys ignored: %s",
                         ", ".join(self.settings.unknown_keys))
-        if parallel.pipeline_parallel_size != 1 or getattr(parallel, "decode_context_parallel_size", 1) != 1 or \
+        if getattr(parallel, "decode_context_parallel_size", 1) != 1 or \
                 getattr(parallel, "prefill_context_parallel_size", 1) != 1:
-            raise ValueError("KVPlaneConnector supports tensor parallelism only (PP, DCP and PCP must be 1)")
+            raise ValueError("KVPlaneConnector does not support context parallelism (DCP and PCP must be 1)")
         self.tp_size: int = parallel.tensor_parallel_size
+        self.pp_size: int = parallel.pipeline_parallel_size
         self.kv_groups = _kv_groups(kv_cache_config, self.tp_size, self.TRANSFER_MODE, self.settings.bidirectional)
         mla = _is_mla(kv_cache_config)  # its latent is whole on every TP rank (TpMapping.replicated)
+        if self.pp_size > 1 and (self.TRANSFER_MODE != "pull" or self.settings.bidirectional or mla
+                                 or self.kv_groups.count > 1):
+            # P-side PP as NixlConnector (pull) moves it: each stage a slice of a one-group model's layers.
+            raise ValueError("KVPlaneConnector runs pipeline parallel size > 1 on the prefill side of pull mode "
+                             "only: not with push, bidirectional_kv_xfer, MLA or several KV cache groups")
         self._load_error_blocks: set[int] = set()
         self.scheduler_side: VllmSchedulerSide | None = None
         self.worker_side: VllmWorkerSide | None = None
@@ -167,16 +175,17 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = VllmSchedulerSide(self.engine_id, self.settings, tp_size=self.tp_size,
                                                     block_size=_block_size(vllm_config, kv_cache_config),
                                                     warn=log.warning, transfer_mode=self.TRANSFER_MODE,
-                                                    groups=self.kv_groups, replicated_kv=mla)
+                                                    groups=self.kv_groups, replicated_kv=mla, pp_size=self.pp_size)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+            pp_rank = get_pp_group().rank_in_group if self.pp_size > 1 else 0
             self.worker_side = VllmWorkerSide(
-                self.engine_id, self.settings, rank=get_tensor_model_parallel_rank(), tp_size=self.tp_size,
-                dp_index=self.dp_index,
+                self.engine_id, self.settings, rank=pp_rank * self.tp_size + get_tensor_model_parallel_rank(),
+                tp_size=self.tp_size, pp_size=self.pp_size, dp_index=self.dp_index,
                 compat_hash=_compat_hash(vllm_config, kv_cache_config, self.settings.enforce_handshake_compat,
-                                         tp_size=self.tp_size),
-                replicated_kv=mla)
+                                         tp_size=self.tp_size, pp_size=self.pp_size),
+                replicated_kv=mla, layer_slice=_layer_slice(vllm_config) if self.pp_size > 1 else None)
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -241,6 +250,11 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.shutdown()
 
     # ================================================================ scheduler side
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """Every stage's ranks (vLLM keys them (pp rank, tp rank)): rank pp x TP + tp."""
+        self.set_xfer_handshake_metadata({pp * self.tp_size + tp: meta for (pp, tp), meta in metadata.items()})
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         assert self.scheduler_side is not None
         infos = {}
@@ -373,7 +387,14 @@ def _is_mla(kv_cache_config: Any) -> bool:
                                                for g in kv_cache_config.kv_cache_groups)
 
 
-def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size: int = 1) -> str:
+def _layer_slice(vllm_config: Any) -> LayerSlice:
+    """The layers this PP stage's worker holds (vLLM's own split)."""
+    model = vllm_config.model_config
+    first, end = model.get_layers_start_end_indices(vllm_config.parallel_config)
+    return LayerSlice(first, end - first, model.get_total_num_hidden_layers())
+
+
+def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size: int = 1, pp_size: int = 1) -> str:
     """What both sides must agree on for their blocks to mean the same: with
     ``enforce_handshake_compat`` (default) the model's KV shape and dtype
     (a hybrid model's also its block size); without it only the protocol
@@ -387,7 +408,9 @@ def _compat_hash(vllm_config: Any, kv_cache_config: Any, enforce: bool, tp_size:
     model = vllm_config.model_config
     # The block size is not hashed: blocks of unlike sizes are read slice by
     # slice (transport.block_sizes); a hybrid model's groups hash theirs.
-    parts = [COMPAT_HASH, str(getattr(model, "architecture", "")), str(len(group.layer_names)),
+    # The model's layers: a PP stage holds a slice of them (its reader all).
+    layers = len(group.layer_names) if pp_size == 1 else model.get_total_num_hidden_layers()
+    parts = [COMPAT_HASH, str(getattr(model, "architecture", "")), str(layers),
              str(int(getattr(spec, "num_kv_heads", 0) or 0) * (1 if isinstance(spec, MLAAttentionSpec) else tp_size)),
              str(getattr(spec, "head_size", "")), str(getattr(spec, "dtype", ""))]
     if isinstance(spec, MLAAttentionSpec):  # one latent (head_size wide) per token, not K and V heads

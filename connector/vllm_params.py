@@ -4,7 +4,7 @@ A vLLM proxy passes P's response params to D unchanged, so kvplane's
 params carry every key NixlConnector's do (``do_remote_prefill``,
 ``do_remote_decode``, ``remote_block_ids`` as one list per KV cache group,
 ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
-``remote_port``, ``tp_size``, ``remote_num_tokens``,
+``remote_port``, ``tp_size``, ``pp_size``, ``remote_num_tokens``,
 ``remote_blocks_expiry_time``, ...) with their meaning, plus kvplane's
 extra keys (``remote_expiry``, ``remote_renewable``, ``expected_consumers``,
 ``remote_rank_ports``) that a proxy carries along without looking.
@@ -33,7 +33,7 @@ def to_vllm(params: dict[str, Any], *, num_tokens: int, transfer_mode: str = TRA
     out["do_remote_decode"] = hold
     out["remote_block_ids"] = [list(g) for g in groups] if groups is not None else [list(params["remote_block_ids"])]
     out["dcp_size"] = 1
-    out["pp_size"] = 1
+    out["pp_size"] = params.get("pp_size", 1)  # P's stages (NixlConnector's key: D reads each stage's layers)
     out["remote_num_tokens"] = num_tokens
     # NixlConnector states an expiry only for a decoder's hold (a lease is
     # renewed by heartbeats); so does kvplane, in the holder's clock.
@@ -68,10 +68,9 @@ def from_vllm(params: dict[str, Any], *, transfer_mode: str = TRANSFER_MODE, gro
                 f"kv_transfer_params: 'remote_block_ids': {len(non_empty)} KV cache groups with blocks; "
                 "this engine's model has one")
         out["remote_block_ids"] = list(non_empty[0]) if non_empty else []
-    for key in ("dcp_size", "pp_size"):
-        size = params.get(key, 1)
-        if size not in (1, None):
-            raise BadTransferParams(f"kv_transfer_params: {key!r}: {size!r}; kvplane supports 1")
+    size = params.get("dcp_size", 1)
+    if size not in (1, None):
+        raise BadTransferParams(f"kv_transfer_params: 'dcp_size': {size!r}; kvplane supports 1")
     mode = params.get("transfer_mode", TRANSFER_MODE)
     if mode is None:
         mode = TRANSFER_MODE

@@ -99,19 +99,21 @@ class SchedulerStep:
 class VllmSchedulerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, tp_size: int = 1, block_size: int = 16,
                  warn: Callable[..., None] = lambda *a: None, transfer_mode: str = TRANSFER_MODE,
-                 groups: KvGroups = ONE_GROUP, replicated_kv: bool = False):
+                 groups: KvGroups = ONE_GROUP, replicated_kv: bool = False, pp_size: int = 1):
         """``block_size``: tokens per KV block (vLLM's cache block size): D
         checks that P's block list covers exactly the tokens to load.
         ``groups``: the model's KV cache groups (a hybrid model's several:
         ``kv_groups``; the plane gets one flat list of them).
         ``transfer_mode``: "pull" (D READs) or "push" (D registers its
         blocks, P WRITEs: ``vllm_push``), the engine's connector class's.
-        ``replicated_kv``: every rank holds the whole KV (MLA)."""
+        ``replicated_kv``: every rank holds the whole KV (MLA).  ``pp_size``:
+        pipeline stages (ranks stage x TP + tp rank; such an engine serves reads only)."""
         self.settings = settings
         self.transfer_mode = transfer_mode
         self.push = transfer_mode == "push"
         self.sched = ConnectorScheduler(engine_id, tp_size=tp_size, config=settings.plane,
-                                        host=settings.side_channel_host, replicated_kv=replicated_kv)
+                                        host=settings.side_channel_host, replicated_kv=replicated_kv,
+                                        pp_size=pp_size)
         self.block_size = block_size
         self.groups = groups
         self.warn = warn

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from kvplane.transport.block_sizes import BlockShape, cpu_rows
+from kvplane.transport.layer_slice import LayerSlice
 
 from .kv_dump import DumpKV, dump_kv, dump_path
 from .rank_factory import RankSetup, build_rank
@@ -39,11 +40,15 @@ LOG_FLUSH_EVERY_S = 0.2
 
 class VllmWorkerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1", replicated_kv: bool = False):
+                 dp_index: int = 0, compat_hash: str = "kvplane-vllm-v1", replicated_kv: bool = False,
+                 pp_size: int = 1, layer_slice: LayerSlice | None = None):
         """``replicated_kv``: every rank holds the whole KV (MLA's latent): a
         rank reads one remote rank's whole blocks, and its cache is not laid
         out as vLLM's CPU attention kernel writes K and V, so blocks of
-        another number of tokens are never read slice by slice."""
+        another number of tokens are never read slice by slice.
+        ``pp_size`` > 1: ``rank`` is stage x TP + tp rank and the rank holds
+        ``layer_slice`` of the model's layers (its handshake says so)."""
+        self.layer_slice = layer_slice
         self.settings = settings
         self.replicated_kv = replicated_kv
         self.rank = rank
@@ -69,10 +74,11 @@ class VllmWorkerSide:
         else:
             log.warning("kvplane: kvplane_insecure: the side channel is plaintext and notifications are "
                         "accepted from any agent (as with NixlConnector)")
-        port = settings.side_channel_port + dp_index * tp_size + rank
+        port = settings.side_channel_port + dp_index * tp_size * pp_size + rank
         self.tally = PlaneTally()
         self.parts = build_rank(
-            RankSetup(engine_id=engine_id, rank=rank, tp_size=tp_size, drop_notifications=settings.drop_notifications,
+            RankSetup(engine_id=engine_id, rank=rank, tp_size=tp_size, pp_size=pp_size,
+                      drop_notifications=settings.drop_notifications,
                       fault_seed=settings.fault_seed + rank, log_path=settings.rank_path(settings.event_log, rank),
                       nixl_backends=settings.nixl_backends, nixl_num_threads=settings.nixl_num_threads,
                       replicated_kv=replicated_kv),
@@ -114,8 +120,13 @@ class VllmWorkerSide:
         # (a block id names the same bytes in each group): each region once.
         regions = {t.data_ptr(): name for name, t in kv_caches.items()}
         distinct = {name: kv_caches[name] for name in dict.fromkeys(regions.values())}
+        if self.layer_slice is not None and len(distinct) != self.layer_slice.count:
+            raise ValueError(f"this pipeline stage holds layers {self.layer_slice.first}.."
+                             f"{self.layer_slice.first + self.layer_slice.count - 1} but registers "
+                             f"{len(distinct)} KV cache tensors")
         with self.lock:
             self.worker.register_kv_caches(distinct)
+            self.driver.layer_slice = self.layer_slice
             if not self.replicated_kv and first.dim() == 4 and first.device.type == "cpu":
                 # [blocks, kv heads, block tokens, 2 x head size]: a peer's blocks may hold
                 # another number of tokens (transport.block_sizes; rows in bytes).  Only

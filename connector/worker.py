@@ -11,7 +11,11 @@ With tensor parallelism a rank reads the remote ranks that hold its heads
 TP is wider), each source is its own decode request on this rank's plane,
 named ``"<request>@tp<holder rank>"``, reading into its part of every
 local block; the rank reports the request once all of them reported, as
-failed if any failed.  A decoder's turn-2 hold is one lease per rank, for
+failed if any failed.  A holder running pipeline parallel has TP x PP
+ranks, each stage a slice of the layers: a reader reads its heads from
+every stage, each into the layers the stage holds (the stage's handshake
+says which: ``transport.layer_slice``).  A rank of a PP > 1 engine is
+``stage * tp_size + tp rank``; it serves reads and reads nothing.  A decoder's turn-2 hold is one lease per rank, for
 every reader rank that will read it.
 """
 from __future__ import annotations
@@ -36,19 +40,20 @@ MAX_HOLDER_RANKS_SCANNED = 64
 
 class ConnectorWorker:
     def __init__(self, driver: PlaneDriver, *, rank: int = 0, tp_size: int = 1, rank_names: bool = True,
-                 replicated_kv: bool = False):
+                 replicated_kv: bool = False, pp_size: int = 1):
         """The worker observes the plane (``ControlPlane.observe``) to keep
         why each recv failed (the reason its ``ReportRecv`` names).  ``rank_names``: a remote engine's ranks are
         ``"<engine>/tp<r>"`` (the split's); False for the single-process
         facades, whose peers are plain engines (TP 1).  ``replicated_kv``:
         every rank holds the whole KV (MLA): this rank reads one holder rank's
         whole blocks (``TpMapping.replicated``)."""
-        TpMapping(tp_size, tp_size)  # a valid TP size
-        if not 0 <= rank < tp_size:
-            raise ValueError(f"rank {rank} out of range for TP {tp_size}")
+        TpMapping(tp_size, tp_size, holder_pp=pp_size)  # valid TP and PP sizes
+        if not 0 <= rank < tp_size * pp_size:
+            raise ValueError(f"rank {rank} out of range for TP {tp_size} x PP {pp_size}")
         self.driver = driver
         self.rank = rank
         self.tp_size = tp_size
+        self.pp_size = pp_size
         self.rank_names = rank_names
         self.replicated_kv = replicated_kv
         self._subs: dict[str, tuple[str, ...]] = {}  # request -> its decode requests on this rank
@@ -176,7 +181,10 @@ class ConnectorWorker:
         if rid in self._subs:
             self.counters["duplicate_new_request"] += 1
             return
-        sources = TpMapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv).sources(self.rank)
+        if self.pp_size > 1:  # the scheduler refuses these first; a rank holding a layer slice never reads
+            raise ValueError(f"a rank of a pipeline-parallel engine (PP {self.pp_size}) reads nothing")
+        sources = TpMapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv,
+                            holder_pp=rk.pp_size).sources(self.rank)
         subs = []
         for src in sources:
             sub = rid if len(sources) == 1 else f"{rid}@tp{src.holder_rank}"

@@ -17,6 +17,14 @@ A "part ``i`` of ``n``" is the ``i``-th of ``n`` equal contiguous slices of
 a block: a rank's block is laid out head-major, so a head shard is one
 slice.  Pure: no I/O; the explorer and both connector sides use it.
 
+``holder_pp``: the holder runs pipeline parallel, each of its stages a
+contiguous slice of the layers on ``holder_tp`` ranks (stage ``s``'s TP
+rank ``t`` is the holder's rank ``s * holder_tp + t``).  A reader rank
+(PP 1, every layer) reads its heads from each stage: the sources above,
+once per stage, each into the local layers that stage holds (the stage says
+which in its handshake: ``transport.layer_slice``); a holder rank's
+consumers are the same as without PP.
+
 ``replicated``: every rank holds the whole KV (MLA's latent is not split
 by heads).  Reader rank ``r`` then reads whole blocks from ONE holder rank,
 ``r * holder_tp // reader_tp`` (NixlConnector's ``compute_tp_mapping`` for
@@ -73,10 +81,13 @@ class TpMapping:
     holder_tp: int = attrs.field(converter=int)
     reader_tp: int = attrs.field(converter=int)
     replicated: bool = attrs.field(default=False, kw_only=True)
+    holder_pp: int = attrs.field(default=1, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         h = _check_tp("holder_tp", self.holder_tp)
         r = _check_tp("reader_tp", self.reader_tp)
+        if _check_tp("holder_pp", self.holder_pp) * h > MAX_TP:
+            raise TpMismatch(f"holder TP {h} x PP {self.holder_pp} ranks exceed {MAX_TP}")
         big, small = max(h, r), min(h, r)
         if big % small:
             raise TpMismatch(f"TP sizes must divide each other: holder {h}, reader {r}")
@@ -98,13 +109,24 @@ class TpMapping:
         if not self.replicated or self.holder_tp <= self.reader_tp:
             return ()
         k = self.ratio
-        return tuple(h for h in range(self.holder_tp) if h % k)
+        return tuple(h for h in range(self.holder_ranks) if h % self.holder_tp % k)
+
+    @property
+    def holder_ranks(self) -> int:
+        """The holder's ranks: TP x PP."""
+        return self.holder_tp * self.holder_pp
 
     def sources(self, reader_rank: int) -> tuple[Source, ...]:
-        """What reader rank ``reader_rank`` reads, in holder-rank order."""
+        """What reader rank ``reader_rank`` reads, in holder-rank order
+        (stage by stage when the holder runs PP)."""
         if isinstance(reader_rank, bool) or not isinstance(reader_rank, int) or not (
                 0 <= reader_rank < self.reader_tp):
             raise TpMismatch(f"reader rank {reader_rank!r} out of range [0, {self.reader_tp})")
+        stage0 = self._stage_sources(reader_rank)
+        return tuple(attrs.evolve(src, holder_rank=stage * self.holder_tp + src.holder_rank)
+                     for stage in range(self.holder_pp) for src in stage0)
+
+    def _stage_sources(self, reader_rank: int) -> tuple[Source, ...]:
         k = self.ratio
         if self.replicated:  # one whole-block source: the holder's KV is on each of its ranks
             return (Source(reader_rank * self.holder_tp // self.reader_tp),)
@@ -116,7 +138,7 @@ class TpMapping:
 
     def readers_of(self, holder_rank: int) -> tuple[int, ...]:
         """The reader ranks that read holder rank ``holder_rank``."""
-        if not 0 <= holder_rank < self.holder_tp:
-            raise TpMismatch(f"holder rank {holder_rank!r} out of range [0, {self.holder_tp})")
+        if not 0 <= holder_rank < self.holder_ranks:
+            raise TpMismatch(f"holder rank {holder_rank!r} out of range [0, {self.holder_ranks})")
         return tuple(r for r in range(self.reader_tp)
                      if any(s.holder_rank == holder_rank for s in self.sources(r)))

@@ -96,6 +96,8 @@ FILE_KINDS: dict[str, str | None] = {
     "test_transport_parts.py": "nixl",
     "test_transport_wire.py": "core",
     "test_tp_mapping.py": "core",
+    "test_pipeline_parallel.py": "core",
+    "test_vllm_pp.py": "vllm",
     "test_vllm_adapter.py": "core",
     "test_vllm_worker_side.py": "nixl",
     "test_vllm_push_worker.py": "nixl",

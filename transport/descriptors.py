@@ -65,19 +65,23 @@ def block_runs(local_ids: Sequence[int], remote_ids: Sequence[int], *, coalesce:
 
 
 def plan_transfer(local: CacheLayout, remote: CacheLayout, local_ids: Sequence[int], remote_ids: Sequence[int],
-                  local_part: BlockPart, remote_part: BlockPart, slice_bytes: int) -> TransferPlan:
+                  local_part: BlockPart, remote_part: BlockPart, slice_bytes: int,
+                  local_first_region: int | None = None) -> TransferPlan:
     """The spans moving ``local_part`` of ``local_ids`` to or from
     ``remote_part`` of ``remote_ids`` (checked by the caller: equal lengths,
-    ids in range, ``slice_bytes`` the parts' common size), region-major."""
+    ids in range, ``slice_bytes`` the parts' common size, regions paired by
+    ``CacheLayout.check_regions``), region-major: remote region ``i`` with
+    local region ``i`` (+ ``local_first_region``: a peer's layer slice)."""
     whole = local_part[1] == 1 and remote_part[1] == 1
     runs = block_runs(local_ids, remote_ids, coalesce=whole)
     lskip, rskip = local_part[0] * slice_bytes, remote_part[0] * slice_bytes
     lspans: list[Span] = []
     rspans: list[Span] = []
-    for region in range(len(local.base_addrs)):
+    first = local_first_region or 0
+    for region in range(len(remote.base_addrs)):
         for lb, rb, n in runs:
             length = n * slice_bytes
-            lspans.append(Span(region, lb * local.block_size + lskip, length))
+            lspans.append(Span(first + region, lb * local.block_size + lskip, length))
             rspans.append(Span(region, rb * remote.block_size + rskip, length))
     return TransferPlan(tuple(lspans), tuple(rspans))
 

@@ -44,13 +44,16 @@ class Endpoint(Protocol):
     # ------------------------------------------------------------ transfers
     def post_read(self, remote_name: str, remote_desc: dict, remote_block_ids: Sequence[int],
                   local_block_ids: Sequence[int], notif: bytes = b"", *,
-                  remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK) -> XferHandle:
+                  remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK,
+                  local_first_region: int | None = None) -> XferHandle:
         """Pull (a part of) remote blocks into (a part of) local ones; ``notif``
-        reaches the peer on completion."""
+        reaches the peer on completion.  ``local_first_region``: the remote
+        holds a layer slice, read into local regions from there (``layer_slice``)."""
 
     def post_write(self, remote_name: str, remote_desc: dict, remote_block_ids: Sequence[int],
                    local_block_ids: Sequence[int], notif: bytes = b"", *,
-                   remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK) -> XferHandle:
+                   remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK,
+                   local_first_region: int | None = None) -> XferHandle:
         """Push (a part of) local blocks into (a part of) remote ones (push mode)."""
 
     def post_read_slices(self, remote_name: str, remote_desc: dict, slices: Sequence[SlicePair],

@@ -120,33 +120,45 @@ class CacheLayout:
         except TypeError as e:
             raise ValueError(f"bad cache description: {e}") from e
 
-    def check_pairable(self, remote: "CacheLayout") -> None:
-        """Block-for-block transfers need equal block sizes and region counts."""
+    def check_pairable(self, remote: "CacheLayout", local_first_region: int | None = None) -> None:
+        """Block-for-block transfers need equal block sizes and paired regions
+        (:meth:`check_regions`)."""
         if remote.block_size != self.block_size:
             raise IncompatibleLayout(
                 f"block size mismatch: local {self.block_size} B, remote {remote.block_size} B"
             )
-        if len(remote.base_addrs) != len(self.base_addrs):
+        self.check_regions(remote, local_first_region)
+
+    def check_regions(self, remote: "CacheLayout", local_first_region: int | None = None) -> None:
+        """None: equal region counts, region ``i`` with region ``i``; an int
+        (a peer holding a layer slice, ``layer_slice``): the remote regions
+        pair with local regions ``local_first_region ..``, which must exist."""
+        if local_first_region is None:
+            if len(remote.base_addrs) != len(self.base_addrs):
+                raise IncompatibleLayout(
+                    f"region count mismatch: local {len(self.base_addrs)}, "
+                    f"remote {len(remote.base_addrs)}"
+                )
+            return
+        if isinstance(local_first_region, bool) or not isinstance(local_first_region, int) or \
+                local_first_region < 0 or local_first_region + len(remote.base_addrs) > len(self.base_addrs):
             raise IncompatibleLayout(
-                f"region count mismatch: local {len(self.base_addrs)}, "
-                f"remote {len(remote.base_addrs)}"
+                f"remote regions ({len(remote.base_addrs)}) from local region {local_first_region!r} "
+                f"run past the local {len(self.base_addrs)}"
             )
 
     def check_pairable_parts(
-        self, remote: "CacheLayout", local_part: BlockPart, remote_part: BlockPart
+        self, remote: "CacheLayout", local_part: BlockPart, remote_part: BlockPart,
+        local_first_region: int | None = None,
     ) -> int:
         """Slice-for-slice transfers (``remote_part`` of each remote block to or
-        from ``local_part`` of each local block) need equal region counts, block
+        from ``local_part`` of each local block) need paired regions, block
         sizes divisible by the parts' ``of`` and equal slice sizes.  Returns the
         slice size in bytes; two whole blocks are :meth:`check_pairable`."""
         if local_part[1] == 1 and remote_part[1] == 1:
-            self.check_pairable(remote)
+            self.check_pairable(remote, local_first_region)
             return self.block_size
-        if len(remote.base_addrs) != len(self.base_addrs):
-            raise IncompatibleLayout(
-                f"region count mismatch: local {len(self.base_addrs)}, "
-                f"remote {len(remote.base_addrs)}"
-            )
+        self.check_regions(remote, local_first_region)
         local_size = self.part_size(local_part[1], "local")
         remote_size = remote.part_size(remote_part[1], "remote")
         if local_size != remote_size:

@@ -285,24 +285,27 @@ class LoopbackEndpoint:
     # ------------------------------------------------------------ transfers
 
     def post_read(self, remote_name, remote_desc, remote_block_ids, local_block_ids, notif=b"", *,
-                  remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK) -> XferHandle:
+                  remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK,
+                  local_first_region: int | None = None) -> XferHandle:
         return self._post("READ", remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
-                          remote_part, local_part)
+                          remote_part, local_part, local_first_region)
 
     def post_write(self, remote_name, remote_desc, remote_block_ids, local_block_ids, notif=b"", *,
-                   remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK) -> XferHandle:
+                   remote_part: BlockPart = WHOLE_BLOCK, local_part: BlockPart = WHOLE_BLOCK,
+                   local_first_region: int | None = None) -> XferHandle:
         return self._post("WRITE", remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
-                          remote_part, local_part)
+                          remote_part, local_part, local_first_region)
 
     def _post(self, op, remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
-              remote_part, local_part) -> XferHandle:
+              remote_part, local_part, local_first_region=None) -> XferHandle:
         self._check_alive()
         remote_part = check_part(remote_part, "remote")
         local_part = check_part(local_part, "local")
         if self._layout is None:
             raise RuntimeError("register_kv_cache before posting transfers")
         remote_layout = CacheLayout.from_dict(remote_desc)
-        slice_bytes = self._layout.check_pairable_parts(remote_layout, local_part, remote_part)
+        slice_bytes = self._layout.check_pairable_parts(remote_layout, local_part, remote_part,
+                                                          local_first_region)
         rids, lids = list(remote_block_ids), list(local_block_ids)
         if len(rids) != len(lids):
             raise ValueError(f"{len(rids)} remote blocks vs {len(lids)} local blocks")
@@ -310,7 +313,8 @@ class LoopbackEndpoint:
             raise ValueError("a transfer needs at least one block")
         self._layout.check_block_ids(lids, "local")
         remote_layout.check_block_ids(rids, "remote")
-        plan = plan_transfer(self._layout, remote_layout, lids, rids, local_part, remote_part, slice_bytes)
+        plan = plan_transfer(self._layout, remote_layout, lids, rids, local_part, remote_part, slice_bytes,
+                             local_first_region)
         return self._post_plan(op, remote_name, remote_layout, plan, len(lids), notif)
 
     def post_read_slices(self, remote_name, remote_desc, slices, notif=b"") -> XferHandle:

@@ -245,11 +245,14 @@ class NixlEndpoint:
         *,
         remote_part: BlockPart = WHOLE_BLOCK,
         local_part: BlockPart = WHOLE_BLOCK,
+        local_first_region: int | None = None,
     ) -> XferHandle:
         """Pull remote blocks (their ``remote_part``) into local blocks (their
-        ``local_part``); ``notif`` reaches the peer on completion."""
+        ``local_part``); ``notif`` reaches the peer on completion.
+        ``local_first_region``: the remote holds a layer slice whose regions
+        go to local regions from there (``layer_slice``)."""
         return self._post("READ", remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
-                          remote_part, local_part)
+                          remote_part, local_part, local_first_region)
 
     def post_write(
         self,
@@ -261,21 +264,22 @@ class NixlEndpoint:
         *,
         remote_part: BlockPart = WHOLE_BLOCK,
         local_part: BlockPart = WHOLE_BLOCK,
+        local_first_region: int | None = None,
     ) -> XferHandle:
         """Push local blocks (their ``local_part``) into remote blocks (their
         ``remote_part``) (push mode)."""
         return self._post("WRITE", remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
-                          remote_part, local_part)
+                          remote_part, local_part, local_first_region)
 
     def _post(self, op, remote_name, remote_desc, remote_block_ids, local_block_ids, notif,
-              remote_part, local_part):
+              remote_part, local_part, local_first_region=None):
         posted_at = time.perf_counter()
         self._check_open()
         remote_part = check_part(remote_part, "remote")
         local_part = check_part(local_part, "local")
         local = self._require_layout()
         remote = CacheLayout.from_dict(remote_desc)
-        slice_bytes = local.check_pairable_parts(remote, local_part, remote_part)
+        slice_bytes = local.check_pairable_parts(remote, local_part, remote_part, local_first_region)
         remote_block_ids, local_block_ids = list(remote_block_ids), list(local_block_ids)
         if len(remote_block_ids) != len(local_block_ids):
             raise ValueError(
@@ -286,7 +290,7 @@ class NixlEndpoint:
         local.check_block_ids(local_block_ids, "local")
         remote.check_block_ids(remote_block_ids, "remote")
         plan = plan_transfer(local, remote, local_block_ids, remote_block_ids, local_part, remote_part,
-                             slice_bytes)
+                             slice_bytes, local_first_region)
         return self._post_plan(op, remote_name, remote, plan, len(local_block_ids), notif, posted_at)
 
     def post_read_slices(self, remote_name: str, remote_desc: dict, slices: Sequence[SlicePair],

@@ -332,6 +332,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1)")
     p.add_argument("--decode-dp", type=int_at_least(1), default=argparse.SUPPRESS, metavar="N",
                    help="with --engine vllm: D's vLLM --data-parallel-size (as --prefill-dp)")
+    p.add_argument("--prefill-pp", type=int, choices=(1, 2), default=argparse.SUPPRESS, metavar="S",
+                   help="with --engine vllm: P's pipeline-parallel size, 1 or 2 (the tiny model's 2 layers): each "
+                        "stage a worker holding its layers, D (PP 1) reads each layer from the stage that holds "
+                        "it (as NixlConnector; pull, --model tiny, one turn: docs/parity.md; default 1)")
     p.add_argument("--requests", type=int, default=argparse.SUPPRESS, metavar="N",
                    help=f"synthetic requests to send (default {d.requests}, with --engine vllm 24; the multi-turn "
                         "ones of the sim engine also run a turn 2: P reads back what D held)")

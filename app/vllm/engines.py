@@ -66,6 +66,7 @@ class EngineSpec:
     cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on ('|' between ranks)
     tp: int = 1  # --tensor-parallel-size: one worker process per rank
     dp: int = 1  # --data-parallel-size: engine cores behind the one API server (each its TP ranks)
+    pp: int = 1  # --pipeline-parallel-size: tp worker processes per stage, each stage a slice of the layers
     push: bool = False  # push mode: the connector's push class (PUSH_CONNECTORS)
     # --hosts netns: the network namespace it runs in (``ip netns exec``), the
     # address its HTTP server and side channel use there, UCX on its veth.
@@ -87,7 +88,7 @@ class EngineSpec:
     def command(self, model_dir: str | Path) -> list[str]:
         netns = [] if self.netns is None else ["ip", "netns", "exec", self.netns]
         cmd = [*netns, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--host", self.host, "--port", str(self.http_port), "--load-format", "dummy", "--enforce-eager",
+               "--host", self.host, "--port", str(self.http_port), "--load-format", "dummy", *self.execution(),
                "--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
                "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
                "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
@@ -101,9 +102,23 @@ class EngineSpec:
             cmd += ["--tensor-parallel-size", str(self.tp)]
         if self.dp > 1:
             cmd += ["--data-parallel-size", str(self.dp)]
+        if self.pp > 1:
+            cmd += ["--pipeline-parallel-size", str(self.pp)]
         if self.block_size is not None:
             cmd += ["--block-size", str(self.block_size)]
         return cmd
+
+    def execution(self) -> list[str]:
+        """Eager, except at PP > 1: vllm-cpu 0.32.0 makes a later stage's
+        buffer for the previous stage's hidden states only in a warm-up
+        forward, which it skips for an eager model, so an eager PP engine
+        fails its first request (docs/parity.md "Pipeline parallel"); traced
+        by dynamo and run by its eager backend, the model is warmed up and
+        computes the same bytes as an eager peer (no inductor kernels;
+        measured: every KV check of ``--prefill-pp 2`` with an eager D passes)."""
+        if self.pp > 1:
+            return ["--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
+        return ["--enforce-eager"]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -45,6 +45,10 @@ With tensor parallelism each rank dumps its own heads; D rank ``r``'s
 blocks are compared with P's blocks of the heads it holds, put together
 from P's rank dumps by the TP mapping (``statemachines.tp_mapping``), and
 D's recompute is per rank anyway.
+
+With pipeline parallelism on P each stage's ranks dump the layers they hold
+(``stage_dumps``): a P TP rank's dump of every layer is its stages' dumps
+put together in stage order (the layers' order), then compared as above.
 """
 from __future__ import annotations
 
@@ -201,16 +205,41 @@ def holder_view(p_dumps: list[dict | None], prefill_tp: int, decode_tp: int, ran
     return dict(first, kv=out)
 
 
+def stage_dumps(dumps: list[dict | None], prefill_tp: int) -> list[dict | None]:
+    """P's dumps per TP rank of every layer, from the dumps of its ranks
+    ``stage * prefill_tp + tp rank`` (each its stage's layers): the stages'
+    layers concatenated in stage order; None for a TP rank any stage of
+    which dumped nothing, or whose stages' dumps do not agree (tokens, block ids)."""
+    import torch
+
+    out: list[dict | None] = []
+    for t in range(prefill_tp):
+        stages = dumps[t::prefill_tp]
+        if any(d is None for d in stages):
+            out.append(None)
+            continue
+        first = stages[0]
+        assert first is not None
+        if any(d is None or d["kv"].shape[1:] != first["kv"].shape[1:] or d.get("block_ids") != first.get("block_ids")
+               for d in stages):
+            out.append(None)
+            continue
+        out.append(dict(first, kv=torch.cat([d["kv"] for d in stages if d is not None])))
+    return out
+
+
 def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: int = 1,
-              recompute_exact: bool = True, replicated_kv: bool = False) -> list[KvVerdict]:
+              recompute_exact: bool = True, replicated_kv: bool = False, prefill_pp: int = 1) -> list[KvVerdict]:
     """One verdict per tag: every D rank's checks hold (with TP, each rank
     against P's blocks of its heads).  ``recompute_exact``: the model's KV
     of a prompt is the same bytes in any batch (False: MLA, see above).
-    ``replicated_kv`` (MLA): each D rank against its one P source rank."""
+    ``replicated_kv`` (MLA): each D rank against its one P source rank.
+    ``prefill_pp``: P's stages, each rank's dump its stage's layers."""
     out = []
     for t in tags:
         per_rank = []
-        p_dumps = [_load(dump_dir / f"{t}.p.rank{r}.pt") for r in range(prefill_tp)]
+        p_dumps = stage_dumps([_load(dump_dir / f"{t}.p.rank{r}.pt") for r in range(prefill_tp * prefill_pp)],
+                              prefill_tp)
         for rank in range(decode_tp):
             d, local, recv = (_load(dump_dir / f"{t}{part}.rank{rank}.pt") for part in ("", ".local", ".recv"))
             theirs = holder_view(p_dumps, prefill_tp, decode_tp, rank, replicated=replicated_kv)

@@ -78,6 +78,7 @@ class VllmRunOptions:
     d_max_num_seqs: int = 2  # small, so the burst waits in D's queue
     p_num_blocks: int = 96  # small, so a busy P reuses freed blocks soon
     prefill_tp: int = 1  # P's tensor-parallel size (one worker process, one OpenMP thread per rank)
+    prefill_pp: int = 1  # P's pipeline-parallel size (each stage prefill_tp ranks holding a slice of the layers)
     decode_tp: int = 1
     # P's and D's --data-parallel-size: engine cores behind one API server, each a connector of its own.
     prefill_dp: int = 1
@@ -94,6 +95,11 @@ class VllmRunOptions:
     # --hosts netns: every P's link down partition_at s into the stream, up again partition_for s later.
     partition_at: float | None = None
     partition_for: float | None = None
+
+    @property
+    def prefill_ranks(self) -> int:
+        """Each prefill engine's worker ranks: TP x PP."""
+        return self.prefill_tp * self.prefill_pp
 
     @property
     def prefill_names(self) -> tuple[str, ...]:
@@ -184,9 +190,9 @@ class VllmRun:
         self.model = model
         # A side channel per rank: port + rank (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT rule).
         names = (*o.prefill_names, "D")
-        tps = {n: o.decode_tp if n == "D" else o.prefill_tp for n in names}
+        tps = {n: o.decode_tp if n == "D" else o.prefill_ranks for n in names}  # worker ranks per engine core
         dps = {n: o.decode_dp if n == "D" else o.prefill_dp for n in names}
-        # DP rank k's TP rank r listens on port + k * tp + r (NixlConnector's rule).
+        # DP rank k's rank r listens on port + k * ranks + r (NixlConnector's rule).
         ports = _free_ports(2 * len(names), span=max(tps[n] * dps[n] for n in names))
         # Every prefill engine on P's half of the cores (one OpenMP thread each; slow is fine).
         p_cores, d_cores = split_cores()
@@ -229,7 +235,8 @@ class VllmRun:
                 # The same tokens whatever the block size (the model's: MLA's is 16; or --prefill-block-size).
                 num_blocks=None if name == "D" else o.p_num_blocks * BLOCK_TOKENS // (block_sizes[name] or
                                                                                     block_tokens(o.model)),
-                kv_load_failure_policy="recompute", cpus=cores[name], tp=tps[name], dp=dps[name], push=o.push,
+                kv_load_failure_policy="recompute", cpus=cores[name], dp=dps[name], push=o.push,
+                tp=o.decode_tp if name == "D" else o.prefill_tp, pp=1 if name == "D" else o.prefill_pp,
                 block_size=block_sizes[name])
         return specs
 
@@ -685,7 +692,8 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
     stream_s = summary.get("stream_s")
     out["requests_per_s"] = len(ok) / stream_s if ok and stream_s else 0.0
     verdicts = check_all(run.dumps, [f"r{r.index}" for r in res if r.ok], opts.prefill_tp, opts.decode_tp,
-                         recompute_exact=recompute_exact(opts.model), replicated_kv=replicated_kv(opts.model))
+                         recompute_exact=recompute_exact(opts.model), replicated_kv=replicated_kv(opts.model),
+                         prefill_pp=opts.prefill_pp)
     if opts.bidirectional:
         t2 = [run.turn2.get(r.index, Turn2Result(index=r.index, error="never sent")) for r in stream]
         ok2 = [t for t in t2 if t.ok]
@@ -717,7 +725,7 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
     out["kv_check"]["late_bad"] = sum(1 for v in verdicts if v.tag in late_tags and not v.ok)
     by_engine = {n: sum(r.prefill == n for r in res) for n in opts.prefill_names}
     if opts.connector == "kvplane":
-        tps = {engine_role(n): opts.prefill_tp for n in opts.prefill_names} | {"decode": opts.decode_tp}
+        tps = {engine_role(n): opts.prefill_ranks for n in opts.prefill_names} | {"decode": opts.decode_tp}
         dps = {engine_role(n): opts.prefill_dp for n in opts.prefill_names} | {"decode": opts.decode_dp}
         stems = {role: rank_stems(role, tp, dps[role]) for role, tp in tps.items()}
         # One status file and event log per rank (per DP engine core, per TP rank): counts and gauges
@@ -764,14 +772,15 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["connector_blocks_held"] = {role: g.get("kvplane_blocks_held") for role, g in gauges.items()}
         out["connector_recvs_in_flight"] = {role: g.get("kvplane_recvs_in_flight") for role, g in gauges.items()}
         # MLA with P wider than D: P ranks no D rank reads see no event (TpMapping.replicated).
-        unread = TpMapping(opts.prefill_tp, opts.decode_tp, replicated=replicated_kv(opts.model)).unread_holder_ranks
+        unread = TpMapping(opts.prefill_tp, opts.decode_tp, replicated=replicated_kv(opts.model),
+                           holder_pp=opts.prefill_pp).unread_holder_ranks
         out["replay"] = {stem: _replay(f, unread=role != "decode" and i % tp in unread)
                          for role, tp in tps.items()
                          for i, (stem, f) in enumerate(zip(stems[role], rank_files(run.out, role, "events.jsonl", tp,
                                                                                      dps[role])))}
         if run.partition:
             # P's reclaim of what the cut stranded, from every prefill rank's event log.
-            logs = [f for r in p_roles for f in rank_files(run.out, r, "events.jsonl", opts.prefill_tp)]
+            logs = [f for r in p_roles for f in rank_files(run.out, r, "events.jsonl", opts.prefill_ranks)]
             out["partition"] = dict(summary.get("partition") or {}, **partition_reclaim(
                 logs, cut=run.partition["at"], healed=run.partition.get("healed"), lease=opts.lease,
                 stall_s=out["longest_rank_stall_ms"]["prefill"] / 1000))
@@ -898,6 +907,14 @@ def options_from_args(args: Any) -> VllmRunOptions:
             raise ValueError(f"--late-turn2 must be a number of seconds in {MIN_LATE_TURN2_S:g}..3600 (its hold TTL, "
                              f"half of it, must outlast an on-time turn 2), got {v!r}")
         opts = attrs.evolve(opts, bidirectional=True)
+    pp = opts.prefill_pp
+    if isinstance(pp, bool) or pp not in (1, 2):
+        raise ValueError(f"--prefill-pp must be 1 or 2 (the job's model has 2 layers), got {pp!r}")
+    if pp > 1 and (opts.model != "tiny" or opts.push or opts.late_turn2 is not None or opts.bidirectional or
+                   opts.prefill_block_size != opts.decode_block_size):
+        # As NixlConnector (pull, one attention group) and kvplane's connector (one turn).
+        raise ValueError("--prefill-pp 2 runs with --model tiny, one turn, pull mode and one block size: without "
+                         "--push, --bidirectional, --late-turn2 or unlike block sizes")
     if opts.bidirectional and (opts.prefill_tp, opts.decode_tp) != (1, 1):
         raise ValueError("--bidirectional runs with --prefill-tp 1 and --decode-tp 1")
     if opts.bidirectional and (opts.late_forward is not None or opts.kill_decode_at is not None):
@@ -928,11 +945,11 @@ def _check_dp(opts: VllmRunOptions) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..{MAX_DP}, got {v!r}")
     if (opts.prefill_dp, opts.decode_dp) == (1, 1):
         return
-    if opts.model != "tiny" or (opts.prefill_tp, opts.decode_tp) != (1, 1) or opts.push or opts.bidirectional or \
-            opts.prefill_engines != 1 or opts.hosts != "local" or opts.prefill_block_size or opts.decode_block_size \
+    if opts.model != "tiny" or (opts.prefill_tp, opts.decode_tp, opts.prefill_pp) != (1, 1, 1) or opts.push or \
+            opts.bidirectional or opts.prefill_engines != 1 or opts.hosts != "local" or opts.prefill_block_size or opts.decode_block_size \
             or opts.kill_decode_at is not None:
-        raise ValueError("--prefill-dp and --decode-dp > 1 run with --model tiny, --prefill-tp 1, --decode-tp 1, one "
-                         "prefill engine, --hosts local, vLLM's block size, without --push, --bidirectional or "
+        raise ValueError("--prefill-dp and --decode-dp > 1 run with --model tiny, --prefill-tp 1, --decode-tp 1, "
+                         "--prefill-pp 1, one prefill engine, --hosts local, vLLM's block size, without --push, --bidirectional or "
                          "--kill-decode-at")
 
 
@@ -1012,7 +1029,7 @@ def cmd_run_vllm(args: Any) -> int:
             passed = print_report(summary, console)
             console.print(f"summary: {Path(one.out) / 'summary.json'}", highlight=False)
             if name == "kvplane":
-                for role, tp, dp in (*((engine_role(n), one.prefill_tp, one.prefill_dp) for n in one.prefill_names),
+                for role, tp, dp in (*((engine_role(n), one.prefill_ranks, one.prefill_dp) for n in one.prefill_names),
                                      ("decode", one.decode_tp, one.decode_dp)):
                     for f in rank_files(Path(one.out), role, "events.jsonl", tp, dp):
                         console.print(f"{role} event log: {f}", highlight=False)
