@@ -946,11 +946,11 @@ def _check_dp(opts: VllmRunOptions) -> None:
     if (opts.prefill_dp, opts.decode_dp) == (1, 1):
         return
     if opts.model != "tiny" or (opts.prefill_tp, opts.decode_tp, opts.prefill_pp) != (1, 1, 1) or opts.push or \
-            opts.bidirectional or opts.prefill_engines != 1 or opts.hosts != "local" or opts.prefill_block_size or opts.decode_block_size \
-            or opts.kill_decode_at is not None:
+            opts.bidirectional or opts.prefill_engines != 1 or opts.hosts != "local" or \
+            opts.prefill_block_size or opts.decode_block_size or opts.kill_decode_at is not None:
         raise ValueError("--prefill-dp and --decode-dp > 1 run with --model tiny, --prefill-tp 1, --decode-tp 1, "
-                         "--prefill-pp 1, one prefill engine, --hosts local, vLLM's block size, without --push, --bidirectional or "
-                         "--kill-decode-at")
+                         "--prefill-pp 1, one prefill engine, --hosts local, vLLM's block size, without --push, "
+                         "--bidirectional or --kill-decode-at")
 
 
 def _check_block_sizes(opts: VllmRunOptions) -> None:
