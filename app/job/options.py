@@ -331,7 +331,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "each its own engine id (_dp0, _dp1, ...), side channel and event log; 1 or 2 here "
                         "(default 1)")
     p.add_argument("--decode-dp", type=int_at_least(1), default=argparse.SUPPRESS, metavar="N",
-                   help="with --engine vllm: D's vLLM --data-parallel-size (as --prefill-dp)")
+                   help="with --engine vllm: D's vLLM --data-parallel-size (as --prefill-dp; default 1)")
     p.add_argument("--prefill-pp", type=int, choices=(1, 2), default=argparse.SUPPRESS, metavar="S",
                    help="with --engine vllm: P's pipeline-parallel size, 1 or 2 (the tiny model's 2 layers): each "
                         "stage a worker holding its layers, D (PP 1) reads each layer from the stage that holds "
