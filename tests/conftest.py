@@ -27,6 +27,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_cli.py": None,
     "test_cli_errors.py": "core",
     "test_data_parallel.py": "core",
+    "test_kv_check.py": "core",
     "test_composition.py": "core",
     "test_config_kv_transfer.py": "core",
     "test_connector_facade.py": "core",

@@ -92,7 +92,12 @@ def group_view(dump: dict | None, group: int) -> dict | None:
     return dict(dump, **dump["groups"][group])
 
 
-def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: dict | None) -> KvVerdict:
+def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: dict | None,
+            or_p: bool = False) -> KvVerdict:
+    """``or_p``: a block D kept may also be P's block (not only D's
+    recompute): P and D run different models (unlike TP) and D's read
+    failed, so the prefix D then found in its own cache may hold what an
+    earlier request read from P (``check_all``)."""
     if d is None:
         return KvVerdict(tag=tag, ok=False, read_tokens=0, declined=False, why="no dump of D's KV")
     declined = d.get("read_ok") is False
@@ -132,9 +137,14 @@ def verdict(tag: str, d: dict | None, p: dict | None, local: dict | None, recv: 
         if dk.shape[:2] != lk.shape[:2] or dk.shape[3] != lk.shape[3] or min(dk.shape[2], lk.shape[2]) < end:
             problems.append(f"shape differs from D's recompute: {tuple(dk.shape)} vs {tuple(lk.shape)}")
         else:
+            p_kv = p["kv"] if or_p and p is not None else None
+            if p_kv is not None and (p_kv.shape[:2] != dk.shape[:2] or p_kv.shape[3] != dk.shape[3]
+                                     or p_kv.shape[2] < end):
+                p_kv = None
             bad = sum(1 for b in range(start, end, block)
                       if not (_null(d, b // block) or _null(local, b // block))
-                      and not bool((dk[:, :, b:b + block] == lk[:, :, b:b + block]).all()))
+                      and not bool((dk[:, :, b:b + block] == lk[:, :, b:b + block]).all())
+                      and not (p_kv is not None and bool((dk[:, :, b:b + block] == p_kv[:, :, b:b + block]).all())))
             if bad:
                 problems.append(f"{bad} of {(end - start) // block} blocks differ from D's recompute")
     return KvVerdict(tag=tag, ok=not problems, read_tokens=read_tokens, declined=declined, why="; ".join(problems))
@@ -255,7 +265,11 @@ def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: i
             if d is not None and d.get("groups"):
                 per_rank.append(_by_group(t, d, theirs, local, recv))
                 continue
-            per_rank.append(verdict(t, d, theirs, local, recv))
+            # Unlike TP, a failed read: D computed the prompt past its prefix cache,
+            # whose blocks an earlier read of the same prefix may have filled with
+            # P's model's KV (measured: r4 of --prefill-tp 2, 2026-12-06).
+            or_p = prefill_tp != decode_tp and d is not None and d.get("read_ok") is False
+            per_rank.append(verdict(t, d, theirs, local, recv, or_p=or_p))
         engines = {"prefill_engine": (p_dumps[0] or {}).get("engine_id"),
                    "decode_engine": (_load(dump_dir / f"{t}.rank0.pt") or {}).get("engine_id")}
         if decode_tp == 1:
