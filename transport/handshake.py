@@ -15,9 +15,10 @@ no thread.  ``insecure=True`` opts out, loudly, for tests and benchmarks.
 Both ends cap what they accept (``ZMQ_MAXMSGSIZE``): a bigger message drops
 that peer's connection inside libzmq, before it is read into memory.
 
-Each client attempt uses a fresh REQ socket with RCVTIMEO/SNDTIMEO and
-LINGER 0, so a dead or slow peer costs at most ``timeout_s`` and leaves no
-queued request behind to block handshakes with other peers.
+Each client attempt uses a fresh REQ socket with LINGER 0 and waits (in a
+poll, never in a blocking send or recv) against one deadline, so a dead or
+slow peer costs at most ``timeout_s`` and leaves no queued request behind to
+block handshakes with other peers.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import msgpack
 import zmq
 import zmq.auth
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from .layout import CacheLayout
 from .wire import WireError, frame_metadata, unframe_metadata
@@ -633,32 +635,44 @@ def handshake(
 
 def _exchange(sock: zmq.Socket, monitor: zmq.Socket | None, request: bytes, url: str, deadline: float,
               timeout_s: float) -> list[bytes]:
-    def timed_out() -> HandshakeTimeout:
-        return HandshakeTimeout(f"handshake with {url} timed out after {timeout_s} s")
+    """Send ``request`` and return the reply, all against one deadline.
 
-    remaining_ms = int((deadline - time.monotonic()) * 1000)
-    if remaining_ms <= 0:
-        raise timed_out()
-    sock.setsockopt(zmq.SNDTIMEO, remaining_ms)
-    try:
-        sock.send(request)
-    except zmq.Again:
-        raise timed_out() from None
+    The send waits in a poll on the monitor too, not in a blocking send: a
+    refused CURVE client's session ends (a protocol error: no reconnect) and
+    takes the REQ socket's only pipe with it, so when the refusal comes
+    before the send (the ZAP answer is fast, the calling thread slow) a
+    blocking send would wait out the whole time-out while the
+    HANDSHAKE_FAILED_AUTH event sat unread in the monitor."""
     poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
     if monitor is not None:
         poller.register(monitor, zmq.POLLIN)
+    poller.register(sock, zmq.POLLOUT)
+    while True:
+        _wait(poller, sock, zmq.POLLOUT, monitor, url, deadline, timeout_s)
+        try:
+            sock.send(request, zmq.NOBLOCK)
+            break
+        except zmq.Again:  # the pipe went away between the poll and the send
+            continue
+    poller.modify(sock, zmq.POLLIN)
+    _wait(poller, sock, zmq.POLLIN, monitor, url, deadline, timeout_s)
+    return sock.recv_multipart()
+
+
+def _wait(poller: zmq.Poller, sock: zmq.Socket, flag: int, monitor: zmq.Socket | None, url: str, deadline: float,
+          timeout_s: float) -> None:
+    """Until ``sock`` is ready for ``flag``: a refusal on the monitor raises
+    HandshakeAuthError, the deadline HandshakeTimeout."""
     while True:
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms <= 0:
-            raise timed_out()
+            raise HandshakeTimeout(f"handshake with {url} timed out after {timeout_s} s")
         ready = dict(poller.poll(remaining_ms))
-        if sock in ready:
-            return sock.recv_multipart()
         if monitor is not None and monitor in ready:
-            from zmq.utils.monitor import recv_monitor_message
-
+            # Before the socket: a refused client's socket is never ready.
             event = recv_monitor_message(monitor)
             if event["event"] & _AUTH_FAILURES:
                 raise HandshakeAuthError(f"{url}: the server refused the CURVE handshake "
                                          "(our key is not on its allow-list, or its key is not the one we hold)")
+        if ready.get(sock, 0) & flag:
+            return
