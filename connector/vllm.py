@@ -42,6 +42,7 @@ from kvplane.transport.layer_slice import LayerSlice
 
 from . import vllm_stats
 from .kv_groups import KvGroups
+from .prefill_backoff import prefill_backoff
 from .records import RankInfo, StepMeta, WorkerReport
 from .vllm_scheduler import SchedulerStep, VllmSchedulerSide
 from .vllm_settings import COMPAT_HASH, for_dp_rank, settings_from
@@ -175,7 +176,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = VllmSchedulerSide(self.engine_id, self.settings, tp_size=self.tp_size,
                                                     block_size=_block_size(vllm_config, kv_cache_config),
                                                     warn=log.warning, transfer_mode=self.TRANSFER_MODE,
-                                                    groups=self.kv_groups, replicated_kv=mla, pp_size=self.pp_size)
+                                                    groups=self.kv_groups, replicated_kv=mla, pp_size=self.pp_size,
+                                                    prefill_backoff=prefill_backoff(vllm_config))
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 

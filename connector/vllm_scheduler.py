@@ -51,6 +51,7 @@ from .kv_dump import DUMP_KEY, DumpKV, tag_problem
 from .kv_groups import ONE_GROUP, Groups, KvGroups, interleave, local_for, paired, without_null
 from .param_auth import ConsumedLeases, RefusedParams, Vouched, check_for_request, prompt_digest, sign, verify
 from .params import BadTransferParams, RemoteKV
+from .prefill_backoff import tokens_to_read, truncate_for_prefill
 from kvplane.statemachines import engine_calls as C
 from kvplane.statemachines.eventlog import EventLogWriter
 from kvplane.statemachines.machines.engine_request import EngineState
@@ -99,7 +100,8 @@ class SchedulerStep:
 class VllmSchedulerSide:
     def __init__(self, engine_id: str, settings: VllmSettings, *, tp_size: int = 1, block_size: int = 16,
                  warn: Callable[..., None] = lambda *a: None, transfer_mode: str = TRANSFER_MODE,
-                 groups: KvGroups = ONE_GROUP, replicated_kv: bool = False, pp_size: int = 1):
+                 groups: KvGroups = ONE_GROUP, replicated_kv: bool = False, pp_size: int = 1,
+                 prefill_backoff: int = 0):
         """``block_size``: tokens per KV block (vLLM's cache block size): D
         checks that P's block list covers exactly the tokens to load.
         ``groups``: the model's KV cache groups (a hybrid model's several:
@@ -107,7 +109,9 @@ class VllmSchedulerSide:
         ``transfer_mode``: "pull" (D READs) or "push" (D registers its
         blocks, P WRITEs: ``vllm_push``), the engine's connector class's.
         ``replicated_kv``: every rank holds the whole KV (MLA).  ``pp_size``:
-        pipeline stages (ranks stage x TP + tp rank; such an engine serves reads only)."""
+        pipeline stages (ranks stage x TP + tp rank; such an engine serves reads only).
+        ``prefill_backoff``: trailing prompt tokens P leaves for D to compute
+        (a multi-module MTP drafter's lookahead: ``prefill_backoff``)."""
         self.settings = settings
         self.transfer_mode = transfer_mode
         self.push = transfer_mode == "push"
@@ -115,6 +119,7 @@ class VllmSchedulerSide:
                                         host=settings.side_channel_host, replicated_kv=replicated_kv,
                                         pp_size=pp_size)
         self.block_size = block_size
+        self.prefill_backoff = prefill_backoff
         self.groups = groups
         self.warn = warn
         self.consumed = ConsumedLeases()
@@ -147,6 +152,10 @@ class VllmSchedulerSide:
         # NixlConnector's turn 2: do_remote_decode with a decoder's held blocks.
         turn2 = (not remote and self.settings.bidirectional and bool(params.get("do_remote_decode"))
                  and bool(params.get("remote_block_ids")))
+        if params.get("do_remote_decode") and not remote and \
+                truncate_for_prefill(request, self.prefill_backoff, self.block_size):
+            # P computes, and offers, the prompt less the backoff: D computes the rest.
+            self.counters["prompts_backed_off"] += 1
         try:
             if remote or turn2:
                 translated, server_key, groups = self._accept(request, params, turn2=turn2)
@@ -200,7 +209,7 @@ class VllmSchedulerSide:
             tokens = translated.get("remote_num_tokens")
             blocks = translated.get("remote_block_ids")
             count = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
-            fits = 0 < count <= request.num_prompt_tokens if turn2 else count == request.num_prompt_tokens > 0
+            fits = 0 < count <= request.num_prompt_tokens if turn2 else count == self._read_tokens(request) > 0
             groups: Groups = ()
             if self.groups.count > 1:
                 problem = self.groups.cover_problem(blocks, count, self.block_size) if fits else "token count"
@@ -212,13 +221,15 @@ class VllmSchedulerSide:
                     len(set(map(repr, blocks))) != len(blocks):
                 raise RefusedParams("blocks do not cover the tokens",
                                     f"{_count(blocks)} blocks for {tokens!r} tokens; the prompt has "
-                                    f"{request.num_prompt_tokens}, the remote {remote_block} a block")
+                                    f"{request.num_prompt_tokens} (P backs off {self.prefill_backoff}), the "
+                                    f"remote {remote_block} a block")
             if turn2:  # read as a remote prefill of the held prefix
                 translated = self._whole_blocks(dict(translated, do_remote_prefill=True, do_remote_decode=False))
             return receive_params(translated, push=self.push), None, groups
         vouched = verify(translated, keys)
         check_for_request(vouched, prompt_token_ids=getattr(request, "prompt_token_ids", None),
-                          num_prompt_tokens=request.num_prompt_tokens, block_size=remote_block, prefix=turn2,
+                          num_prompt_tokens=request.num_prompt_tokens if turn2 else self._read_tokens(request),
+                          block_size=remote_block, prefix=turn2,
                           groups=self.groups)
         registered = _registered(vouched)
         groups = ()
@@ -256,10 +267,17 @@ class VllmSchedulerSide:
         return dict(registered, remote_num_tokens=whole * self.block_size,
                     remote_block_ids=list(registered["remote_block_ids"])[:whole])
 
+    def _read_tokens(self, request: Any) -> int:
+        """The prompt tokens D reads from P: the prompt less P's backoff
+        (params for any other count are refused)."""
+        return tokens_to_read(request.num_prompt_tokens, self.prefill_backoff)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
-        tokens, load_async = self.sched.get_num_new_matched_tokens(rid, request.num_prompt_tokens,
-                                                                   num_computed_tokens)
+        # A turn-2 reader (P) reads the held prefix (the scheduler's read_tokens); D the prompt less the backoff.
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+        prompt = self._read_tokens(request) if params.get("do_remote_prefill") else request.num_prompt_tokens
+        tokens, load_async = self.sched.get_num_new_matched_tokens(rid, prompt, num_computed_tokens)
         if load_async and num_computed_tokens:
             self.counters["prefix_hits"] += 1
         return tokens, load_async

@@ -660,3 +660,80 @@ def test_a_turn_2_read_below_kv_recompute_threshold_is_computed_and_d_frees_its_
         p.step()
         d.step()
     assert p.held() == [] and d.held() == [] and _tracked(p) == {} and _tracked(d) == {}
+
+
+# ------------------------------------------------------------------ P-side truncation (multi-module MTP)
+
+def test_mtp_p_computes_the_prompt_less_its_lookahead_and_d_computes_the_rest(engines, clock):
+    """NixlConnector 0.32.0's ``_prefill_backoff``: with multi-module MTP
+    (``--model mtp``: 2 speculative tokens, ``num_prefill_lookahead_tokens``
+    2) P leaves the last prompt token to D.  P computes and offers 39 of the
+    40 tokens; D reads those 39 (3 blocks, the last part-full) and computes
+    the 40th itself before it decodes."""
+    _, p, d = engines(model="mtp")
+    assert (p.side.prefill_backoff, d.side.prefill_backoff) == (1, 1)
+    preq = p.add(new_request("r1", num_tokens=PROMPT, max_tokens=5, params={"do_remote_decode": True}))
+    assert preq.num_prompt_tokens == PROMPT - 1 and len(preq.prompt_token_ids) == PROMPT - 1
+    assert preq.max_tokens == 1 and len(preq.block_hashes) == (PROMPT - 1) // 16
+    p.step()
+    assert p.scheduled[-1] == {"r1": PROMPT - 1}
+    (done,) = p.finished("r1")
+    params = done.kv_transfer_params
+    assert params["remote_num_tokens"] == PROMPT - 1 and len(params["remote_block_ids"][0]) == 3
+    assert p.side.counters["prompts_backed_off"] == 1
+    for b in p.blocks_of("r1"):
+        p.kv[0][b] = 7000.0 + b
+    req = decode(d, "r1", params)
+    d.step()
+    (load,) = d.records("loads")
+    assert load.awaiting and load.num_remote_tokens == PROMPT - 1 and len(load.block_ids) == 3
+    assert settle(clock, (p, d), 2, lambda: d.status("d-r1") == RequestStatus.RUNNING)
+    assert loaded(p, params, d, "d-r1") and d.seen_recving == ["d-r1"] and d.seen_failed == []
+    # D's first step after the read computes the one token P left (vLLM pads a one-token step to a
+    # speculative decode's width, 1 + 2 speculative tokens); then it decodes.
+    first_run = next(s for s in d.scheduled if "d-r1" in s)
+    assert first_run == {"d-r1": 1 + 2}
+    assert settle(clock, (p, d), 2, lambda: bool(d.finished("d-r1")) and p.empty())
+    assert len(req.output_token_ids) == 3 and req.num_prompt_tokens == PROMPT
+    assert settle(clock, (p, d), 1, lambda: d.empty())
+
+
+@pytest.mark.parametrize("p_model, d_model", [("tiny", "mtp"), ("mtp", "tiny")])
+def test_p_and_d_that_disagree_on_the_backoff_never_read_d_computes_the_prompt(engines, clock, p_model, d_model):
+    """Fail closed: params whose token count is not the prompt less D's own
+    backoff (a P that computed the whole prompt, or one that left a token
+    D expects to read) are refused; D reads nothing and computes it all."""
+    _, p, d = engines(model=p_model, d_model=d_model)
+    params = prefill(p, "r1")
+    assert params["remote_num_tokens"] == PROMPT - p.side.prefill_backoff
+    req = decode(d, "r1", params)
+    assert settle(clock, (p, d), 1, lambda: bool(d.finished("d-r1")))
+    assert len(req.output_token_ids) == 3 and d.side.counters["bad_transfer_params"] == 1
+    assert d.side.counters["refused_params: token count is not the prompt's"] == 1, d.side.counters
+    assert d.records("new_requests") == [] and d.records("loads") == [] and d.seen_recving == []
+    assert d.scheduled[0] == {"d-r1": PROMPT}
+    assert d.empty() and d.held() == []
+
+
+def test_truncation_leaves_short_and_uncached_prompts_whole():
+    """A prompt no longer than the backoff is computed whole by P (D reads
+    it all); a request that skips the prefix cache (prompt logprobs) is not
+    cut (D reads nothing for it); the cut keeps vLLM's request consistent:
+    its token lists, count and the hashes of only its full blocks."""
+    from vllm import SamplingParams
+
+    from kvplane.connector.prefill_backoff import tokens_to_read, truncate_for_prefill
+
+    one = new_request("one", num_tokens=1)
+    assert not truncate_for_prefill(one, 1, 16) and one.num_prompt_tokens == 1 and tokens_to_read(1, 1) == 1
+    cut = new_request("cut", num_tokens=32)
+    assert len(cut.block_hashes) == 2 and truncate_for_prefill(cut, 1, 16)
+    assert (cut.num_prompt_tokens, len(cut.prompt_token_ids), len(cut.all_token_ids), len(cut.block_hashes)) == \
+        (31, 31, 31, 1)
+    assert cut.prompt_token_ids == list(range(100, 131)) and tokens_to_read(32, 1) == 31
+    assert not truncate_for_prefill(new_request("none", num_tokens=32), 0, 16)
+    logprobs = new_request("logprobs", num_tokens=32)
+    logprobs.sampling_params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    logprobs.skip_reading_prefix_cache = logprobs.get_skip_reading_prefix_cache()
+    assert logprobs.skip_reading_prefix_cache and not truncate_for_prefill(logprobs, 1, 16)
+    assert logprobs.num_prompt_tokens == 32

@@ -10,8 +10,9 @@ half hands them to vLLM, aggregated over the ranks by vLLM's own
 per scheduled request back into ``update_from_output``.  A test may edit
 what a rank hands vLLM (drop, repeat, add) to inject faults.
 
-The model is a local tiny config (``app.vllm.model``): nothing is
-downloaded, no weights are loaded.
+The model is a local tiny config (``app.vllm.model``; ``--model mtp``'s
+with its multi-module MTP speculative config): nothing is downloaded, no
+weights are loaded.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from kvplane.transport.loopback import LoopbackEndpoint, LoopbackFabric
 
 from vllm import SamplingParams
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                         VllmConfig)
+                         SpeculativeConfig, VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -66,17 +67,28 @@ def secret_file() -> str:
 
 
 @functools.cache
-def model_config() -> ModelConfig:
+def model_config(model: str = "tiny") -> ModelConfig:
     from kvplane.app.vllm.model import write_tiny_model
 
-    folder = write_tiny_model(tempfile.mkdtemp(prefix="kvplane-tiny-"))
+    folder = write_tiny_model(tempfile.mkdtemp(prefix=f"kvplane-{model}-"), model)
     return ModelConfig(model=str(folder), dtype="bfloat16", seed=0, max_model_len=4096)
 
 
+def speculative(model: str) -> SpeculativeConfig | None:
+    """``model``'s speculative decoding as the job's engines run it (``--model mtp``: multi-module MTP)."""
+    from kvplane.app.vllm.model import speculative_config
+
+    spec = speculative_config(model)
+    if spec is None:
+        return None
+    return SpeculativeConfig(**spec, target_model_config=model_config(model), target_parallel_config=ParallelConfig())
+
+
 def vllm_config(engine_id: str, *, tp: int = 1, policy: str = "fail", extra: dict | None = None,
-                max_num_seqs: int = 16, max_num_batched_tokens: int = 1024) -> VllmConfig:
+                max_num_seqs: int = 16, max_num_batched_tokens: int = 1024, model: str = "tiny") -> VllmConfig:
     config = VllmConfig(
-        model_config=model_config(),
+        model_config=model_config(model),
+        speculative_config=speculative(model),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=4096,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
@@ -127,10 +139,10 @@ class Engine:
     def __init__(self, fabric: LoopbackFabric, name: str, clock: Callable[[], float], *, tp: int = 1,
                  policy: str = "fail", keypair: tuple[bytes, bytes], peers: dict[str, bytes],
                  max_num_seqs: int = 16, extra: dict | None = None, num_blocks: int = NUM_BLOCKS,
-                 max_num_batched_tokens: int = 1024):
+                 max_num_batched_tokens: int = 1024, model: str = "tiny"):
         self.name, self.tp, self.clock = name, tp, clock
         self.config = vllm_config(name, tp=tp, policy=policy, extra=extra, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens)
+                                  max_num_batched_tokens=max_num_batched_tokens, model=model)
         self.config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
         self.sched = Scheduler(vllm_config=self.config,
@@ -169,6 +181,7 @@ class Engine:
             {r: through_the_wire(KVPlaneHandshake(info=w.rank_info())) for r, w in enumerate(self.workers)})
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
         self.metas: list[StepMeta] = []  # every step's records, scheduler -> ranks
+        self.scheduled: list[dict[str, int]] = []  # every step's tokens scheduled per request
         self.outputs: list[Any] = []  # every EngineCoreOutput
         self.edit: Edit | None = None  # rank, what it hands vLLM -> what vLLM gets (None: no output)
         self.silent: set[int] = set()  # ranks whose transfers are not polled (their process stalls)
@@ -192,6 +205,7 @@ class Engine:
         meta = through_the_wire(out.kv_connector_metadata)
         assert isinstance(meta, KVPlaneMetadata)
         self.metas.append(meta.step.meta)
+        self.scheduled.append(dict(out.num_scheduled_tokens))
         scheduled = list(out.num_scheduled_tokens)
         per_rank: list[ModelRunnerOutput | None] = []
         for r, w in enumerate(self.workers):
@@ -267,12 +281,15 @@ def through_the_wire(record: Any) -> Any:
 
 
 def engine_pair(clock, *, p_tp: int = 1, d_tp: int = 1, policy: str = "fail", d_blocks: int = NUM_BLOCKS,
-                d_extra: dict | None = None, **kw) -> tuple[LoopbackFabric, Engine, Engine]:
-    """``d_extra``: D's own kv_connector_extra_config keys (beside ``extra``, both's)."""
+                d_extra: dict | None = None, d_model: str | None = None, **kw) -> tuple[LoopbackFabric, Engine, Engine]:
+    """``d_extra``: D's own kv_connector_extra_config keys (beside ``extra``, both's); ``d_model``:
+    D's model when it is not P's (``model``)."""
     fabric = LoopbackFabric()
     pk, dk = zmq.curve_keypair(), zmq.curve_keypair()
     p = Engine(fabric, "P", clock, tp=p_tp, policy=policy, keypair=pk, peers={"D": dk[0]}, **kw)
     if d_extra:
         kw = dict(kw, extra={**kw.get("extra", {}), **d_extra})
+    if d_model is not None:
+        kw = dict(kw, model=d_model)
     d = Engine(fabric, "D", clock, tp=d_tp, policy=policy, keypair=dk, peers={"P": pk[0]}, num_blocks=d_blocks, **kw)
     return fabric, p, d

