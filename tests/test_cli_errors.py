@@ -210,3 +210,28 @@ def test_each_engine_gets_its_block_size():
     assert cmd[cmd.index("--block-size") + 1] == "64"
     assert "--block-size" not in EngineSpec(name="P", engine_id="p", http_port=1, side_channel_port=2,
                                             connector="nixl").command("/m")
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--engine", "vllm", "--model", "mtp", "--push"],
+    ["run", "--engine", "vllm", "--model", "mtp", "--bidirectional"],
+    ["run", "--engine", "vllm", "--model", "mtp", "--decode-tp", "2"],
+])
+def test_the_mtp_model_runs_pull_one_turn_at_tp_1(argv, capsys):
+    _refused(capsys, argv, "--model mtp runs with --prefill-tp 1 and --decode-tp 1, without --push or --bidirectional")
+
+
+def test_mtp_engines_get_the_model_s_speculative_config():
+    """``--model mtp``: every engine (kvplane's and NixlConnector's alike)
+    runs multi-module MTP, 2 speculative tokens; the other models none."""
+    from kvplane.app.vllm.engines import EngineSpec
+    from kvplane.app.vllm.model import speculative_config
+
+    spec = speculative_config("mtp")
+    assert spec == {"method": "mtp", "num_speculative_tokens": 2}
+    assert all(speculative_config(m) is None for m in ("tiny", "hybrid", "mla"))
+    cmd = EngineSpec(name="P", engine_id="p", http_port=1, side_channel_port=2, connector="nixl",
+                     speculative=spec).command("/m")
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == spec
+    assert "--speculative-config" not in EngineSpec(name="P", engine_id="p", http_port=1, side_channel_port=2,
+                                                    connector="nixl").command("/m")

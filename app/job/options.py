@@ -315,10 +315,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --engine vllm: --bidirectional, and every 4th turn 2 is sent S seconds after turn 1, "
                         "past D's hold (the run's hold TTL is S / 2): kvplane declines the read and computes (default: "
                         "every turn 2 on time)")
-    p.add_argument("--model", choices=("tiny", "hybrid", "mla"), default=argparse.SUPPRESS,
+    p.add_argument("--model", choices=("tiny", "hybrid", "mla", "mtp"), default=argparse.SUPPRESS,
                    help="with --engine vllm: the local dummy-weight model: tiny (2 full-attention layers, the "
                         "default), hybrid (4 layers alternating sliding-window and full attention: two KV cache "
-                        "groups) or mla (a 2-layer DeepSeek-V2: one 576-wide latent per token)")
+                        "groups), mla (a 2-layer DeepSeek-V2: one 576-wide latent per token) or mtp (mla's as a "
+                        "DeepSeek-V3 with 2 MTP modules, run with multi-module MTP speculative decoding: P leaves "
+                        "the last prompt token to D)")
     p.add_argument("--prefill-block-size", type=block_size_tokens, default=argparse.SUPPRESS, metavar="T",
                    help="with --engine vllm: P's vLLM --block-size in tokens (a multiple of 32; default vLLM's, 128 "
                         "on CPU)")

@@ -68,6 +68,7 @@ class EngineSpec:
     dp: int = 1  # --data-parallel-size: engine cores behind the one API server (each its TP ranks)
     pp: int = 1  # --pipeline-parallel-size: tp worker processes per stage, each stage a slice of the layers
     push: bool = False  # push mode: the connector's push class (PUSH_CONNECTORS)
+    speculative: dict | None = None  # --speculative-config (the model's: model.speculative_config)
     # --hosts netns: the network namespace it runs in (``ip netns exec``), the
     # address its HTTP server and side channel use there, UCX on its veth.
     netns: str | None = None
@@ -106,6 +107,8 @@ class EngineSpec:
             cmd += ["--pipeline-parallel-size", str(self.pp)]
         if self.block_size is not None:
             cmd += ["--block-size", str(self.block_size)]
+        if self.speculative is not None:
+            cmd += ["--speculative-config", json.dumps(self.speculative)]
         return cmd
 
     def execution(self) -> list[str]:

@@ -105,7 +105,7 @@ def print_report(s: dict, console: Console | None = None) -> bool:
         ("requests/s", f"{s.get('requests_per_s', 0):.2f}"),
         ("bytes moved", f"{s.get('bytes_moved') or 0:,}"),
         ("KV check: requests whose read blocks are P's and D's recompute, byte for byte" if
-         (s.get("options") or {}).get("model") != "mla" else
+         (s.get("options") or {}).get("model") not in ("mla", "mtp") else
          "KV check: requests whose read blocks, and what D kept of them, are P's byte for byte",
          f"{s['kv_check']['ok']} / {s['kv_check']['checked']} ({s['kv_check']['tokens_compared']:,} tokens)"),
         ("  of them declined (nothing read) / no whole block read",

@@ -44,7 +44,7 @@ from ..job.netns import HostNet, NetnsUnavailable
 from .engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
                            split_cores, wait_healthy)
 from .model import CONFIG as TINY_CONFIG
-from .model import MODELS, block_tokens, recompute_exact, replicated_kv, write_tiny_model
+from .model import MODELS, block_tokens, recompute_exact, replicated_kv, speculative_config, write_tiny_model
 from .partition import partition_reclaim
 from .proxy import ProxyError, disaggregated, post_json
 from .workload import BLOCK_TOKENS, VOCAB_HI, VOCAB_LO, VllmRequest, make_stream
@@ -237,7 +237,7 @@ class VllmRun:
                                                                                     block_tokens(o.model)),
                 kv_load_failure_policy="recompute", cpus=cores[name], dp=dps[name], push=o.push,
                 tp=o.decode_tp if name == "D" else o.prefill_tp, pp=1 if name == "D" else o.prefill_pp,
-                block_size=block_sizes[name])
+                block_size=block_sizes[name], speculative=speculative_config(o.model))
         return specs
 
     def _keys(self, name: str) -> dict[str, Any]:
@@ -884,6 +884,10 @@ def options_from_args(args: Any) -> VllmRunOptions:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {opts.model!r}")
     if opts.model == "hybrid" and (opts.push or (opts.prefill_tp, opts.decode_tp) != (1, 1)):
         raise ValueError("--model hybrid runs with --prefill-tp 1 and --decode-tp 1, without --push")
+    if opts.model == "mtp" and (opts.push or opts.bidirectional or opts.late_turn2 is not None or
+                                (opts.prefill_tp, opts.decode_tp) != (1, 1)):
+        # Measured so: pull, one turn, TP 1 (docs/parity.md "P-side truncation").
+        raise ValueError("--model mtp runs with --prefill-tp 1 and --decode-tp 1, without --push or --bidirectional")
     if opts.model == "mla" and (opts.bidirectional or opts.late_turn2 is not None):
         # The turn-2 check compares P's KV with a recompute, which MLA's is not byte for byte
         # (docs/parity.md "MLA").  Any TP runs: each D rank reads one P rank's whole latents.
@@ -959,8 +963,8 @@ def _check_block_sizes(opts: VllmRunOptions) -> None:
     D's a whole multiple of P's, P's blocks read into D's, one attention
     group, no TP head split; kvplane reads them slice by slice
     (``transport.block_sizes``), pull mode, one turn."""
-    if opts.model == "mla" and (opts.prefill_block_size or opts.decode_block_size):
-        raise ValueError("--model mla runs at the CPU MLA kernel's block size (16 tokens): "
+    if opts.model in ("mla", "mtp") and (opts.prefill_block_size or opts.decode_block_size):
+        raise ValueError(f"--model {opts.model} runs at the CPU MLA kernel's block size (16 tokens): "
                          "without --prefill-block-size or --decode-block-size")
     p = opts.prefill_block_size or BLOCK_TOKENS
     d = opts.decode_block_size or BLOCK_TOKENS
