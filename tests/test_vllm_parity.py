@@ -142,3 +142,23 @@ def test_data_parallel_d_reads_each_request_from_the_p_engine_core_that_served_i
         # A core none of whose requests was read: recomputed, never wrong (assert_clean). As in the TP
         # tests, only a starved process explains it (D seeing the requests after P's leases expired).
         assert max(s["longest_rank_stall_ms"].values()) >= STARVED_MS, (unread, s["dp_ranks"], s["longest_rank_stall_ms"])
+
+
+def test_mtp_model_p_leaves_the_last_prompt_token_to_d(tmp_path):
+    # --model mtp: a DeepSeek-V3 with 2 MTP modules, every engine running multi-module MTP speculative
+    # decoding (2 tokens: num_prefill_lookahead_tokens 2): P computes and offers each prompt less its last
+    # token, D reads that and computes the last itself (NixlConnector's _prefill_backoff; docs/parity.md
+    # "P-side truncation"). The MTP layers' KV moves with the target's (4 layers in the one MLA group).
+    import torch
+
+    proc, s = run_job(tmp_path, "--model", "mtp", "--requests", "6")
+    assert_clean(proc, s, 6)
+    kv = s["kv_check"]
+    assert kv["tokens_compared"] > 0 and kv["declined"] == 0 and s["declined_reads"] == 0
+    dumps = tmp_path / "run" / "kv"
+    p_dumps = sorted(dumps.glob("*.p.rank0.pt"))
+    assert len(p_dumps) == 6, sorted(dumps.iterdir())
+    for p_path in p_dumps:
+        p, d = torch.load(p_path), torch.load(p_path.with_name(p_path.name.replace(".p.", ".")))
+        assert p["num_tokens"] == d["num_tokens"] - 1, (p_path.name, p["num_tokens"], d["num_tokens"])
+        assert p["kv"].shape[0] == 4  # 2 target + 2 MTP layers
