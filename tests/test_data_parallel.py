@@ -96,6 +96,7 @@ def test_the_job_gives_each_dp_engine_core_a_core_and_its_side_channel_ports(tmp
     """--decode-dp 2: D's engine is one server of two engine cores, each one
     OpenMP thread on a core of its own (vLLM slices the bind list by DP rank),
     its side channels base + k (TP 1) free; P as before."""
+    pytest.importorskip("tokenizers", reason="the job writes its model's tokenizer (the vllm extra)")
     opts = _opts("--decode-dp", "2", "--out", str(tmp_path / "run"))
     specs = VllmRun(opts, say=lambda line: None).prepare()
     d, p = specs["D"], specs["P"]
