@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvplane.app.vllm.kv_check import check_all
+from kvplane.app.vllm.run import _port_free
 from kvplane.connector.kv_dump import DUMP_KEY, DumpKV
 from kvplane.connector.vllm_scheduler import scheduler_log_path
 from kvplane.connector.vllm_settings import settings_from
@@ -236,14 +237,3 @@ def test_d_reads_from_the_dp_engine_core_that_served_p_at_its_port_and_engine_id
         assert status["engine_id"] == f"prefill-0_dp{k}" and status["closed"] and status["plane_held"] == []
         result = replay(tmp_path / f"prefill.dp{k}.events.jsonl")
         assert result.ok and result.lines > 1, (result.divergence, result.held)
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
