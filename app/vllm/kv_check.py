@@ -250,8 +250,11 @@ def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: i
         per_rank = []
         p_dumps = stage_dumps([_load(dump_dir / f"{t}.p.rank{r}.pt") for r in range(prefill_tp * prefill_pp)],
                               prefill_tp)
+        decode_engine = None  # D rank 0's dump names the engine core that served it
         for rank in range(decode_tp):
             d, local, recv = (_load(dump_dir / f"{t}{part}.rank{rank}.pt") for part in ("", ".local", ".recv"))
+            if rank == 0:
+                decode_engine = (d or {}).get("engine_id")
             theirs = holder_view(p_dumps, prefill_tp, decode_tp, rank, replicated=replicated_kv)
             if prefill_tp != decode_tp and d is not None and d.get("read_ok") is not False:
                 # Dummy weights are drawn per rank shard: engines of different TP run
@@ -271,7 +274,7 @@ def check_all(dump_dir: Path, tags: list[str], prefill_tp: int = 1, decode_tp: i
             or_p = prefill_tp != decode_tp and d is not None and d.get("read_ok") is False
             per_rank.append(verdict(t, d, theirs, local, recv, or_p=or_p))
         engines = {"prefill_engine": (p_dumps[0] or {}).get("engine_id"),
-                   "decode_engine": (_load(dump_dir / f"{t}.rank0.pt") or {}).get("engine_id")}
+                   "decode_engine": decode_engine}
         if decode_tp == 1:
             out.append(attrs.evolve(per_rank[0], **engines))
             continue
