@@ -290,9 +290,12 @@ class PlaneDriver:
     def feed(self, event: E.Event) -> None:
         self._run([event])
 
-    def step(self) -> int:
-        """Poll everything once; returns how many stimuli were processed."""
-        self.server.poll_once(0)
+    def step(self, side_channel: bool = True) -> int:
+        """Poll everything once; returns how many stimuli were processed.
+        ``side_channel=False`` leaves our handshake server unpolled (the
+        engine's per-step poll: its ticker serves the side channel)."""
+        if side_channel:
+            self.server.poll_once(0)
         # Deadlines first: after a stall (a slow or SIGSTOPped process) a
         # transfer that overran its deadline must fail before its completion
         # is polled, or it would be accepted although the peer may already

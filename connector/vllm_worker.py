@@ -33,6 +33,9 @@ from .vllm_stats import PlaneTally, snapshot
 log = logging.getLogger("kvplane.vllm")
 STATUS_EVERY_S = 0.5
 LOG_FLUSH_EVERY_S = 0.2
+# The ticker's longest sleep while this rank lends blocks or moves data: the
+# reader's READ waits for our NIXL progress, which an idle engine does not make.
+LENDING_WAIT_S = 0.005
 
 
 class VllmWorkerSide:
@@ -75,14 +78,14 @@ class VllmWorkerSide:
         self.driver, self.worker, self.log_writer = self.parts.driver, self.parts.worker, self.parts.log_writer
         self._log_flushed_at = 0.0
         self.lock = threading.RLock()
-        self.ticker = Ticker(self.driver, lock=self.lock, max_idle_wait=0.05)
+        self.ticker = Ticker(self.driver, lock=self.lock, max_idle_wait=0.05, after_step=self._housekeeping,
+                             lending_wait=LENDING_WAIT_S)
         self._kv: list[Any] = []
         self._dumped: set[str] = set()
         self._recv_dumps: dict[str, DumpKV] = {}
         self._last_counts: dict[str, int] = {}
         self._status_path = settings.rank_path(settings.status_file, rank)
         self._status_at = 0.0
-        self._status_last: Any = None
         self.report: WorkerReport | None = None
         self.closed = False
 
@@ -114,6 +117,11 @@ class VllmWorkerSide:
 
     # ------------------------------------------------------------ per step
     def bind(self, step: SchedulerStep) -> None:
+        """Apply the step's records: new requests, loads (their READs are
+        posted here, before the forward pass), finishes, grants.  No poll:
+        ``results`` polls what the engine waits for, the ticker the rest."""
+        if step.meta.empty and not step.dumps:
+            return  # most steps of a busy engine: nothing for the connector
         with self.lock:
             self.worker.bind(step.meta)
             for dump in step.dumps:
@@ -121,15 +129,23 @@ class VllmWorkerSide:
                     self._recv_dumps[dump.request_id] = dump  # taken when the recv is done
                 else:
                     self._dump(dump)
-            self.driver.step()
+        # The ticker steps now, beside the forward pass: it progresses NIXL
+        # (a READ of a lease granted here is served by this agent's progress),
+        # and sees any deadline armed here earlier than the one it sleeps towards.
         self.ticker.wake()
 
     def results(self) -> tuple[set[str], set[str], set[str], set[int]]:
         """(finished_sending, finished_recving, failed_recving, load-error
         blocks) since the last call; a failed recv is also finished (vLLM
-        releases the request on finished_recving)."""
+        releases the request on finished_recving).
+
+        Polls what finishes a request (handshake results, notifications,
+        transfer states, due timers) so a recv done is reported in this
+        step, as NixlConnector's get_finished does; the side channel, the
+        status file and the event log's flush are the ticker's
+        (``_housekeeping``)."""
         with self.lock:
-            self.driver.step()
+            self.driver.step(side_channel=False)
             report = self.worker.report()
             for rid in report.finished_recving | report.failed_recving:
                 dump = self._recv_dumps.pop(rid, None)
@@ -142,14 +158,22 @@ class VllmWorkerSide:
                                       load_error_blocks=report.load_error_blocks, fail_reasons=report.fail_reasons)
                 self._dumped = set()
             self.report = report
-            self._write_status()
-            now = time.monotonic()
-            if self.log_writer is not None and now - self._log_flushed_at >= LOG_FLUSH_EVERY_S:
-                # vLLM may kill a worker at shutdown: what is flushed survives.
-                self._log_flushed_at = now
-                self.log_writer.flush()
         return (set(report.finished_sending), set(report.finished_recving | report.failed_recving),
                 set(report.failed_recving), set(report.load_error_blocks))
+
+    def _housekeeping(self) -> None:
+        """The ticker's, after each of its steps: the event log's flush and
+        the status file, each at its own pace."""
+        now = time.monotonic()
+        if self.log_writer is not None and now - self._log_flushed_at >= LOG_FLUSH_EVERY_S:
+            # vLLM may kill a worker at shutdown: what is flushed survives.
+            with self.lock:
+                if self.closed:
+                    return
+                self._log_flushed_at = now
+                self.log_writer.flush()
+        if self._status_path is not None and now - self._status_at >= STATUS_EVERY_S:
+            self._write_status()
 
     def take_report(self) -> WorkerReport | None:
         report, self.report = self.report, None
@@ -177,19 +201,21 @@ class VllmWorkerSide:
 
     # ------------------------------------------------------------ status
     def _write_status(self, force: bool = False) -> None:
+        """Every STATUS_EVERY_S (the ticker), and at shutdown (``force``)."""
         if self._status_path is None:
             return
-        counts, gauges = snapshot(self.driver, self.tally)
-        now = time.monotonic()
-        if not force and gauges == self._status_last and now - self._status_at < STATUS_EVERY_S:
-            return
-        self._status_at, self._status_last = now, gauges
-        status = {"engine_id": self.engine_id, "rank": self.rank, "pid": os.getpid(), "time": time.time(),
-                  "counts": counts, "gauges": gauges, "closed": self.closed,
-                  # longest_late_ms: the longest this rank's plane went unstepped past a
-                  # deadline (a starved process: its heartbeats were that late too).
-                  "ticker": self.ticker.stats(),
-                  "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in self.driver.plane.held()]}
+        with self.lock:
+            if self.closed and not force:
+                return
+            counts, gauges = snapshot(self.driver, self.tally)
+            self._status_at = time.monotonic()
+            status = {"engine_id": self.engine_id, "rank": self.rank, "pid": os.getpid(), "time": time.time(),
+                      "counts": counts, "gauges": gauges, "closed": self.closed,
+                      # longest_late_ms: the longest this rank's plane went unstepped past a
+                      # deadline (a starved process: its heartbeats were that late too).
+                      "ticker": self.ticker.stats(),
+                      "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in self.driver.plane.held()]}
+        # The file outside the lock: the engine's calls do not wait for the disk.
         tmp = self._status_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(status, f)
