@@ -290,10 +290,12 @@ class PlaneDriver:
     def feed(self, event: E.Event) -> None:
         self._run([event])
 
-    def step(self, side_channel: bool = True) -> int:
+    def step(self, side_channel: bool = True, transfers: bool = True) -> int:
         """Poll everything once; returns how many stimuli were processed.
         ``side_channel=False`` leaves our handshake server unpolled (the
-        engine's per-step poll: its ticker serves the side channel)."""
+        engine's per-step poll: its ticker serves the side channel);
+        ``transfers=False`` our transfers' states (a ticker beside an engine
+        that polls them every step)."""
         if side_channel:
             self.server.poll_once(0)
         # Deadlines first: after a stall (a slow or SIGSTOPped process) a
@@ -305,7 +307,8 @@ class PlaneDriver:
         for outcome in self.handshaker.completed():
             events.append(self._handshake_event(outcome))
         events.extend(self._notif_events())
-        events.extend(self._transfer_events())
+        if transfers:
+            events.extend(self._transfer_events())
         n += len(events)
         self._run(events)
         return n + self._fire_due()

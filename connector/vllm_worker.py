@@ -36,6 +36,8 @@ LOG_FLUSH_EVERY_S = 0.2
 # The ticker's longest sleep while this rank lends blocks or moves data: the
 # reader's READ waits for our NIXL progress, which an idle engine does not make.
 LENDING_WAIT_S = 0.005
+# The engine polled within this: its ticker leaves the transfers' states to it.
+ENGINE_POLLS_S = 0.05
 
 
 class VllmWorkerSide:
@@ -79,7 +81,8 @@ class VllmWorkerSide:
         self._log_flushed_at = 0.0
         self.lock = threading.RLock()
         self.ticker = Ticker(self.driver, lock=self.lock, max_idle_wait=0.05, after_step=self._housekeeping,
-                             lending_wait=LENDING_WAIT_S)
+                             lending_wait=LENDING_WAIT_S, step=self._ticker_step)
+        self._results_at = float("-inf")  # when the engine last polled (results)
         self._kv: list[Any] = []
         self._dumped: set[str] = set()
         self._recv_dumps: dict[str, DumpKV] = {}
@@ -145,6 +148,7 @@ class VllmWorkerSide:
         status file and the event log's flush are the ticker's
         (``_housekeeping``)."""
         with self.lock:
+            self._results_at = time.monotonic()
             self.driver.step(side_channel=False)
             report = self.worker.report()
             for rid in report.finished_recving | report.failed_recving:
@@ -160,6 +164,13 @@ class VllmWorkerSide:
             self.report = report
         return (set(report.finished_sending), set(report.finished_recving | report.failed_recving),
                 set(report.failed_recving), set(report.load_error_blocks))
+
+    def _ticker_step(self) -> int:
+        """The ticker's step: everything, but our transfers' states while
+        the engine is stepping (its ``results`` polls them each step; with
+        hundreds in flight a tick would hold the lock for milliseconds)."""
+        engine_polls = time.monotonic() - self._results_at < ENGINE_POLLS_S
+        return self.driver.step(transfers=not engine_polls)
 
     def _housekeeping(self) -> None:
         """The ticker's, after each of its steps: the event log's flush and
