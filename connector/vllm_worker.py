@@ -38,6 +38,8 @@ LOG_FLUSH_EVERY_S = 0.2
 LENDING_WAIT_S = 0.005
 # The engine polled within this: its ticker leaves the transfers' states to it.
 ENGINE_POLLS_S = 0.05
+# vLLM asks for stats every step; they are logged every few seconds.
+STATS_EVERY_S = 0.1
 
 
 class VllmWorkerSide:
@@ -87,6 +89,8 @@ class VllmWorkerSide:
         self._dumped: set[str] = set()
         self._recv_dumps: dict[str, DumpKV] = {}
         self._last_counts: dict[str, int] = {}
+        self._last_gauges: dict[str, int] = {}
+        self._stats_at = float("-inf")
         self._status_path = settings.rank_path(settings.status_file, rank)
         self._status_at = 0.0
         self.report: WorkerReport | None = None
@@ -142,14 +146,19 @@ class VllmWorkerSide:
         blocks) since the last call; a failed recv is also finished (vLLM
         releases the request on finished_recving).
 
-        Polls what finishes a request (handshake results, notifications,
-        transfer states, due timers) so a recv done is reported in this
-        step, as NixlConnector's get_finished does; the side channel, the
-        status file and the event log's flush are the ticker's
-        (``_housekeeping``)."""
+        Polls what finishes a recv (handshake results, transfer states,
+        due timers; notifications while transfers are in flight) so a recv
+        done is reported in this step, as NixlConnector's get_finished
+        does.  The ticker does the rest: the side channel, the consumers'
+        completion notices (a lease's end: within LENDING_WAIT_S, the
+        ticker's longest sleep while a lease is held), the status file and
+        the event log's flush (``_housekeeping``)."""
         with self.lock:
             self._results_at = time.monotonic()
-            self.driver.step(side_channel=False)
+            # NIXL's notification call progresses UCX (tens of µs): made here
+            # only while our own transfers are in flight (their completion
+            # gains from it); a peer's completion notice is the ticker's.
+            self.driver.step(side_channel=False, notifications=bool(self.driver.xfers))
             report = self.worker.report()
             for rid in report.finished_recving | report.failed_recving:
                 dump = self._recv_dumps.pop(rid, None)
@@ -191,11 +200,17 @@ class VllmWorkerSide:
         return report
 
     def stats(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(counts since the last call, gauges now)."""
+        """(counts since the last snapshot, gauges then).  vLLM asks every
+        step; a snapshot is taken at most every STATS_EVERY_S (counts in
+        between come with the next one, none is lost)."""
+        now = time.monotonic()
+        if now - self._stats_at < STATS_EVERY_S:
+            return {}, self._last_gauges
+        self._stats_at = now
         with self.lock:
             counts, gauges = snapshot(self.driver, self.tally)
         delta = {k: v - self._last_counts.get(k, 0) for k, v in counts.items()}
-        self._last_counts = counts
+        self._last_counts, self._last_gauges = counts, gauges
         return {k: v for k, v in delta.items() if v}, gauges
 
     # ------------------------------------------------------------ dumps
