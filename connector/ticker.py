@@ -190,8 +190,7 @@ class Ticker:
             log.exception("%s: reading the next deadline failed; the ticker goes on", self.driver.engine_id)
             until = None
         longest = self.max_idle_wait
-        instances = self.driver.plane.instances
-        if self.lending_wait is not None and (instances.get("lease") or instances.get("decode_request")):
+        if self.lending_wait is not None and self.driver.plane.instances.get("lease"):
             longest = min(longest, self.lending_wait)
         if until is None or not until < longest:  # NaN: the full wait
             return longest

@@ -147,7 +147,7 @@ class VllmWorkerSide:
         releases the request on finished_recving).
 
         Polls what finishes a recv (handshake results, transfer states,
-        due timers; notifications while transfers are in flight) so a recv
+        due timers; notifications while this rank receives) so a recv
         done is reported in this step, as NixlConnector's get_finished
         does.  The ticker does the rest: the side channel, the consumers'
         completion notices (a lease's end: within LENDING_WAIT_S, the
@@ -156,9 +156,11 @@ class VllmWorkerSide:
         with self.lock:
             self._results_at = time.monotonic()
             # NIXL's notification call progresses UCX (tens of µs): made here
-            # only while our own transfers are in flight (their completion
-            # gains from it); a peer's completion notice is the ticker's.
-            self.driver.step(side_channel=False, notifications=bool(self.driver.xfers))
+            # only while this rank receives (its READs complete sooner with
+            # it; a push's completion is a notification); a consumer's
+            # completion notice to a lender is the ticker's.
+            receiving = bool(self.driver.xfers) or bool(self.driver.plane.instances.get("decode_request"))
+            self.driver.step(side_channel=False, notifications=receiving)
             report = self.worker.report()
             for rid in report.finished_recving | report.failed_recving:
                 dump = self._recv_dumps.pop(rid, None)
