@@ -244,7 +244,7 @@ class VllmWorkerSide:
                       "ticker": self.ticker.stats(),
                       "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in self.driver.plane.held()]}
         # The file outside the lock: the engine's calls do not wait for the disk.
-        tmp = self._status_path + ".tmp"
+        tmp = f"{self._status_path}.{threading.get_ident()}.tmp"  # the ticker's and shutdown's never mix
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(status, f)
         os.replace(tmp, self._status_path)
