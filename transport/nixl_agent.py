@@ -10,9 +10,12 @@ its target progresses, so how often the passive side polls bounds the
 reader's latency (a target polling every 1 ms: ~1.1 ms for any READ; every
 0.1 ms: 0.2 ms for 1 MiB).
 
-Each transfer's descriptors are built for it from ``descriptors.plan_transfer``
-(contiguous block runs are one descriptor) and its time from post to the poll
-that saw it done is kept in :attr:`NixlEndpoint.transfer_times`.
+A transfer is made from indices into prepared descriptor lists
+(``prepped.py``: the local cache's once, each remote's once per incarnation;
+NIXL merges contiguous runs); a cache too large to prepare, or an endpoint
+made with ``prepped=False``, builds each transfer's lists from
+``descriptors.plan_transfer`` instead.  Each transfer's time from post to the
+poll that saw it done is kept in :attr:`NixlEndpoint.transfer_times`.
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ except ImportError:
 import attrs
 import torch
 
-from .descriptors import addresses, plan_transfer
+from .descriptors import addresses, block_runs, plan_transfer
 from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed, TransportError
 from .handle import DONE, PROC, XferHandle
 from .layout import WHOLE_BLOCK, BlockPart, CacheLayout, check_part
+from .prepped import LOCAL, PreppedLists, fits, indices
 from .transfer_times import TransferTimes
 from .wire import METADATA_MAGIC
 
@@ -104,7 +108,7 @@ class CallTimes:
 
 
 class NixlEndpoint:
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), prepped: bool = True) -> None:
         if not name:
             raise ValueError("agent name must not be empty")
         self.name = name
@@ -120,6 +124,10 @@ class NixlEndpoint:
         self._disconnected: set[str] = set()
         self._notif_buf: list[tuple[str, bytes]] = []
         self._closed = False
+        # Prepared descriptor lists (False: every transfer builds its own, the
+        # old path, kept for caches too large to prepare and for benches).
+        self.use_prepped = prepped
+        self.prepped = PreppedLists(self._prep_dlist)
         self.call_times = CallTimes()
         self.transfer_times = TransferTimes()
 
@@ -166,6 +174,10 @@ class NixlEndpoint:
         self._tensors.append(tensor)
         self._reg_descs.append(reg)
         self._layout = layout
+        # The local lists describe the regions registered before this one
+        # (an engine registers a region per layer): the whole-block list is
+        # prepared again at the next add_remote, when the cache is complete.
+        self.prepped.drop(LOCAL)
         return layout
 
     def describe_cache(self) -> dict:
@@ -194,14 +206,23 @@ class NixlEndpoint:
         # NIXL returns the name as bytes here but keys notifications by str.
         if isinstance(name, bytes):
             name = name.decode()
+        # NIXL refuses a name it holds, so a new incarnation comes through
+        # remove_remote, which dropped the old one's lists; dropped here too,
+        # so no list made before this add is ever used with this agent.
+        self.prepped.drop(name)
         self._remotes.add(name)
         self._disconnected.discard(name)
+        # The local whole-block list, off the post's path (a READ follows a handshake).
+        if self.use_prepped and self._layout is not None and fits(self._layout, 1):
+            with _nixl("prep_xfer_dlist local", TransportError):
+                self.prepped.get(LOCAL, self._layout, 1)
         return name
 
     def remove_remote(self, name: str) -> None:
         self._check_open()
         self._remotes.discard(name)
         self._disconnected.discard(name)
+        self.prepped.drop(name)
         with self._timed("remove_remote_agent"), _nixl(f"remove_remote_agent {name!r}", NotFound):
             self._agent.remove_remote_agent(name)
 
@@ -272,16 +293,31 @@ class NixlEndpoint:
         self._progress()
         self._check_remote(remote_name, op)
 
-        plan = plan_transfer(local, remote, local_block_ids, remote_block_ids, local_part, remote_part,
-                             slice_bytes)
-        with self._timed("initialize_xfer"), self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
-            raw = self._agent.initialize_xfer(
-                op, self._agent.get_xfer_descs(addresses(local, plan.local), local.mem_type),
-                self._agent.get_xfer_descs(addresses(remote, plan.remote), remote.mem_type),
-                remote_name, notif,
-            )
-        handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw, nbytes=plan.nbytes,
-                            descriptors=plan.descriptors, posted_at=posted_at)
+        if self.use_prepped and fits(local, local_part[1]) and fits(remote, remote_part[1]):
+            with self._timed("make_prepped_xfer"), self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
+                raw = self._agent.make_prepped_xfer(
+                    op, self.prepped.get(LOCAL, local, local_part[1]),
+                    indices(local, local_block_ids, local_part),
+                    self.prepped.get(remote_name, remote, remote_part[1]),
+                    indices(remote, remote_block_ids, remote_part), notif,
+                )
+            whole = local_part[1] == 1 and remote_part[1] == 1
+            runs = len(block_runs(local_block_ids, remote_block_ids, coalesce=whole))
+            regions = len(local.base_addrs)
+            handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw,
+                                nbytes=len(local_block_ids) * slice_bytes * regions,
+                                descriptors=runs * regions, posted_at=posted_at)
+        else:
+            plan = plan_transfer(local, remote, local_block_ids, remote_block_ids, local_part, remote_part,
+                                 slice_bytes)
+            with self._timed("initialize_xfer"), self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
+                raw = self._agent.initialize_xfer(
+                    op, self._agent.get_xfer_descs(addresses(local, plan.local), local.mem_type),
+                    self._agent.get_xfer_descs(addresses(remote, plan.remote), remote.mem_type),
+                    remote_name, notif,
+                )
+            handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw, nbytes=plan.nbytes,
+                                descriptors=plan.descriptors, posted_at=posted_at)
         try:
             with self._timed("transfer"), self._watch(remote_name), _nixl(f"post {op} to {remote_name!r}"):
                 state = self._agent.transfer(raw)
@@ -351,6 +387,7 @@ class NixlEndpoint:
         if self._closed:
             return
         self._closed = True
+        self.prepped.drop_all()
         for reg in self._reg_descs:
             with contextlib.suppress(Exception):
                 self._agent.deregister_memory(reg)
@@ -377,6 +414,10 @@ class NixlEndpoint:
         for name, msgs in got.items():
             name = name.decode() if isinstance(name, bytes) else name
             self._notif_buf.extend((name, bytes(m)) for m in msgs)
+
+    def _prep_dlist(self, owner: str, table: object, mem_type: str) -> object:
+        with self._timed("prep_xfer_dlist"):
+            return self._agent.prep_xfer_dlist(owner or "NIXL_INIT_AGENT", table, mem_type)
 
     def _check_remote(self, remote_name: str, what: str) -> None:
         if remote_name in self._disconnected:
