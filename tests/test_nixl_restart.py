@@ -139,3 +139,6 @@ def test_a_restarted_prefill_is_read_and_frees_its_lease(nodes, comes_back):
     assert spin(lambda: d.driver.plane.get("decode_request", "d2#farewell") is None, *live,
                 timeout=2 * CFG.handshake_timeout)
     assert d.held() == [] and d.driver.counters["farewells"] == 1
+    # An engine evicted: its agent and its prepared list went together.
+    assert d.driver.counters["engines_evicted"] == 1 and "P" not in d.driver.agents
+    assert old_list._released and prepped.live("P") == 0
