@@ -89,6 +89,8 @@ def test_an_attackers_address_is_never_dialled_and_stalls_nobody(session):
 def test_a_strangers_completion_frees_nothing(session):
     f = attacks(session)["f_forged_completion"]["figures"]
     assert f["forged"].startswith(("side channel gave the stranger no metadata", "side channel refused")), f
+    # Judged well inside the lease's life (no lawful expiry meanwhile), with P holding nothing else.
+    assert f["window_s"] < f["lease_s"] / 2 and f["usage_settled"] == 0.0, f
     assert f["usage_after"] == f["usage_before"] > 0, f
 
 

@@ -327,10 +327,19 @@ class Attacker:
 
     def f_forged_completion(self) -> Outcome:
         out = Outcome("f_forged_completion")
+        # The window judged is this attack's lease alone, well inside its life:
+        # the stranger's NIXL is imported first (torch and NIXL: 6 s idle, up to
+        # 30 s on two busy cores, which let the lease expire inside the window),
+        # and earlier attacks' leases (d_address's twelve, never read) have
+        # expired first, so no lawful expiry lowers the usage meanwhile.
+        from kvplane.transport.nixl_agent import NixlEndpoint  # noqa: F401 (imported ahead of the window)
+
+        settled = self.run.settle(["P"], self.run.opts.lease + 10.0)["P"]
         prompt = self.prompt()
         params = self.prefill(prompt, "f")
         if params is None:
             return attrs.evolve(out, note="P gave no params")
+        start = time.monotonic()
         before = _usage(self.run.engines["P"].url)
         try:
             freed_by = forge_completion(self.connector, params)
@@ -338,7 +347,8 @@ class Attacker:
             freed_by = f"not sent: {type(exc).__name__}: {str(exc)[:120]}"
         time.sleep(1.0)
         after = _usage(self.run.engines["P"].url)
-        out.figures = {"usage_before": before, "usage_after": after, "forged": freed_by}
+        out.figures = {"usage_before": before, "usage_after": after, "forged": freed_by, "usage_settled": settled,
+                       "window_s": round(time.monotonic() - start, 2), "lease_s": self.run.opts.lease}
         out.note = f"{freed_by}; P's KV cache usage {before:.4f} -> {after:.4f} before D read the lease"
         out.statuses.append(self.decode(prompt, params, "f"))
         out.engines = self.engines()
