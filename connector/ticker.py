@@ -87,6 +87,10 @@ class Ticker:
         # Housekeeping off the engine's steps (status files, log flushes):
         # called after each step, outside the lock (it takes it if it needs it).
         self.after_step = after_step
+        # When the thread last began a step (time.monotonic; -inf: never): an
+        # embedder whose calls leave work to the thread can tell that it is
+        # not being scheduled and do that work itself.
+        self.stepped_at = float("-inf")
         self.ticks = 0
         self.steps_with_work = 0
         self.errors = 0
@@ -150,6 +154,7 @@ class Ticker:
                 if self._stopping:
                     return
                 self._note_lateness(due)
+                self.stepped_at = time.monotonic()
                 try:
                     work = self._step()
                 except Exception as exc:  # counted and logged; the thread goes on

@@ -40,6 +40,11 @@ LENDING_WAIT_S = 0.005
 ENGINE_POLLS_S = 0.05
 # vLLM asks for stats every step; they are logged every few seconds.
 STATS_EVERY_S = 0.1
+# The ticker has not begun a step for this long (twice its longest sleep): it
+# is not being scheduled (a busy-polling TP worker on a shared core), so the
+# engine's results() does its work: the side channel, notifications, the
+# status file and the log's flush.  Without it a starved ticker lost every read.
+TICKER_LATE_S = 0.1
 
 
 class VllmWorkerSide:
@@ -152,15 +157,18 @@ class VllmWorkerSide:
         does.  The ticker does the rest: the side channel, the consumers'
         completion notices (a lease's end: within LENDING_WAIT_S, the
         ticker's longest sleep while a lease is held), the status file and
-        the event log's flush (``_housekeeping``)."""
+        the event log's flush (``_housekeeping``); while the ticker has not
+        stepped for TICKER_LATE_S (its thread is not being scheduled), this
+        call does all of it."""
         with self.lock:
-            self._results_at = time.monotonic()
+            now = self._results_at = time.monotonic()
+            ticker_late = now - self.ticker.stepped_at > TICKER_LATE_S
             # NIXL's notification call progresses UCX (tens of µs): made here
             # only while this rank receives (its READs complete sooner with
             # it; a push's completion is a notification); a consumer's
-            # completion notice to a lender is the ticker's.
+            # completion notice to a lender is the ticker's, unless it is late.
             receiving = bool(self.driver.xfers) or bool(self.driver.plane.instances.get("decode_request"))
-            self.driver.step(side_channel=False, notifications=receiving)
+            self.driver.step(side_channel=ticker_late, notifications=receiving or ticker_late)
             report = self.worker.report()
             for rid in report.finished_recving | report.failed_recving:
                 dump = self._recv_dumps.pop(rid, None)
@@ -173,6 +181,8 @@ class VllmWorkerSide:
                                       load_error_blocks=report.load_error_blocks, fail_reasons=report.fail_reasons)
                 self._dumped = set()
             self.report = report
+        if ticker_late:
+            self._housekeeping()  # each at its own pace, as the ticker would
         return (set(report.finished_sending), set(report.finished_recving | report.failed_recving),
                 set(report.failed_recving), set(report.load_error_blocks))
 
