@@ -33,9 +33,6 @@ from .vllm_stats import PlaneTally, snapshot
 log = logging.getLogger("kvplane.vllm")
 STATUS_EVERY_S = 0.5
 LOG_FLUSH_EVERY_S = 0.2
-# The ticker's longest sleep while this rank lends blocks or moves data: the
-# reader's READ waits for our NIXL progress, which an idle engine does not make.
-LENDING_WAIT_S = 0.005
 # The engine polled within this: its ticker leaves the transfers' states to it.
 ENGINE_POLLS_S = 0.05
 # vLLM asks for stats every step; they are logged every few seconds.
@@ -87,8 +84,13 @@ class VllmWorkerSide:
         self.driver, self.worker, self.log_writer = self.parts.driver, self.parts.worker, self.parts.log_writer
         self._log_flushed_at = 0.0
         self.lock = threading.RLock()
+        # No short sleep while lending: vLLM keeps stepping an engine whose
+        # finished requests await their blocks' free (has_finished_requests),
+        # and results() progresses NIXL while this rank lends.  A 5 ms ticker
+        # on each lending rank (h31) made 20-23k ticks a run and every TP read
+        # was lost (tests/test_vllm_parity.py, 12:28-13:05 UTC).
         self.ticker = Ticker(self.driver, lock=self.lock, max_idle_wait=0.05, after_step=self._housekeeping,
-                             lending_wait=LENDING_WAIT_S, step=self._ticker_step)
+                             step=self._ticker_step)
         self._results_at = float("-inf")  # when the engine last polled (results)
         self._kv: list[Any] = []
         self._dumped: set[str] = set()
@@ -151,24 +153,27 @@ class VllmWorkerSide:
         blocks) since the last call; a failed recv is also finished (vLLM
         releases the request on finished_recving).
 
-        Polls what finishes a recv (handshake results, transfer states,
-        due timers; notifications while this rank receives) so a recv
-        done is reported in this step, as NixlConnector's get_finished
-        does.  The ticker does the rest: the side channel, the consumers'
-        completion notices (a lease's end: within LENDING_WAIT_S, the
-        ticker's longest sleep while a lease is held), the status file and
-        the event log's flush (``_housekeeping``); while the ticker has not
+        Polls what finishes a recv or a lease (handshake results, transfer
+        states, due timers; notifications while this rank receives or
+        lends) so either is reported in this step, as NixlConnector's
+        get_finished does.  The ticker does the rest: the side channel,
+        the status file and the event log's flush (``_housekeeping``), and
+        everything while the engine makes no step; while the ticker has not
         stepped for TICKER_LATE_S (its thread is not being scheduled), this
         call does all of it."""
         with self.lock:
             now = self._results_at = time.monotonic()
             ticker_late = now - self.ticker.stepped_at > TICKER_LATE_S
             # NIXL's notification call progresses UCX (tens of µs): made here
-            # only while this rank receives (its READs complete sooner with
-            # it; a push's completion is a notification); a consumer's
-            # completion notice to a lender is the ticker's, unless it is late.
+            # while this rank receives (its READs complete sooner with it; a
+            # push's completion is a notification) or lends (a reader's READ
+            # is served by this agent's progress: left to the ticker thread
+            # alone, a lending P stalled its engine 36 s and every TP read
+            # failed, tests/test_vllm_parity.py at 12:35 UTC), and when the
+            # ticker is late; an idle rank's progress is the ticker's.
             receiving = bool(self.driver.xfers) or bool(self.driver.plane.instances.get("decode_request"))
-            self.driver.step(side_channel=ticker_late, notifications=receiving or ticker_late)
+            lending = bool(self.driver.plane.instances.get("lease"))
+            self.driver.step(side_channel=ticker_late, notifications=receiving or lending or ticker_late)
             report = self.worker.report()
             for rid in report.finished_recving | report.failed_recving:
                 dump = self._recv_dumps.pop(rid, None)
