@@ -11,6 +11,11 @@ heartbeats, P), timed per ``handle`` call with ``time.thread_time``:
 - between every two events, what a running engine does between the plane's
   calls: a 1 ms sleep (the process leaves the core; other processes run) or
   a memset of 8 MiB (torch touching its buffers).
+
+Each cell three ways, to show the floor: the plane recording (what ships),
+the plane without a recorder (what recording adds cold), and an empty
+function timed the same way (the two clock reads and a call: what no plane
+can go below).
 """
 from __future__ import annotations
 
@@ -36,12 +41,21 @@ def _between(kind: str) -> None:
         _BUFFER.fill_(1)
 
 
-def per_request_us(side: str, batch: int, between: str, requests: int) -> float:
-    """CPU µs inside ``handle`` per request."""
+def _empty(event: object, now: float) -> None:
+    return None
+
+
+WAYS = ("recording", "no recorder", "empty call")
+
+
+def per_request_us(side: str, batch: int, between: str, requests: int, way: str = "recording") -> float:
+    """CPU µs inside ``handle`` (or the empty call) per request."""
     stages_fn = W.decode_stages if side == "D" else W.lease_stages
     plane = ControlPlane(CFG)
     W.connect_plane(plane, 1000.0)
-    EventLogWriter.attach(plane, io.StringIO())
+    if way == "recording":
+        EventLogWriter.attach(plane, io.StringIO())
+    handle = _empty if way == "empty call" else plane.handle
     t = 1000.0
     for evs in stages_fn(range(64), "warm"):
         for ev in evs:
@@ -52,7 +66,7 @@ def per_request_us(side: str, batch: int, between: str, requests: int) -> float:
         for ev in [ev for evs in stages for ev in evs]:
             _between(between)
             t0 = clock()
-            plane.handle(ev, t)
+            handle(ev, t)
             spent += clock() - t0
             t += 1e-4
     return spent / requests * 1e6
@@ -65,14 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests < 64 or args.requests % 64:
         p.error("--requests must be a positive multiple of 64")
     cases = [(64, "nothing"), (1, "nothing"), (1, "sleep 1 ms"), (1, "memset 8 MiB")]
-    print("| side | requests in a batch | between two events | CPU µs per request | ratio to batched |")
-    print("|---|---:|---|---:|---:|")
+    print("CPU µs per request inside the timed calls; ratio: recording to its batched cell")
+    print("| side | requests in a batch | between two events | recording | no recorder | empty call | ratio |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     for side in ("D", "P"):
         base = None
         for batch, between in cases:
-            us = per_request_us(side, batch, between, args.requests)
-            base = base or us
-            print(f"| {side} | {batch} | {between} | {us:.1f} | {us / base:.2f}x |", flush=True)
+            us = {way: per_request_us(side, batch, between, args.requests, way) for way in WAYS}
+            base = base or us["recording"]
+            print(f"| {side} | {batch} | {between} | {us['recording']:.1f} | {us['no recorder']:.1f} | "
+                  f"{us['empty call']:.1f} | {us['recording'] / base:.2f}x |", flush=True)
     return 0
 
 
