@@ -308,9 +308,15 @@ class PlaneDriver:
     def feed(self, event: E.Event) -> None:
         self._run([event])
 
-    def step(self) -> int:
-        """Poll everything once; returns how many stimuli were processed."""
-        self.server.poll_once(0)
+    def step(self, side_channel: bool = True, transfers: bool = True, notifications: bool = True) -> int:
+        """Poll everything once; returns how many stimuli were processed.
+        ``side_channel=False`` leaves our handshake server unpolled (the
+        engine's per-step poll: its ticker serves the side channel);
+        ``transfers=False`` our transfers' states (a ticker beside an engine
+        that polls them every step); ``notifications=False`` the agent's
+        notifications (NIXL's call for them progresses UCX: tens of µs)."""
+        if side_channel:
+            self.server.poll_once(0)
         # Deadlines first: after a stall (a slow or SIGSTOPped process) a
         # transfer that overran its deadline must fail before its completion
         # is polled, or it would be accepted although the peer may already
@@ -319,8 +325,10 @@ class PlaneDriver:
         events: list[E.Event] = []
         for outcome in self.handshaker.completed():
             events.append(self._handshake_event(outcome))
-        events.extend(self._notif_events())
-        events.extend(self._transfer_events())
+        if notifications:
+            events.extend(self._notif_events())
+        if transfers:
+            events.extend(self._transfer_events())
         n += len(events)
         self._run(events)
         return n + self._fire_due()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .driver import PlaneDriver
 
@@ -59,18 +59,38 @@ class Ticker:
 
     ``lock``: a ``threading.Lock`` or ``RLock`` shared with the engine's
     calls into the driver (an RLock is created when none is given).
+    ``after_step``: called after every step, outside the lock.
+    ``lending_wait``: the longest sleep while a lease is held (None:
+    ``max_idle_wait`` then too).  ``step``: what a tick runs (default
+    ``driver.step``), under the lock.
     Stats, written by the thread only: ``ticks`` (steps run),
     ``steps_with_work`` (steps that processed a stimulus), ``errors``
     (steps that raised; the last one is ``last_error``).
     """
 
     def __init__(self, driver: PlaneDriver, *, lock: Any = None, max_idle_wait: float = 0.1,
-                 name: str | None = None):
+                 name: str | None = None, after_step: Callable[[], None] | None = None,
+                 lending_wait: float | None = None, step: Callable[[], int] | None = None):
         if not max_idle_wait >= MIN_WAIT:  # also refuses NaN
             raise ValueError(f"max_idle_wait must be >= {MIN_WAIT} s, got {max_idle_wait!r}")
+        if lending_wait is not None and not lending_wait >= MIN_WAIT:
+            raise ValueError(f"lending_wait must be >= {MIN_WAIT} s, got {lending_wait!r}")
+        # While the plane lends blocks (a lease is held): a peer's READ of
+        # our blocks completes only as this agent's NIXL is progressed
+        # (measured: with UCX here the reader waits for it), and an idle
+        # engine makes no step that would.
+        self.lending_wait = lending_wait
+        self._step = step if step is not None else driver.step
         self.driver = driver
         self.lock = lock if lock is not None else threading.RLock()
         self.max_idle_wait = float(max_idle_wait)
+        # Housekeeping off the engine's steps (status files, log flushes):
+        # called after each step, outside the lock (it takes it if it needs it).
+        self.after_step = after_step
+        # When the thread last began a step (time.monotonic; -inf: never): an
+        # embedder whose calls leave work to the thread can tell that it is
+        # not being scheduled and do that work itself.
+        self.stepped_at = float("-inf")
         self.ticks = 0
         self.steps_with_work = 0
         self.errors = 0
@@ -134,8 +154,9 @@ class Ticker:
                 if self._stopping:
                     return
                 self._note_lateness(due)
+                self.stepped_at = time.monotonic()
                 try:
-                    work = self.driver.step()
+                    work = self._step()
                 except Exception as exc:  # counted and logged; the thread goes on
                     self.errors += 1
                     self.last_error = exc
@@ -147,6 +168,15 @@ class Ticker:
                 if work:
                     self.steps_with_work += 1
                 timeout = MIN_WAIT if work else self._idle_timeout()
+            if self.after_step is not None:
+                try:
+                    self.after_step()
+                except Exception as exc:  # counted and logged like a failed step
+                    self.errors += 1
+                    self.last_error = exc
+                    if self.errors <= 3 or self.errors % 1000 == 0:
+                        log.exception("%s: after_step failed (%d so far); the ticker goes on",
+                                      self.driver.engine_id, self.errors)
 
     def _note_lateness(self, due: float) -> None:
         late_ms = int((time.monotonic() - due) * 1000)
@@ -164,6 +194,9 @@ class Ticker:
             self.last_error = exc
             log.exception("%s: reading the next deadline failed; the ticker goes on", self.driver.engine_id)
             until = None
-        if until is None or not until < self.max_idle_wait:  # NaN: the full wait
-            return self.max_idle_wait
+        longest = self.max_idle_wait
+        if self.lending_wait is not None and self.driver.plane.instances.get("lease"):
+            longest = min(longest, self.lending_wait)
+        if until is None or not until < longest:  # NaN: the full wait
+            return longest
         return max(MIN_WAIT, until)

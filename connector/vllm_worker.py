@@ -36,6 +36,15 @@ from .vllm_stats import PlaneTally, snapshot
 log = logging.getLogger("kvplane.vllm")
 STATUS_EVERY_S = 0.5
 LOG_FLUSH_EVERY_S = 0.2
+# The engine polled within this: its ticker leaves the transfers' states to it.
+ENGINE_POLLS_S = 0.05
+# vLLM asks for stats every step; they are logged every few seconds.
+STATS_EVERY_S = 0.1
+# The ticker has not begun a step for this long (twice its longest sleep): it
+# is not being scheduled (a busy-polling TP worker on a shared core), so the
+# engine's results() does its work: the side channel, notifications, the
+# status file and the log's flush.  Without it a starved ticker lost every read.
+TICKER_LATE_S = 0.1
 
 
 class VllmWorkerSide:
@@ -90,14 +99,22 @@ class VllmWorkerSide:
         self.driver, self.worker, self.log_writer = self.parts.driver, self.parts.worker, self.parts.log_writer
         self._log_flushed_at = 0.0
         self.lock = threading.RLock()
-        self.ticker = Ticker(self.driver, lock=self.lock, max_idle_wait=0.05)
+        # No short sleep while lending: vLLM keeps stepping an engine whose
+        # finished requests await their blocks' free (has_finished_requests),
+        # and results() progresses NIXL while this rank lends.  A 5 ms ticker
+        # on each lending rank (h31) made 20-23k ticks a run and every TP read
+        # was lost (tests/test_vllm_parity.py, 12:28-13:05 UTC).
+        self.ticker = Ticker(self.driver, lock=self.lock, max_idle_wait=0.05, after_step=self._housekeeping,
+                             step=self._ticker_step)
+        self._results_at = float("-inf")  # when the engine last polled (results)
         self._kv: list[Any] = []
         self._dumped: set[str] = set()
         self._recv_dumps: dict[str, DumpKV] = {}
         self._last_counts: dict[str, int] = {}
+        self._last_gauges: dict[str, int] = {}
+        self._stats_at = float("-inf")
         self._status_path = settings.rank_path(settings.status_file, rank)
         self._status_at = 0.0
-        self._status_last: Any = None
         self.report: WorkerReport | None = None
         self.closed = False
 
@@ -142,6 +159,11 @@ class VllmWorkerSide:
 
     # ------------------------------------------------------------ per step
     def bind(self, step: SchedulerStep) -> None:
+        """Apply the step's records: new requests, loads (their READs are
+        posted here, before the forward pass), finishes, grants.  No poll:
+        ``results`` polls what the engine waits for, the ticker the rest."""
+        if step.meta.empty and not step.dumps:
+            return  # most steps of a busy engine: nothing for the connector
         with self.lock:
             self.worker.bind(step.meta)
             for dump in step.dumps:
@@ -149,15 +171,37 @@ class VllmWorkerSide:
                     self._recv_dumps[dump.request_id] = dump  # taken when the recv is done
                 else:
                     self._dump(dump)
-            self.driver.step()
+        # The ticker steps now, beside the forward pass: it progresses NIXL
+        # (a READ of a lease granted here is served by this agent's progress),
+        # and sees any deadline armed here earlier than the one it sleeps towards.
         self.ticker.wake()
 
     def results(self) -> tuple[set[str], set[str], set[str], set[int]]:
         """(finished_sending, finished_recving, failed_recving, load-error
         blocks) since the last call; a failed recv is also finished (vLLM
-        releases the request on finished_recving)."""
+        releases the request on finished_recving).
+
+        Polls what finishes a recv or a lease (handshake results, transfer
+        states, due timers; notifications while this rank receives or
+        lends) so either is reported in this step, as NixlConnector's
+        get_finished does.  The ticker does the rest: the side channel,
+        the status file and the event log's flush (``_housekeeping``), and
+        everything while the engine makes no step; while the ticker has not
+        stepped for TICKER_LATE_S (its thread is not being scheduled), this
+        call does all of it."""
         with self.lock:
-            self.driver.step()
+            now = self._results_at = time.monotonic()
+            ticker_late = now - self.ticker.stepped_at > TICKER_LATE_S
+            # NIXL's notification call progresses UCX (tens of µs): made here
+            # while this rank receives (its READs complete sooner with it; a
+            # push's completion is a notification) or lends (a reader's READ
+            # is served by this agent's progress: left to the ticker thread
+            # alone, a lending P stalled its engine 36 s and every TP read
+            # failed, tests/test_vllm_parity.py at 12:35 UTC), and when the
+            # ticker is late; an idle rank's progress is the ticker's.
+            receiving = bool(self.driver.xfers) or bool(self.driver.plane.instances.get("decode_request"))
+            lending = bool(self.driver.plane.instances.get("lease"))
+            self.driver.step(side_channel=ticker_late, notifications=receiving or lending or ticker_late)
             report = self.worker.report()
             for rid in report.finished_recving | report.failed_recving:
                 dump = self._recv_dumps.pop(rid, None)
@@ -170,25 +214,48 @@ class VllmWorkerSide:
                                       load_error_blocks=report.load_error_blocks, fail_reasons=report.fail_reasons)
                 self._dumped = set()
             self.report = report
-            self._write_status()
-            now = time.monotonic()
-            if self.log_writer is not None and now - self._log_flushed_at >= LOG_FLUSH_EVERY_S:
-                # vLLM may kill a worker at shutdown: what is flushed survives.
-                self._log_flushed_at = now
-                self.log_writer.flush()
+        if ticker_late:
+            self._housekeeping()  # each at its own pace, as the ticker would
         return (set(report.finished_sending), set(report.finished_recving | report.failed_recving),
                 set(report.failed_recving), set(report.load_error_blocks))
+
+    def _ticker_step(self) -> int:
+        """The ticker's step: everything, but our transfers' states while
+        the engine is stepping (its ``results`` polls them each step; with
+        hundreds in flight a tick would hold the lock for milliseconds)."""
+        engine_polls = time.monotonic() - self._results_at < ENGINE_POLLS_S
+        return self.driver.step(transfers=not engine_polls)
+
+    def _housekeeping(self) -> None:
+        """The ticker's, after each of its steps: the event log's flush and
+        the status file, each at its own pace."""
+        now = time.monotonic()
+        if self.log_writer is not None and now - self._log_flushed_at >= LOG_FLUSH_EVERY_S:
+            # vLLM may kill a worker at shutdown: what is flushed survives.
+            with self.lock:
+                if self.closed:
+                    return
+                self._log_flushed_at = now
+                self.log_writer.flush()
+        if self._status_path is not None and now - self._status_at >= STATUS_EVERY_S:
+            self._write_status()
 
     def take_report(self) -> WorkerReport | None:
         report, self.report = self.report, None
         return report
 
     def stats(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(counts since the last call, gauges now)."""
+        """(counts since the last snapshot, gauges then).  vLLM asks every
+        step; a snapshot is taken at most every STATS_EVERY_S (counts in
+        between come with the next one, none is lost)."""
+        now = time.monotonic()
+        if now - self._stats_at < STATS_EVERY_S:
+            return {}, self._last_gauges
+        self._stats_at = now
         with self.lock:
             counts, gauges = snapshot(self.driver, self.tally)
         delta = {k: v - self._last_counts.get(k, 0) for k, v in counts.items()}
-        self._last_counts = counts
+        self._last_counts, self._last_gauges = counts, gauges
         return {k: v for k, v in delta.items() if v}, gauges
 
     # ------------------------------------------------------------ dumps
@@ -205,20 +272,22 @@ class VllmWorkerSide:
 
     # ------------------------------------------------------------ status
     def _write_status(self, force: bool = False) -> None:
+        """Every STATUS_EVERY_S (the ticker), and at shutdown (``force``)."""
         if self._status_path is None:
             return
-        counts, gauges = snapshot(self.driver, self.tally)
-        now = time.monotonic()
-        if not force and gauges == self._status_last and now - self._status_at < STATUS_EVERY_S:
-            return
-        self._status_at, self._status_last = now, gauges
-        status = {"engine_id": self.engine_id, "rank": self.rank, "pid": os.getpid(), "time": time.time(),
-                  "counts": counts, "gauges": gauges, "closed": self.closed,
-                  # longest_late_ms: the longest this rank's plane went unstepped past a
-                  # deadline (a starved process: its heartbeats were that late too).
-                  "ticker": self.ticker.stats(),
-                  "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in self.driver.plane.held()]}
-        tmp = self._status_path + ".tmp"
+        with self.lock:
+            if self.closed and not force:
+                return
+            counts, gauges = snapshot(self.driver, self.tally)
+            self._status_at = time.monotonic()
+            status = {"engine_id": self.engine_id, "rank": self.rank, "pid": os.getpid(), "time": time.time(),
+                      "counts": counts, "gauges": gauges, "closed": self.closed,
+                      # longest_late_ms: the longest this rank's plane went unstepped past a
+                      # deadline (a starved process: its heartbeats were that late too).
+                      "ticker": self.ticker.stats(),
+                      "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in self.driver.plane.held()]}
+        # The file outside the lock: the engine's calls do not wait for the disk.
+        tmp = f"{self._status_path}.{threading.get_ident()}.tmp"  # the ticker's and shutdown's never mix
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(status, f)
         os.replace(tmp, self._status_path)

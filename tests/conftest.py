@@ -95,6 +95,7 @@ FILE_KINDS: dict[str, str | None] = {
     "test_transport_multiprocess.py": "nixl",
     "test_transport_nixl.py": "nixl",
     "test_transport_parts.py": "nixl",
+    "test_transport_prepped.py": "nixl",
     "test_transport_wire.py": "core",
     "test_tp_mapping.py": "core",
     "test_pipeline_parallel.py": "core",

@@ -97,6 +97,10 @@ def test_a_restarted_prefill_is_read_and_frees_its_lease(nodes, comes_back):
     assert spin(lambda: "d1" in d.recving and "r1" in p1.sending, d, p1, timeout=10)
     assert torch.equal(d.kv[5:8], p1.kv[1:4])
     assert d.driver.plane.get("remote_engine", "P").state == "CONNECTED"
+    # D's READ was made from P's prepared descriptor list (transport/prepped.py).
+    prepped = d.driver.endpoint.prepped
+    assert prepped.live("P") == 1
+    (old_list,) = prepped.handles("P")
 
     if comes_back:
         # P restarts under the same engine id (a new NIXL agent, a new port)
@@ -117,6 +121,12 @@ def test_a_restarted_prefill_is_read_and_frees_its_lease(nodes, comes_back):
         assert d.failed == set()  # read from the new incarnation, not recomputed
         assert torch.equal(d.kv[5:8], p.kv[1:4])
         assert d.driver.counters["farewells"] == 0
+        # The old incarnation's list was released when its agent was dropped;
+        # the new one's READ was made from a fresh list.
+        assert old_list._released
+        (new_list,) = prepped.handles("P")
+        assert new_list is not old_list and not new_list._released
+        assert prepped.release_failures == 0
         # The new P hears of it at once, not at the lease's expiry (30 s).
         assert spin(lambda: "r2" in p.sending, *live, timeout=2 * CFG.handshake_timeout)
         assert p.driver.freed == [("r2", (1, 2, 3), "consumed")]
@@ -129,3 +139,6 @@ def test_a_restarted_prefill_is_read_and_frees_its_lease(nodes, comes_back):
     assert spin(lambda: d.driver.plane.get("decode_request", "d2#farewell") is None, *live,
                 timeout=2 * CFG.handshake_timeout)
     assert d.held() == [] and d.driver.counters["farewells"] == 1
+    # An engine evicted: its agent and its prepared list went together.
+    assert d.driver.counters["engines_evicted"] == 1 and "P" not in d.driver.agents
+    assert old_list._released and prepped.live("P") == 0

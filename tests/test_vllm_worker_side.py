@@ -237,3 +237,25 @@ def test_d_reads_from_the_dp_engine_core_that_served_p_at_its_port_and_engine_id
         assert status["engine_id"] == f"prefill-0_dp{k}" and status["closed"] and status["plane_held"] == []
         result = replay(tmp_path / f"prefill.dp{k}.events.jsonl")
         assert result.ok and result.lines > 1, (result.divergence, result.held)
+
+
+def test_engine_steps_alone_move_the_kv_when_the_tickers_never_run(pair):
+    """A worker process whose ticker thread gets no turn (a busy-polling vLLM
+    TP worker on a shared core; seen as a rank unstepped 74 s): the engine's
+    own per-step calls must still serve the side channel, progress NIXL and
+    take the completions, or every read through that rank is lost."""
+    p, d = pair
+    for e in (p, d):
+        assert e.worker.ticker.stop(timeout=2.0)
+    x = Req("x", {"do_remote_decode": True})
+    p.sched.on_new_request(x)
+    _, params = p.sched.request_finished(x, (3, 4, 5))
+    p.step()
+    a = Req("a", params)
+    d.sched.on_new_request(a)
+    d.sched.get_num_new_matched_tokens(a, 0)
+    d.sched.update_state_after_alloc(a, (10, 11, 12), 40)
+    run_until(lambda: "a" in d.finished["recving"] and "x" in p.finished["sending"], p, d, timeout=10.0)
+    assert not d.finished["failed"]
+    for name in p.kv:
+        assert torch.equal(d.kv[name][[10, 11, 12]], p.kv[name][[3, 4, 5]])

@@ -10,9 +10,12 @@ its target progresses, so how often the passive side polls bounds the
 reader's latency (a target polling every 1 ms: ~1.1 ms for any READ; every
 0.1 ms: 0.2 ms for 1 MiB).
 
-Each transfer's descriptors are built for it from ``descriptors.plan_transfer``
-(contiguous block runs are one descriptor) and its time from post to the poll
-that saw it done is kept in :attr:`NixlEndpoint.transfer_times`.
+A transfer is made from indices into prepared descriptor lists
+(``prepped.py``: the local cache's once, each remote's once per incarnation;
+NIXL merges contiguous runs); a cache too large to prepare, or an endpoint
+made with ``prepped=False``, builds each transfer's lists from
+``descriptors.plan_transfer`` instead.  Each transfer's time from post to the
+poll that saw it done is kept in :attr:`NixlEndpoint.transfer_times`.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ import attrs
 import torch
 
 from .block_sizes import SlicePair
-from .descriptors import addresses, plan_slices, plan_transfer
+from .descriptors import addresses, block_runs, plan_slices, plan_transfer
 from .errors import MetadataRejected, NotFound, PeerDisconnected, TransferFailed, TransportError
 from .handle import DONE, PROC, XferHandle
 from .layout import WHOLE_BLOCK, BlockPart, CacheLayout, check_part
+from .prepped import LOCAL, PreppedLists, fits, indices
 from .transfer_times import TransferTimes
 from .wire import METADATA_MAGIC
 
@@ -113,10 +117,12 @@ class CallTimes:
 
 
 class NixlEndpoint:
-    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), num_threads: int = 0) -> None:
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), num_threads: int = 0,
+                 prepped: bool = True) -> None:
         """``backends``: the NIXL backends to create; ``num_threads``: their
         worker threads (NIXL's own option; 0: none).  The agent never runs a
-        progress thread: the owner polls it."""
+        progress thread: the owner polls it.  ``prepped``: READs and WRITEs
+        are made from prepared descriptor lists (``prepped.py``)."""
         if not name:
             raise ValueError("agent name must not be empty")
         self.name = name
@@ -142,6 +148,10 @@ class NixlEndpoint:
         self._disconnected: set[str] = set()
         self._notif_buf: list[tuple[str, bytes]] = []
         self._closed = False
+        # Prepared descriptor lists (False: every transfer builds its own, the
+        # old path, kept for caches too large to prepare and for benches).
+        self.use_prepped = prepped
+        self.prepped = PreppedLists(self._prep_dlist)
         self.call_times = CallTimes()
         self.transfer_times = TransferTimes()
 
@@ -188,6 +198,10 @@ class NixlEndpoint:
         self._tensors.append(tensor)
         self._reg_descs.append(reg)
         self._layout = layout
+        # The local lists describe the regions registered before this one
+        # (an engine registers a region per layer): the whole-block list is
+        # prepared again at the next add_remote, when the cache is complete.
+        self.prepped.drop(LOCAL)
         return layout
 
     def describe_cache(self) -> dict:
@@ -216,14 +230,23 @@ class NixlEndpoint:
         # NIXL returns the name as bytes here but keys notifications by str.
         if isinstance(name, bytes):
             name = name.decode()
+        # NIXL refuses a name it holds, so a new incarnation comes through
+        # remove_remote, which dropped the old one's lists; dropped here too,
+        # so no list made before this add is ever used with this agent.
+        self.prepped.drop(name)
         self._remotes.add(name)
         self._disconnected.discard(name)
+        # The local whole-block list, off the post's path (a READ follows a handshake).
+        if self.use_prepped and self._layout is not None and fits(self._layout, 1):
+            with _nixl("prep_xfer_dlist local", TransportError):
+                self.prepped.get(LOCAL, self._layout, 1)
         return name
 
     def remove_remote(self, name: str) -> None:
         self._check_open()
         self._remotes.discard(name)
         self._disconnected.discard(name)
+        self.prepped.drop(name)
         with self._timed("remove_remote_agent"), _nixl(f"remove_remote_agent {name!r}", NotFound):
             self._agent.remove_remote_agent(name)
 
@@ -289,6 +312,12 @@ class NixlEndpoint:
             raise ValueError("a transfer needs at least one block")
         local.check_block_ids(local_block_ids, "local")
         remote.check_block_ids(remote_block_ids, "remote")
+        # A layer slice's regions map to a run of local regions: the prepared
+        # lists pair all regions, so a slice builds its own lists.
+        if (self.use_prepped and local_first_region is None and fits(local, local_part[1])
+                and fits(remote, remote_part[1])):
+            return self._post_prepped(op, remote_name, local, remote, remote_block_ids, local_block_ids, notif,
+                                      remote_part, local_part, slice_bytes, posted_at)
         plan = plan_transfer(local, remote, local_block_ids, remote_block_ids, local_part, remote_part,
                              slice_bytes, local_first_region)
         return self._post_plan(op, remote_name, remote, plan, len(local_block_ids), notif, posted_at)
@@ -316,13 +345,7 @@ class NixlEndpoint:
     def _post_plan(self, op, remote_name, remote, plan, num_blocks, notif, posted_at) -> XferHandle:
         local = self._require_layout()
         notif = bytes(notif)
-        self._check_remote(remote_name, op)
-        # Measured with nixl 1.5.1: posting to a peer that died since the last
-        # UCX progress makes UCX abort the whole process later, when the agent
-        # is destroyed (ucs_arbiter_group_is_empty assertion).  One progress
-        # call first lets UCX see the disconnect, and the post then fails cleanly.
-        self._progress()
-        self._check_remote(remote_name, op)
+        self._ready_to_post(op, remote_name)
         with self._timed("initialize_xfer"), self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
             raw = self._agent.initialize_xfer(
                 op, self._agent.get_xfer_descs(addresses(local, plan.local), local.mem_type),
@@ -331,9 +354,41 @@ class NixlEndpoint:
             )
         handle = XferHandle(op, remote_name, notif, num_blocks, raw, nbytes=plan.nbytes,
                             descriptors=plan.descriptors, posted_at=posted_at)
+        return self._start(handle)
+
+    def _post_prepped(self, op, remote_name, local, remote, remote_block_ids, local_block_ids, notif,
+                      remote_part, local_part, slice_bytes, posted_at) -> XferHandle:
+        notif = bytes(notif)
+        self._ready_to_post(op, remote_name)
+        with self._timed("make_prepped_xfer"), self._watch(remote_name), _nixl(f"{op} to {remote_name!r}"):
+            raw = self._agent.make_prepped_xfer(
+                op, self.prepped.get(LOCAL, local, local_part[1]),
+                indices(local, local_block_ids, local_part),
+                self.prepped.get(remote_name, remote, remote_part[1]),
+                indices(remote, remote_block_ids, remote_part), notif,
+            )
+        whole = local_part[1] == 1 and remote_part[1] == 1
+        runs = len(block_runs(local_block_ids, remote_block_ids, coalesce=whole))
+        regions = len(local.base_addrs)
+        handle = XferHandle(op, remote_name, notif, len(local_block_ids), raw,
+                            nbytes=len(local_block_ids) * slice_bytes * regions,
+                            descriptors=runs * regions, posted_at=posted_at)
+        return self._start(handle)
+
+    def _ready_to_post(self, op: str, remote_name: str) -> None:
+        self._check_remote(remote_name, op)
+        # Measured with nixl 1.5.1: posting to a peer that died since the last
+        # UCX progress makes UCX abort the whole process later, when the agent
+        # is destroyed (ucs_arbiter_group_is_empty assertion).  One progress
+        # call first lets UCX see the disconnect, and the post then fails cleanly.
+        self._progress()
+        self._check_remote(remote_name, op)
+
+    def _start(self, handle: XferHandle) -> XferHandle:
+        op, remote_name = handle.op, handle.remote_name
         try:
             with self._timed("transfer"), self._watch(remote_name), _nixl(f"post {op} to {remote_name!r}"):
-                state = self._agent.transfer(raw)
+                state = self._agent.transfer(handle.raw)
             if state not in (DONE, PROC):
                 raise TransferFailed(f"post {op} to {remote_name!r} returned {state}")
         except TransportError:
@@ -400,6 +455,7 @@ class NixlEndpoint:
         if self._closed:
             return
         self._closed = True
+        self.prepped.drop_all()
         for reg in self._reg_descs:
             with contextlib.suppress(Exception):
                 self._agent.deregister_memory(reg)
@@ -426,6 +482,10 @@ class NixlEndpoint:
         for name, msgs in got.items():
             name = name.decode() if isinstance(name, bytes) else name
             self._notif_buf.extend((name, bytes(m)) for m in msgs)
+
+    def _prep_dlist(self, owner: str, table: object, mem_type: str) -> object:
+        with self._timed("prep_xfer_dlist"):
+            return self._agent.prep_xfer_dlist(owner or "NIXL_INIT_AGENT", table, mem_type)
 
     def _check_remote(self, remote_name: str, what: str) -> None:
         if remote_name in self._disconnected:

@@ -63,7 +63,7 @@ class EngineSpec:
     max_model_len: int = 4096
     seed: int = 0
     kv_load_failure_policy: str = "fail"
-    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on ('|' between ranks)
+    cpus: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: the cores its OpenMP threads spin on ('|' between ranks), or UNBOUND
     tp: int = 1  # --tensor-parallel-size: one worker process per rank
     dp: int = 1  # --data-parallel-size: engine cores behind the one API server (each its TP ranks)
     pp: int = 1  # --pipeline-parallel-size: tp worker processes per stage, each stage a slice of the layers
@@ -133,6 +133,8 @@ class EngineSpec:
                     "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")})
         if self.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+            if self.cpus == UNBOUND:
+                env["OMP_NUM_THREADS"] = "1"  # one OpenMP thread per rank, as a bound rank gets
         if self.ucx_tls is not None:
             env["UCX_TLS"] = self.ucx_tls
         return env
@@ -242,10 +244,12 @@ def split_cores() -> tuple[str, str]:
     return (f"0-{half - 1}" if half > 1 else "0"), (f"{half}-{n - 1}" if n - half > 1 else str(half))
 
 
-def rank_cores(tp: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for an engine of ``tp`` ranks: one OpenMP
-    thread per rank, the ranks spread over this machine's cores ('|' between
-    ranks); both engines share the cores (slow, but no rank spins alone on a
-    core another rank needs for long)."""
-    n = os.cpu_count() or 1
-    return "|".join(str(r % n) for r in range(tp))
+# VLLM_CPU_OMP_THREADS_BIND for the engines of a run with several worker ranks
+# (TP, DP or PP above 1): no rank bound to a core, one OpenMP thread each.
+# Bound ("0|1"), D TP 2's rank 0 shared core 0 with P's worker, and while P's
+# worker spun in vLLM's shared-memory queue wait (os.sched_yield for 1 s after
+# each message) that rank got no CPU for 45-120 s and every one of its reads was
+# lost: 5 of 5 D TP 2 test runs with the per-step split; unbound, 4 of 4 read
+# every request (docs/benchmarks.md, 2026-12-06 20:01-20:25 UTC).  Unbound, the
+# kernel moves a starved rank to the other core.
+UNBOUND = "nobind"

@@ -41,7 +41,7 @@ from kvplane.statemachines.tp_mapping import TpMapping
 
 from .kv_check import check_all, check_turn2_reads
 from ..job.netns import HostNet, NetnsUnavailable
-from .engines import (EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config, rank_cores,
+from .engines import (UNBOUND, EngineProcess, EngineSpec, EngineStartError, kvplane_secret_config,
                            split_cores, wait_healthy)
 from .model import CONFIG as TINY_CONFIG
 from .model import MODELS, block_tokens, recompute_exact, replicated_kv, speculative_config, write_tiny_model
@@ -198,8 +198,9 @@ class VllmRun:
         p_cores, d_cores = split_cores()
         cores = {n: d_cores if n == "D" else p_cores for n in names}
         if max(tps[n] * dps[n] for n in names) > 1:
-            # vLLM gives DP rank k the list's entries k * tp .. (k + 1) * tp - 1.
-            cores = {n: rank_cores(tps[n] * dps[n]) for n in names}
+            # More ranks than cores: none bound, so that the kernel can move a rank
+            # off a core where another engine's worker spins (see UNBOUND).
+            cores = {n: UNBOUND for n in names}
         specs = {}
         # P's pool keeps its token capacity whatever its block size.
         block_sizes = {n: o.decode_block_size if n == "D" else o.prefill_block_size for n in names}
