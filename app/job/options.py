@@ -366,7 +366,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: 4 leases, at least 30 s)")
     p.add_argument("--restart-decode-at", type=float, default=d.restart_decode_at, metavar="S",
                    help="kill the last decode engine S seconds into the run and start it again: the same engine "
-                        "id, a new process and NIXL agent (default: no restart)")
+                        "id, a new process and NIXL agent; the stream's last requests wait until it is back "
+                        "(default: no restart)")
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp, metavar="N",
                    help="P's tensor-parallel size: N worker processes, each its own NIXL agent and KV shard "
                         "(--engine vllm: N must divide the tiny model's 2 KV heads; one OpenMP thread per rank)")

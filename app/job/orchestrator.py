@@ -116,6 +116,7 @@ class Orchestrator:
         self.abandoned: dict | None = None
         self._open = {r.lid for r in self.reqs}  # requests not done yet
         self._next_unsent = 0  # reqs are in arrival order
+        self._held = False  # the stream's last requests were held for a restarted decoder
         self._turn2_heap: list[tuple[float, int, str]] = []  # (due, seq, lid)
         self._seq = 0
         self._progress_at = 0.0
@@ -450,6 +451,11 @@ class Orchestrator:
                 continue
             if r.arrive > now - self.t0:
                 break
+            if self._held_for_restart():
+                self._held = True
+                break
+            if self._held:  # held for a restart: it arrives when let go
+                r.arrive = round(now - self.t0, 3)
             r.prefiller = r.prefiller or self._route_prefill()
             r.sent = self.send(r.prefiller, Prefill(lid=r.lid, request_id=f"p-{r.lid}", nblocks=r.nblocks,
                                                     push=r.push))
@@ -585,6 +591,15 @@ class Orchestrator:
             if self.progress is not None:
                 self.progress(self)
         return now < until
+
+    def _held_for_restart(self) -> bool:
+        """--restart-decode-at: while the restarted engine is not back, the
+        stream's last requests (one per decoder, so round robin gives it one)
+        wait for it, or a restart slower than the stream (21.6 s on a loaded
+        machine, against 15 s of stream) would leave the new incarnation
+        nothing to serve."""
+        return (self.fault.get("kind") == "restart" and "back_at_s" not in self.fault
+                and len(self.reqs) - self._next_unsent <= len(self.decoders))
 
     def _restart_pending(self) -> bool:
         """A restart still to come, or its engine not back yet: the run goes on."""

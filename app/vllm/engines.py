@@ -249,7 +249,7 @@ def split_cores() -> tuple[str, str]:
 # Bound ("0|1"), D TP 2's rank 0 shared core 0 with P's worker, and while P's
 # worker spun in vLLM's shared-memory queue wait (os.sched_yield for 1 s after
 # each message) that rank got no CPU for 45-120 s and every one of its reads was
-# lost: 5 of 5 D TP 2 test runs with the per-step split; unbound, 4 of 4 read
-# every request (docs/benchmarks.md, 2026-12-06 20:01-20:25 UTC).  Unbound, the
-# kernel moves a starved rank to the other core.
+# lost: 6 of 6 D TP 2 test runs with the per-step split; unbound, 5 of 5 read
+# every request (docs/parity.md, "TP"; 2026-12-06 18:53-20:25 UTC).  Unbound,
+# the kernel moves a starved rank to the other core.
 UNBOUND = "nobind"
