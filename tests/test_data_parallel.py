@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvplane.app.cli import build_parser, main
-from kvplane.app.vllm.engines import EngineSpec
+from kvplane.app.vllm.engines import UNBOUND, EngineSpec
 from kvplane.app.vllm.run import VllmRun, log_name, options_from_args, rank_files, rank_stems
 from kvplane.connector.vllm_settings import for_dp_rank, settings_from
 from kvplane.statemachines.config import ConfigError
@@ -94,14 +94,15 @@ def test_a_dp_engine_core_without_a_dp_field_in_its_file_names_is_refused():
 
 def test_the_job_gives_each_dp_engine_core_a_core_and_its_side_channel_ports(tmp_path):
     """--decode-dp 2: D's engine is one server of two engine cores, each one
-    OpenMP thread on a core of its own (vLLM slices the bind list by DP rank),
-    its side channels base + k (TP 1) free; P as before."""
+    OpenMP thread, no rank bound to a core (more ranks than cores: a bound rank
+    starved beside a spinning one), its side channels base + k (TP 1) free."""
     pytest.importorskip("tokenizers", reason="the job writes its model's tokenizer (the vllm extra)")
     opts = _opts("--decode-dp", "2", "--out", str(tmp_path / "run"))
     specs = VllmRun(opts, say=lambda line: None).prepare()
     d, p = specs["D"], specs["P"]
     assert (d.dp, p.dp) == (2, 1)
-    assert d.cpus == "0|1"
+    assert d.cpus == p.cpus == UNBOUND
+    assert d.env()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and d.env()["OMP_NUM_THREADS"] == "1"
     assert d.extra_config["kvplane_event_log"].endswith("decode.dp{dp}.events.jsonl")
     assert d.extra_config["kvplane_status_file"].endswith("decode.dp{dp}.status.json")
     assert p.extra_config["kvplane_event_log"].endswith("/prefill.events.jsonl")
