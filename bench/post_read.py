@@ -18,6 +18,7 @@ import json
 import os
 import time
 
+from .nixl import _spin
 from .timing import median, pct
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -37,15 +38,6 @@ class CallSamples:
 
     def note(self, call: str, seconds: float) -> None:
         self.last[call] = seconds * 1e6
-
-
-def _spin(cond, polls, timeout: float = 5.0) -> None:
-    deadline = time.perf_counter() + timeout
-    while not cond():
-        for p in polls:
-            p()
-        if time.perf_counter() > deadline:
-            raise TimeoutError("NIXL did not deliver within the bench timeout")
 
 
 def run(regions: int, blocks: int, block_bytes: int, reps: int) -> dict:
