@@ -60,9 +60,7 @@ class Ticker:
     ``lock``: a ``threading.Lock`` or ``RLock`` shared with the engine's
     calls into the driver (an RLock is created when none is given).
     ``after_step``: called after every step, outside the lock.
-    ``lending_wait``: the longest sleep while a lease is held (None:
-    ``max_idle_wait`` then too).  ``step``: what a tick runs (default
-    ``driver.step``), under the lock.
+    ``step``: what a tick runs (default ``driver.step``), under the lock.
     Stats, written by the thread only: ``ticks`` (steps run),
     ``steps_with_work`` (steps that processed a stimulus), ``errors``
     (steps that raised; the last one is ``last_error``).
@@ -70,16 +68,9 @@ class Ticker:
 
     def __init__(self, driver: PlaneDriver, *, lock: Any = None, max_idle_wait: float = 0.1,
                  name: str | None = None, after_step: Callable[[], None] | None = None,
-                 lending_wait: float | None = None, step: Callable[[], int] | None = None):
+                 step: Callable[[], int] | None = None):
         if not max_idle_wait >= MIN_WAIT:  # also refuses NaN
             raise ValueError(f"max_idle_wait must be >= {MIN_WAIT} s, got {max_idle_wait!r}")
-        if lending_wait is not None and not lending_wait >= MIN_WAIT:
-            raise ValueError(f"lending_wait must be >= {MIN_WAIT} s, got {lending_wait!r}")
-        # While the plane lends blocks (a lease is held): a peer's READ of
-        # our blocks completes only as this agent's NIXL is progressed
-        # (measured: with UCX here the reader waits for it), and an idle
-        # engine makes no step that would.
-        self.lending_wait = lending_wait
         self._step = step if step is not None else driver.step
         self.driver = driver
         self.lock = lock if lock is not None else threading.RLock()
@@ -195,8 +186,6 @@ class Ticker:
             log.exception("%s: reading the next deadline failed; the ticker goes on", self.driver.engine_id)
             until = None
         longest = self.max_idle_wait
-        if self.lending_wait is not None and self.driver.plane.instances.get("lease"):
-            longest = min(longest, self.lending_wait)
         if until is None or not until < longest:  # NaN: the full wait
             return longest
         return max(MIN_WAIT, until)

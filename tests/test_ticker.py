@@ -76,9 +76,8 @@ def test_idle_engine_expires_its_lease_within_a_second(driver, max_idle_wait, wa
     assert ticker.errors == 0
 
 
-@pytest.mark.parametrize("lending_wait", [None, 0.005])
-def test_idle_engine_holding_a_lease_uses_under_5_percent_of_a_core(driver, lending_wait):
-    with Ticker(driver, lending_wait=lending_wait) as ticker:
+def test_idle_engine_holding_a_lease_uses_under_5_percent_of_a_core(driver):
+    with Ticker(driver) as ticker:
         grant(ticker)  # 30 s: held throughout
         time.sleep(0.2)
         ticks, cpu, wall = ticker.ticks, time.process_time(), time.monotonic()
@@ -198,18 +197,6 @@ def test_a_step_held_up_by_the_engine_is_counted_late(driver):
             time.sleep(0.3)
         assert wait_until(lambda: ticker.ticks >= 10)
         assert ticker.stats()["longest_late_ms"] >= 250
-
-
-def test_a_lending_plane_is_stepped_every_lending_wait_and_an_idle_one_every_max_idle_wait(driver):
-    """While a lease is held the reader's READ needs this agent's NIXL
-    progress, which only a step makes on an idle engine: the ticker sleeps
-    at most ``lending_wait`` then, ``max_idle_wait`` otherwise."""
-    ticker = Ticker(driver, max_idle_wait=30.0, lending_wait=0.002)
-    assert ticker._idle_timeout() == 30.0
-    grant(ticker, duration=60.0)
-    assert ticker._idle_timeout() == 0.002
-    with pytest.raises(ValueError):
-        Ticker(driver, lending_wait=0.0)
 
 
 def test_after_step_runs_outside_the_lock_and_its_failure_is_counted(driver):
