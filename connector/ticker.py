@@ -149,11 +149,7 @@ class Ticker:
                 try:
                     work = self._step()
                 except Exception as exc:  # counted and logged; the thread goes on
-                    self.errors += 1
-                    self.last_error = exc
-                    if self.errors <= 3 or self.errors % 1000 == 0:  # a failing step: no log line per tick
-                        log.exception("%s: driver step failed (%d so far); the ticker goes on",
-                                      self.driver.engine_id, self.errors)
+                    self._failed("driver step", exc)
                     work = 0  # no quick retry: a step that keeps failing costs one per timeout
                 self.ticks += 1
                 if work:
@@ -163,11 +159,16 @@ class Ticker:
                 try:
                     self.after_step()
                 except Exception as exc:  # counted and logged like a failed step
-                    self.errors += 1
-                    self.last_error = exc
-                    if self.errors <= 3 or self.errors % 1000 == 0:
-                        log.exception("%s: after_step failed (%d so far); the ticker goes on",
-                                      self.driver.engine_id, self.errors)
+                    self._failed("after_step", exc)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        """Count a failure and log it: the first few, then every 1000th (a
+        call that keeps failing writes no line per tick).  Called from the
+        ``except`` block, so the log carries its traceback."""
+        self.errors += 1
+        self.last_error = exc
+        if self.errors <= 3 or self.errors % 1000 == 0:
+            log.exception("%s: %s failed (%d so far); the ticker goes on", self.driver.engine_id, what, self.errors)
 
     def _note_lateness(self, due: float) -> None:
         late_ms = int((time.monotonic() - due) * 1000)
@@ -185,7 +186,6 @@ class Ticker:
             self.last_error = exc
             log.exception("%s: reading the next deadline failed; the ticker goes on", self.driver.engine_id)
             until = None
-        longest = self.max_idle_wait
-        if until is None or not until < longest:  # NaN: the full wait
-            return longest
+        if until is None or not until < self.max_idle_wait:  # NaN: the full wait
+            return self.max_idle_wait
         return max(MIN_WAIT, until)
