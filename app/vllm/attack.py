@@ -441,7 +441,9 @@ def run_attacks(connector: str, out: str, *, timeout: float = 120.0, startup_tim
         result["engines_end"] = attacker.engines()
         names = [n for n in ("P", "D") if run.engines[n].alive]
         result["usage_end"] = run.settle(names, opts.lease + 20.0)
-        status1 = _statuses(run)
+        # The status files are the tickers' (every STATUS_EVERY_S): one from
+        # before the settle may predate the last lease's release.
+        status1 = _statuses(run, written_after=time.time(), timeout=10.0)
         result["refusals"] = _refusals(status0, status1)
         for n in names:  # the scheduler half's refusals reach vLLM's metrics, not the status files
             m0, m1 = metrics0[n], run.metrics(n)
@@ -455,8 +457,16 @@ def run_attacks(connector: str, out: str, *, timeout: float = 120.0, startup_tim
     return result
 
 
-def _statuses(run: VllmRun) -> dict[str, dict | None]:
-    return {role: _status(run.out / f"{role}.status.json") for role in ("prefill", "decode")}
+def _statuses(run: VllmRun, *, written_after: float = 0.0, timeout: float = 0.0) -> dict[str, dict | None]:
+    """Each role's status file; with ``written_after`` (time.time()), waits
+    up to ``timeout`` for files written since then (the last ones read are
+    returned either way)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = {role: _status(run.out / f"{role}.status.json") for role in ("prefill", "decode")}
+        if all((s or {}).get("time", 0.0) > written_after for s in statuses.values()) or time.monotonic() > deadline:
+            return statuses
+        time.sleep(0.2)
 
 
 def _refusals(before: dict, after: dict) -> dict[str, int]:
