@@ -142,7 +142,8 @@ def step_figures(steps: list[dict], started: float, ended: float) -> dict[str, A
     top = max(methods, key=methods.__getitem__) if methods else "-"
     return {"steps": len(inside), "p50": percentile(inside, 50), "p99": percentile(inside, 99),
             "mean": statistics.fmean(inside) if inside else float("nan"), "total_ms": sum(inside) / 1e3, "top": top,
-            "top_share": methods.get(top, 0.0) / sum(methods.values()) if methods else float("nan")}
+            "top_share": methods.get(top, 0.0) / sum(methods.values()) if methods else float("nan"),
+            "methods_ms": {k: v * 1e3 for k, v in sorted(methods.items(), key=lambda kv: -kv[1])}}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -190,8 +191,9 @@ def serve_bench(proxy_url: str, model: Path, out: Path, prompts: int, concurrenc
 
 
 def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: float, serve: bool,
-            say: Any = print, json_path: str | None = None) -> dict[str, Any]:
-    """Start the four engines, run the phases, stop them; the raw figures."""
+            say: Any = print, json_path: str | None = None, keep: bool = False) -> dict[str, Any]:
+    """Start the four engines, run the phases, stop them; the raw figures.
+    ``keep``: leave the work folder (engine logs, per-step files) in place."""
     from kvplane.app.vllm.engines import EngineProcess, EngineSpec, kvplane_secret_config, split_cores, wait_healthy
     from kvplane.app.vllm.model import write_tiny_model
     from kvplane.app.vllm.run import _free_ports
@@ -258,7 +260,10 @@ def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: floa
     result["nixl_p_expired"] = sum(line.count("Releasing expired KV blocks")
                                    for line in (work / "nixl-P.log").read_text(errors="replace").splitlines())
     _step_results(result, phases, dirs)
-    shutil.rmtree(work, ignore_errors=True)
+    if keep:
+        say(f"  kept {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
@@ -387,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds of idle engines for the ticker's idle CPU (default {IDLE_S:g})")
     p.add_argument("--no-serve", action="store_true", help="skip vllm bench serve")
     p.add_argument("--json", metavar="PATH", help="also write the raw figures as JSON")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the work folder: engine logs and each engine's per-step files")
     return p
 
 
@@ -400,7 +407,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def options(argv: list[str] | None = None) -> tuple[tuple[int, ...], dict[int, int], float, bool, str | None]:
+@attrs.frozen
+class Options:
+    levels: tuple[int, ...]  # concurrent requests of each phase
+    requests: dict[int, int]  # requests per phase, by concurrency
+    idle_s: float
+    serve: bool
+    json_path: str | None
+    keep: bool
+
+
+def options(argv: list[str] | None = None) -> Options:
     p = build_parser()
     args = p.parse_args(argv)
     levels = tuple(args.concurrency)
@@ -411,18 +428,18 @@ def options(argv: list[str] | None = None) -> tuple[tuple[int, ...], dict[int, i
     if not args.idle > 0:
         p.error("--idle must be positive")
     counts = args.requests or [REQUESTS.get(c, 4 * c) for c in levels]
-    return levels, dict(zip(levels, counts)), args.idle, not args.no_serve, args.json
+    return Options(levels, dict(zip(levels, counts)), args.idle, not args.no_serve, args.json, args.keep)
 
 
 def main(argv: list[str] | None = None) -> int:
-    levels, reqs, idle, serve, json_path = options(argv)
+    opts = options(argv)
     from rich.console import Console
 
     from .report import print_table
 
-    result = measure(levels, reqs, idle, serve, json_path=json_path)
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1))
+    result = measure(opts.levels, opts.requests, opts.idle_s, opts.serve, json_path=opts.json_path, keep=opts.keep)
+    if opts.json_path:
+        Path(opts.json_path).write_text(json.dumps(result, indent=1))
     console = Console(width=max(Console().width, 160))
     for t in tables(result, "python -m bench.connector " + " ".join(sys.argv[1:] if argv is None else argv)):
         print_table(t, console)

@@ -9,11 +9,12 @@ from bench.report import is_targets
 
 
 def test_options_defaults_and_refusals(capsys):
-    levels, reqs, idle, serve, json_path = C.options([])
-    assert levels == (8, 64, 256) and reqs == {8: 16, 64: 64, 256: 256} and serve and json_path is None
-    levels, reqs, _, serve, _ = C.options(["--concurrency", "4", "16", "--requests", "5", "6", "--no-serve"])
-    assert reqs == {4: 5, 16: 6} and not serve
-    assert C.options(["--concurrency", "12"])[1] == {12: 48}  # 4x the concurrency outside the table
+    o = C.options([])
+    assert o.levels == (8, 64, 256) and o.requests == {8: 16, 64: 64, 256: 256} and o.serve
+    assert o.json_path is None and not o.keep
+    o = C.options(["--concurrency", "4", "16", "--requests", "5", "6", "--no-serve", "--keep"])
+    assert o.requests == {4: 5, 16: 6} and not o.serve and o.keep
+    assert C.options(["--concurrency", "12"]).requests == {12: 48}  # 4x the concurrency outside the table
     for bad in (["--concurrency", "0"], ["--concurrency", "x"], ["--concurrency", "8", "8"],
                 ["--concurrency", "8", "64", "--requests", "3"], ["--idle", "0"], ["--idle", "nan"]):
         with pytest.raises(SystemExit) as exc:
@@ -28,6 +29,7 @@ def test_step_figures_keep_the_phase_window():
     f = C.step_figures(steps, 10.0, 111.0)
     assert f["steps"] == 100 and f["p50"] == pytest.approx(50, abs=1) and f["p99"] == pytest.approx(99, abs=1)
     assert f["top"] == "start_load_kv" and f["top_share"] == 1.0
+    assert f["methods_ms"] == {"start_load_kv": pytest.approx(sum(range(1, 101)) * 1e-3)}
     empty = C.step_figures(steps, 0.0, 1.0)
     assert empty["steps"] == 0 and empty["top"] == "-"
     assert C.percentile([], 50) != C.percentile([], 50)  # NaN
