@@ -171,10 +171,13 @@ class VllmWorkerSide:
                     self._recv_dumps[dump.request_id] = dump  # taken when the recv is done
                 else:
                     self._dump(dump)
-        # The ticker steps now, beside the forward pass: it progresses NIXL
-        # (a READ of a lease granted here is served by this agent's progress),
-        # and sees any deadline armed here earlier than the one it sleeps towards.
-        self.ticker.wake()
+            deadline = self.driver.plane.next_deadline()
+        # The ticker is woken only for a deadline armed here before its own
+        # wake-up: a woken ticker takes the GIL from this thread for its
+        # step.  The READs posted here and the leases granted here are
+        # progressed by ``results`` (every engine step) and the ticker's
+        # steps (at most max_idle_wait apart).
+        self.ticker.wake_for(deadline)
 
     def results(self) -> tuple[set[str], set[str], set[str], set[int]]:
         """(finished_sending, finished_recving, failed_recving, load-error

@@ -57,17 +57,21 @@ def grant(ticker: Ticker, request_id: str = "r1", duration: float | None = None)
         return ticker.driver.plane.get("lease", request_id).expiry
 
 
-@pytest.mark.parametrize("max_idle_wait, wake", [(0.1, False), (30.0, True)])
+@pytest.mark.parametrize("max_idle_wait, wake", [(0.1, None), (30.0, "wake"), (30.0, "wake_for")])
 def test_idle_engine_expires_its_lease_within_a_second(driver, max_idle_wait, wake):
     """No engine call after the grant: the ticker alone frees the blocks.
     With a 30 s idle wait the expiry is on time only because the thread
     sleeps until the deadline, not a fixed period (wake() makes it see the
-    new deadline)."""
+    new deadline; wake_for(deadline) too, as the deadline comes before the
+    end of its 30 s sleep)."""
     frees = record_frees(driver)
     with Ticker(driver, max_idle_wait=max_idle_wait) as ticker:
+        assert wait_until(lambda: ticker.ticks >= 1)  # asleep for 30 s
         deadline = grant(ticker, duration=1.0)
-        if wake:
+        if wake == "wake":
             ticker.wake()
+        elif wake == "wake_for":
+            assert ticker.wake_for(deadline)
         assert wait_until(lambda: "r1" in driver.finished_sending, timeout=10.0)
     assert driver.freed == [("r1", (1, 2), "expired")]
     lateness = frees[0] - deadline
@@ -121,6 +125,21 @@ def test_idle_prefill_handles_the_consumers_completion():
     finally:
         p.worker.shutdown()
         d.worker.shutdown()
+
+
+def test_wake_for_leaves_the_thread_asleep_for_a_later_deadline(driver):
+    """The engine's calls wake the ticker only for a deadline before the
+    end of its sleep: a woken ticker takes the GIL from the engine's thread."""
+    with Ticker(driver, max_idle_wait=5.0) as ticker:
+        assert wait_until(lambda: ticker.ticks >= 1)
+        ticks = ticker.ticks
+        assert not ticker.wake_for(None)
+        assert not ticker.wake_for(driver.clock() + 60.0)  # after its 5 s sleep
+        time.sleep(0.3)
+        assert ticker.ticks == ticks
+        assert ticker.wake_for(driver.clock() + 0.5)  # before it
+        assert wait_until(lambda: ticker.ticks > ticks)
+        assert ticker.wake_for(float("nan"))  # unreadable: woken, to be safe
 
 
 def test_stop_joins_and_no_step_runs_after_it(driver):
