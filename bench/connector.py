@@ -67,6 +67,9 @@ class Phase:
     ttft_s: tuple[float, ...]  # per answered request, client send to D's first token
     failed: int
     ticker_cpu_s: dict  # engine name (P / D) -> the ticker thread's CPU seconds in the window (kvplane)
+    # connector -> its pair's CPU seconds in the window (every process of both
+    # engines): the pair that is not serving shares the cores with the one that is.
+    pair_cpu_s: dict = attrs.field(factory=dict)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -90,6 +93,23 @@ def tickers(folder: Path) -> list[tuple[int, int]]:
         pid = int(f.name.split(".")[1])
         out += [(pid, tid) for tid in json.loads(f.read_text()).get("ticker", ())]
     return out
+
+
+def pair_cpu(pair: dict) -> float:
+    """CPU seconds of a pair's engines, their child processes included
+    (vLLM's engine core and workers)."""
+    import psutil
+
+    total = 0.0
+    for engine in pair.values():
+        try:
+            root = psutil.Process(engine.proc.pid)
+            for proc in (root, *root.children(recursive=True)):
+                t = proc.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:  # a process that ended: its time is not counted
+            pass
+    return total
 
 
 def ticker_cpu(folder: Path) -> float:
@@ -239,11 +259,13 @@ def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: floa
             prompts = _prompts(requests[c], c)
             for connector in (CONNECTORS if i % 2 == 0 else CONNECTORS[::-1]):
                 cpu0 = {n: ticker_cpu(dirs["kvplane", n]) for n in ("P", "D")}
+                pairs0 = {k: pair_cpu(engines[k]) for k in CONNECTORS}
                 t0 = time.time()
                 ttft, failed = _load(engines[connector], model, prompts, c)
                 t1 = time.time()
                 cpu = {n: ticker_cpu(dirs["kvplane", n]) - cpu0[n] for n in ("P", "D")} if connector == "kvplane" else {}
-                phases.append(Phase(connector, c, t0, t1, tuple(ttft), failed, cpu))
+                pairs = {k: pair_cpu(engines[k]) - pairs0[k] for k in CONNECTORS}
+                phases.append(Phase(connector, c, t0, t1, tuple(ttft), failed, cpu, pairs))
                 say(f"  {connector} at {c} concurrent: {len(ttft)} requests in {t1 - t0:.1f} s, {failed} failed")
                 time.sleep(1.0)
         _step_results(result, phases, dirs)
@@ -306,14 +328,17 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
     side = Table(key="connector.steps", title="Time inside the connector's methods per vLLM engine step, µs "
                  "(kvplane / NixlConnector, one run)",
                  columns=["engine", "concurrent", "steps k / n", "p50 kvplane", "p50 nixl", "p50 ratio",
-                          "p99 kvplane", "p99 nixl", "p99 ratio", "phase total ms k / n", "largest share k / n"])
+                          "p99 kvplane", "p99 nixl", "p99 ratio", "phase total ms k / n", "ms per request k / n",
+                          "largest share k / n"])
     goals = targets_table("connector.targets", "targets: connector")
+    answered = {(p["connector"], p["concurrency"]): len(p["ttft_s"]) for p in result["phases"]}
     for name in ("P", "D"):
         for i, c in enumerate(levels):
             k, n = steps[f"kvplane-{name}"][i], steps[f"nixl-{name}"][i]
             side.rows.append([name, c, f"{k['steps']} / {n['steps']}", fmt_num(k["p50"]), fmt_num(n["p50"]),
                               ratio(k["p50"], n["p50"]), fmt_num(k["p99"]), fmt_num(n["p99"]),
                               ratio(k["p99"], n["p99"]), f"{fmt_num(k['total_ms'])} / {fmt_num(n['total_ms'])}",
+                              f"{_per(k['total_ms'], answered['kvplane', c])} / {_per(n['total_ms'], answered['nixl', c])}",
                               f"{k['top']} {k['top_share']:.0%} / {n['top']} {n['top_share']:.0%}"])
             for q in ("p50", "p99"):
                 add_target(goals, f"{name}: connector time per step {q} at {c} concurrent, kvplane vs NixlConnector",
@@ -321,7 +346,7 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
     by = {(p["connector"], p["concurrency"]): p for p in result["phases"]}
     load = Table(key="connector.load", title="Each phase: requests, TTFT through the protocol, kvplane's ticker CPU",
                  columns=["concurrent", "connector", "answered", "failed", "seconds", "TTFT p50 ms", "TTFT p99 ms",
-                          "ticker CPU P / D (% of a core)"])
+                          "ticker CPU P / D (% of a core)", "CPU s, this pair / the idle pair"])
     for c in levels:
         for conn in CONNECTORS:
             p = by[conn, c]
@@ -330,8 +355,11 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
             load.rows.append([c, conn, len(p["ttft_s"]), p["failed"], round(secs, 1),
                               fmt_num(percentile(list(p["ttft_s"]), 50) * 1e3),
                               fmt_num(percentile(list(p["ttft_s"]), 99) * 1e3),
-                              f"{cpu['P'] / secs:.1%} / {cpu['D'] / secs:.1%}" if cpu else "-"])
+                              f"{cpu['P'] / secs:.1%} / {cpu['D'] / secs:.1%}" if cpu else "-",
+                              _pair_cells(p)])
     idle = result["idle_ticker"]
+    load.notes.append("CPU s: every process of the serving pair's two engines, and of the other pair's, in the "
+                      "phase's window; the idle pair runs on the same two cores")
     load.notes.append(f"idle (engines up, no request, {result['idle_s']:g} s): kvplane's ticker thread P {idle['P']:.2%}, "
                       f"D {idle['D']:.2%} of a core (tickers found P {result['tickers_found']['P']}, "
                       f"D {result['tickers_found']['D']})")
@@ -359,11 +387,26 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
                 st.rows.append([conn, s["completed"], s["failed"], fmt_num(s["median_ttft_ms"]),
                                 fmt_num(s["p99_ttft_ms"]), fmt_num(s["median_tpot_ms"]), fmt_num(s["p99_tpot_ms"])])
         out.append(st)
+    side.notes.append("ms per request: the phase's connector time over its answered requests.  A step's figure "
+                      "depends on how many requests vLLM admits in one step (a pair that answers its phase sooner "
+                      "admits more per step); per request it does not")
     side.notes.append(f"engines started in {result['startup_s']:.0f} s; prompts {PROMPT_TOKENS[0]}-"
                       f"{PROMPT_TOKENS[1] - 1} tokens, {OUTPUT_TOKENS} output tokens; a step = one scheduler "
                       "step's connector calls in the engine process (see bench/connector_timed.py); "
                       f"command: {command}")
     return [*out, goals]
+
+
+def _per(total_ms: float, requests: int) -> str:
+    return fmt_num(total_ms / requests) if requests else "-"
+
+
+def _pair_cells(phase: dict) -> str:
+    got = phase.get("pair_cpu_s") or {}
+    other = [k for k in CONNECTORS if k != phase["connector"]][0]
+    if phase["connector"] not in got or other not in got:
+        return "-"
+    return f"{got[phase['connector']]:.1f} / {got[other]:.1f}"
 
 
 def run(quick: bool) -> list[Table]:

@@ -59,7 +59,8 @@ def _result(kvplane_p50: float, nixl_p50: float, idle: float) -> dict:
                 "top_share": 0.5}
 
     phases = [{"connector": c, "concurrency": 8, "started": 0.0, "ended": 2.0, "ttft_s": (0.1, 0.2), "failed": 0,
-               "ticker_cpu_s": {"P": 0.02, "D": 0.04} if c == "kvplane" else {}} for c in C.CONNECTORS]
+               "ticker_cpu_s": {"P": 0.02, "D": 0.04} if c == "kvplane" else {},
+               "pair_cpu_s": {"kvplane": 1.5, "nixl": 0.25}} for c in C.CONNECTORS]
     return {"startup_s": 100.0, "idle_s": 10.0, "idle_ticker": {"P": idle, "D": idle},
             "tickers_found": {"P": 1, "D": 1}, "phases": phases,
             "steps": {f"{c}-{n}": [fig(kvplane_p50 if c == "kvplane" else nixl_p50)]
@@ -73,9 +74,11 @@ def test_tables_side_by_side_with_targets():
     out = C.tables(_result(50.0, 100.0, 0.002), "python -m bench connector")
     side, load, serve, goals = out
     assert side.rows[0][:6] == ["P", 8, "10 / 10", "50.0", "100", "0.50x"]
+    assert side.rows[0][10] == "0.25 / 0.5"  # 0.5 and 1.0 ms over 2 answered requests each
     assert "command: python -m bench connector" in side.notes[-1]
-    assert load.rows[0][-1] == "1.0% / 2.0%" and load.rows[1][-1] == "-"
-    assert "0.20%" in load.notes[0]
+    assert load.rows[0][-2] == "1.0% / 2.0%" and load.rows[1][-2] == "-"
+    assert load.rows[0][-1] == "1.5 / 0.2" and load.rows[1][-1] == "0.2 / 1.5"  # this pair / the idle one
+    assert "0.20%" in load.notes[1]
     assert serve.rows[1][:4] == ["nixl", "-", "-", "vllm bench serve exited with 1"]
     assert "no headline" in serve.notes[0]
     assert is_targets(goals) and all(r[-1] == "YES" for r in goals.rows)
