@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as futures
+import contextlib
 import json
 import os
 import random
@@ -95,21 +96,57 @@ def tickers(folder: Path) -> list[tuple[int, int]]:
     return out
 
 
-def pair_cpu(pair: dict) -> float:
-    """CPU seconds of a pair's engines, their child processes included
-    (vLLM's engine core and workers)."""
+def _pair_processes(pair: dict) -> list:
+    """Every process of a pair's engines (vLLM's API server, engine core, workers)."""
     import psutil
 
-    total = 0.0
+    procs = []
     for engine in pair.values():
         try:
             root = psutil.Process(engine.proc.pid)
-            for proc in (root, *root.children(recursive=True)):
-                t = proc.cpu_times()
-                total += t.user + t.system
+            procs += [root, *root.children(recursive=True)]
+        except psutil.Error:  # an engine that ended
+            pass
+    return procs
+
+
+def pair_cpu(pair: dict) -> float:
+    """CPU seconds of a pair's engines, their child processes included."""
+    import psutil
+
+    total = 0.0
+    for proc in _pair_processes(pair):
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
         except psutil.Error:  # a process that ended: its time is not counted
             pass
     return total
+
+
+@contextlib.contextmanager
+def paused(pair: dict | None):
+    """The pair's processes stopped (SIGSTOP) for the block, then continued:
+    the pair that is not serving takes no CPU from the one that is (an idle
+    NixlConnector pair used 30-60% of a core during kvplane's phases)."""
+    import psutil
+
+    procs = _pair_processes(pair) if pair is not None else []
+    stopped = []
+    try:
+        for proc in procs:
+            try:
+                proc.suspend()
+                stopped.append(proc)
+            except psutil.Error:
+                pass
+        yield
+    finally:
+        for proc in stopped:
+            try:
+                proc.resume()
+            except psutil.Error:
+                pass
 
 
 def ticker_cpu(folder: Path) -> float:
@@ -211,9 +248,11 @@ def serve_bench(proxy_url: str, model: Path, out: Path, prompts: int, concurrenc
 
 
 def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: float, serve: bool,
-            say: Any = print, json_path: str | None = None, keep: bool = False) -> dict[str, Any]:
+            say: Any = print, json_path: str | None = None, keep: bool = False,
+            pause_idle: bool = True) -> dict[str, Any]:
     """Start the four engines, run the phases, stop them; the raw figures.
-    ``keep``: leave the work folder (engine logs, per-step files) in place."""
+    ``keep``: leave the work folder (engine logs, per-step files) in place.
+    ``pause_idle``: stop the other pair's processes during each phase."""
     from kvplane.app.vllm.engines import EngineProcess, EngineSpec, kvplane_secret_config, split_cores, wait_healthy
     from kvplane.app.vllm.model import write_tiny_model
     from kvplane.app.vllm.run import _free_ports
@@ -233,7 +272,7 @@ def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: floa
     engines: dict[str, dict[str, Any]] = {}
     dirs = {(c, n): work / f"{c}-{n}" for c in CONNECTORS for n in ("P", "D")}
     phases: list[Phase] = []
-    result: dict[str, Any] = {"work": str(work), "idle_s": idle_s}
+    result: dict[str, Any] = {"work": str(work), "idle_s": idle_s, "pause_idle": pause_idle}
     try:
         for k, connector in enumerate(CONNECTORS):
             base = {"num_threads": 1} if connector == "nixl" else kvplane_secret_config(work)
@@ -260,9 +299,11 @@ def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: floa
             for connector in (CONNECTORS if i % 2 == 0 else CONNECTORS[::-1]):
                 cpu0 = {n: ticker_cpu(dirs["kvplane", n]) for n in ("P", "D")}
                 pairs0 = {k: pair_cpu(engines[k]) for k in CONNECTORS}
-                t0 = time.time()
-                ttft, failed = _load(engines[connector], model, prompts, c)
-                t1 = time.time()
+                other = [k for k in CONNECTORS if k != connector][0]
+                with paused(engines[other] if pause_idle else None):
+                    t0 = time.time()
+                    ttft, failed = _load(engines[connector], model, prompts, c)
+                    t1 = time.time()
                 cpu = {n: ticker_cpu(dirs["kvplane", n]) - cpu0[n] for n in ("P", "D")} if connector == "kvplane" else {}
                 pairs = {k: pair_cpu(engines[k]) - pairs0[k] for k in CONNECTORS}
                 phases.append(Phase(connector, c, t0, t1, tuple(ttft), failed, cpu, pairs))
@@ -272,7 +313,7 @@ def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: floa
         if json_path:  # the figures so far, should the serve part not end
             Path(json_path).write_text(json.dumps(result, indent=1))
         if serve:
-            result["serve"] = _serve_both(engines, model, work, say)
+            result["serve"] = _serve_both(engines, model, work, say, pause_idle)
     finally:
         for pair in engines.values():
             for e in pair.values():
@@ -295,7 +336,7 @@ def _step_results(result: dict[str, Any], phases: list[Phase], dirs: dict) -> No
                                     for p in phases if p.connector == c] for c in CONNECTORS for n in ("P", "D")}
 
 
-def _serve_both(engines: dict, model: Path, work: Path, say: Any) -> dict:
+def _serve_both(engines: dict, model: Path, work: Path, say: Any, pause_idle: bool) -> dict:
     from kvplane.app.vllm.run import _free_ports
 
     out: dict[str, Any] = {}
@@ -307,8 +348,10 @@ def _serve_both(engines: dict, model: Path, work: Path, say: Any) -> dict:
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(CHECKOUT))
         try:
             time.sleep(3.0)
-            got = serve_bench(f"http://127.0.0.1:{port}", model, work / f"serve-{connector}.json",
-                              SERVE_PROMPTS, SERVE_CONCURRENCY)
+            other = [k for k in CONNECTORS if k != connector][0]
+            with paused(engines[other] if pause_idle else None):
+                got = serve_bench(f"http://127.0.0.1:{port}", model, work / f"serve-{connector}.json",
+                                  SERVE_PROMPTS, SERVE_CONCURRENCY)
             out[connector] = {k: got.get(k) for k in ("completed", "failed", "median_ttft_ms", "p99_ttft_ms",
                                                       "median_tpot_ms", "p99_tpot_ms", "duration")}
             say(f"  vllm bench serve, {connector}: {out[connector]}")
@@ -359,7 +402,9 @@ def tables(result: dict[str, Any], command: str) -> list[Table]:
                               _pair_cells(p)])
     idle = result["idle_ticker"]
     load.notes.append("CPU s: every process of the serving pair's two engines, and of the other pair's, in the "
-                      "phase's window; the idle pair runs on the same two cores")
+                      "phase's window; the idle pair runs on the same two cores" +
+                      ("; it was stopped (SIGSTOP) during each phase" if result.get("pause_idle") else
+                       "; it ran during each phase (--no-pause)"))
     load.notes.append(f"idle (engines up, no request, {result['idle_s']:g} s): kvplane's ticker thread P {idle['P']:.2%}, "
                       f"D {idle['D']:.2%} of a core (tickers found P {result['tickers_found']['P']}, "
                       f"D {result['tickers_found']['D']})")
@@ -437,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the raw figures as JSON")
     p.add_argument("--keep", action="store_true",
                    help="keep the work folder: engine logs and each engine's per-step files")
+    p.add_argument("--no-pause", dest="pause", action="store_false",
+                   help="leave the pair that is not serving running during each phase (by default its "
+                        "processes are stopped, SIGSTOP, and continued after the phase)")
     return p
 
 
@@ -458,6 +506,7 @@ class Options:
     serve: bool
     json_path: str | None
     keep: bool
+    pause_idle: bool = True
 
 
 def options(argv: list[str] | None = None) -> Options:
@@ -471,7 +520,7 @@ def options(argv: list[str] | None = None) -> Options:
     if not args.idle > 0:
         p.error("--idle must be positive")
     counts = args.requests or [REQUESTS.get(c, 4 * c) for c in levels]
-    return Options(levels, dict(zip(levels, counts)), args.idle, not args.no_serve, args.json, args.keep)
+    return Options(levels, dict(zip(levels, counts)), args.idle, not args.no_serve, args.json, args.keep, args.pause)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .report import print_table
 
-    result = measure(opts.levels, opts.requests, opts.idle_s, opts.serve, json_path=opts.json_path, keep=opts.keep)
+    result = measure(opts.levels, opts.requests, opts.idle_s, opts.serve, json_path=opts.json_path, keep=opts.keep,
+                     pause_idle=opts.pause_idle)
     if opts.json_path:
         Path(opts.json_path).write_text(json.dumps(result, indent=1))
     console = Console(width=max(Console().width, 160))

@@ -1,6 +1,7 @@
 """bench.connector's options and report (no engine is started here; the vllm-marked
 test_bench_connector_vllm.py runs the smallest real configuration)."""
 import threading
+import time
 
 import pytest
 
@@ -11,9 +12,9 @@ from bench.report import is_targets
 def test_options_defaults_and_refusals(capsys):
     o = C.options([])
     assert o.levels == (8, 64, 256) and o.requests == {8: 16, 64: 64, 256: 256} and o.serve
-    assert o.json_path is None and not o.keep
-    o = C.options(["--concurrency", "4", "16", "--requests", "5", "6", "--no-serve", "--keep"])
-    assert o.requests == {4: 5, 16: 6} and not o.serve and o.keep
+    assert o.json_path is None and not o.keep and o.pause_idle
+    o = C.options(["--concurrency", "4", "16", "--requests", "5", "6", "--no-serve", "--keep", "--no-pause"])
+    assert o.requests == {4: 5, 16: 6} and not o.serve and o.keep and not o.pause_idle
     assert C.options(["--concurrency", "12"]).requests == {12: 48}  # 4x the concurrency outside the table
     for bad in (["--concurrency", "0"], ["--concurrency", "x"], ["--concurrency", "8", "8"],
                 ["--concurrency", "8", "64", "--requests", "3"], ["--idle", "0"], ["--idle", "nan"]):
@@ -21,6 +22,40 @@ def test_options_defaults_and_refusals(capsys):
             C.options(bad)
         assert exc.value.code == 2
         assert "python -m bench.connector: error:" in capsys.readouterr().err  # one line, no traceback
+
+
+def test_paused_stops_a_process_tree_and_continues_it():
+    """The pair that is not serving is stopped during a phase (SIGSTOP) and
+    continued after it, even when the phase raises."""
+    import subprocess
+    import sys
+
+    psutil = pytest.importorskip("psutil", reason="psutil comes with vLLM: run scripts/install-vllm")
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"])
+
+    class Engine:
+        proc = child
+
+    def stopped(want: bool) -> bool:  # a signal is delivered asynchronously
+        end = time.monotonic() + 10.0
+        while (psutil.Process(child.pid).status() == psutil.STATUS_STOPPED) != want:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.01)
+        return True
+
+    try:
+        with pytest.raises(RuntimeError):
+            with C.paused({"P": Engine()}):
+                assert stopped(True)
+                raise RuntimeError("the phase failed")
+        assert stopped(False)
+        with C.paused(None):  # --no-pause
+            time.sleep(0.1)
+            assert stopped(False)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_step_figures_keep_the_phase_window():
