@@ -38,7 +38,9 @@ few, then every 1000th) and the thread goes on; it never dies silently.
 
 ``longest_late_ms``: the most a step started after it was due (the end of
 its wait, or the ``wake()``), which is time the thread was not scheduled or
-waited for the lock.  Heartbeats and lease expiries are that late too: on
+waited for the lock.  ``longest_step_ms``: the longest a step took, its
+``after_step`` included: a thread descheduled inside its step (once 118 s
+where ``longest_late_ms`` read 6.5 s).  A rank's stall is the larger.  Heartbeats and lease expiries are that late too: on
 an overloaded machine a worker process that gets no CPU for longer than a
 lease's slack lets leases expire although nothing else is wrong
 (docs/parity.md, "TP").
@@ -92,6 +94,7 @@ class Ticker:
         self.steps_with_work = 0
         self.errors = 0
         self.longest_late_ms = 0
+        self.longest_step_ms = 0
         self.last_error: BaseException | None = None
         self._wake = threading.Event()
         # When the thread's next sleep ends (time.monotonic), set with the
@@ -142,7 +145,7 @@ class Ticker:
 
     def stats(self) -> dict[str, int]:
         return {"ticks": self.ticks, "steps_with_work": self.steps_with_work, "errors": self.errors,
-                "longest_late_ms": self.longest_late_ms}
+                "longest_late_ms": self.longest_late_ms, "longest_step_ms": self.longest_step_ms}
 
     def __enter__(self) -> Ticker:
         return self.start()
@@ -175,6 +178,9 @@ class Ticker:
                 if work:
                     self.steps_with_work += 1
                 timeout = MIN_WAIT if work else self._idle_timeout()
+                # stepped_at was read under this lock: a thread descheduled inside
+                # its step shows here, where longest_late_ms does not see it.
+                self._note_step(self.stepped_at)
                 # Set under the lock: a deadline the engine arms after this is compared with it.
                 self._sleep_ends = time.monotonic() + timeout
             if self.after_step is not None:
@@ -182,6 +188,7 @@ class Ticker:
                     self.after_step()
                 except Exception as exc:  # counted and logged like a failed step
                     self._failed("after_step", exc)
+                self._note_step(self.stepped_at)
 
     def _failed(self, what: str, exc: Exception) -> None:
         """Count a failure and log it: the first few, then every 1000th (a
@@ -191,6 +198,11 @@ class Ticker:
         self.last_error = exc
         if self.errors <= 3 or self.errors % 1000 == 0:
             log.exception("%s: %s failed (%d so far); the ticker goes on", self.driver.engine_id, what, self.errors)
+
+    def _note_step(self, began: float) -> None:
+        step_ms = int((time.monotonic() - began) * 1000)
+        if step_ms > self.longest_step_ms:
+            self.longest_step_ms = step_ms
 
     def _note_lateness(self, due: float) -> None:
         late_ms = int((time.monotonic() - due) * 1000)

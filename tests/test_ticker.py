@@ -218,6 +218,25 @@ def test_a_step_held_up_by_the_engine_is_counted_late(driver):
         assert ticker.stats()["longest_late_ms"] >= 250
 
 
+def test_a_long_step_is_counted_where_lateness_misses_it(driver):
+    """longest_step_ms: a step that took long (here the step itself sleeps
+    0.3 s; a thread descheduled inside its step shows the same) starts on
+    time, so longest_late_ms alone would not see it."""
+    slow = threading.Event()
+
+    def step() -> int:
+        if slow.is_set():
+            slow.clear()
+            time.sleep(0.3)
+        return 0
+
+    with Ticker(driver, max_idle_wait=0.01, step=step) as ticker:
+        assert wait_until(lambda: ticker.ticks >= 3)
+        slow.set()
+        assert wait_until(lambda: not slow.is_set() and ticker.ticks >= 10)
+        assert ticker.stats()["longest_step_ms"] >= 250
+
+
 def test_after_step_runs_outside_the_lock_and_its_failure_is_counted(driver):
     seen: list[bool] = []
 

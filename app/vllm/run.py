@@ -601,6 +601,13 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[k]
 
 
+def _stall_ms(status: dict | None) -> int:
+    """A rank's longest stall: a step that began late, or one that took long
+    (a thread descheduled inside it)."""
+    ticker = (status or {}).get("ticker", {})
+    return max(ticker.get("longest_late_ms", 0), ticker.get("longest_step_ms", 0))
+
+
 def _status(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -767,8 +774,7 @@ def _collect(run: VllmRun, stream: list[VllmRequest], opts: VllmRunOptions, summ
         out["protocol_errors"] = sum(c.get("kvplane_protocol_errors", 0) for c in counts.values())
         # The longest any rank's plane went unstepped past a deadline: a starved worker
         # process (its heartbeats and expiries were that late too).
-        stall = {role: max(((s or {}).get("ticker", {}).get("longest_late_ms", 0) for s in ss), default=0)
-                 for role, ss in status.items()}
+        stall = {role: max((_stall_ms(s) for s in ss), default=0) for role, ss in status.items()}
         out["longest_rank_stall_ms"] = {"prefill": max(stall[r] for r in p_roles), "decode": stall["decode"]}
         out["connector_blocks_held"] = {role: g.get("kvplane_blocks_held") for role, g in gauges.items()}
         out["connector_recvs_in_flight"] = {role: g.get("kvplane_recvs_in_flight") for role, g in gauges.items()}
