@@ -299,8 +299,7 @@ def measure(concurrency: tuple[int, ...], requests: dict[int, int], idle_s: floa
             for connector in (CONNECTORS if i % 2 == 0 else CONNECTORS[::-1]):
                 cpu0 = {n: ticker_cpu(dirs["kvplane", n]) for n in ("P", "D")}
                 pairs0 = {k: pair_cpu(engines[k]) for k in CONNECTORS}
-                other = [k for k in CONNECTORS if k != connector][0]
-                with paused(engines[other] if pause_idle else None):
+                with paused(engines[_other(connector)] if pause_idle else None):
                     t0 = time.time()
                     ttft, failed = _load(engines[connector], model, prompts, c)
                     t1 = time.time()
@@ -348,8 +347,7 @@ def _serve_both(engines: dict, model: Path, work: Path, say: Any, pause_idle: bo
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(CHECKOUT))
         try:
             time.sleep(3.0)
-            other = [k for k in CONNECTORS if k != connector][0]
-            with paused(engines[other] if pause_idle else None):
+            with paused(engines[_other(connector)] if pause_idle else None):
                 got = serve_bench(f"http://127.0.0.1:{port}", model, work / f"serve-{connector}.json",
                                   SERVE_PROMPTS, SERVE_CONCURRENCY)
             out[connector] = {k: got.get(k) for k in ("completed", "failed", "median_ttft_ms", "p99_ttft_ms",
@@ -446,9 +444,14 @@ def _per(total_ms: float, requests: int) -> str:
     return fmt_num(total_ms / requests) if requests else "-"
 
 
+def _other(connector: str) -> str:
+    """The connector of the other pair."""
+    return CONNECTORS[1 - CONNECTORS.index(connector)]
+
+
 def _pair_cells(phase: dict) -> str:
     got = phase.get("pair_cpu_s") or {}
-    other = [k for k in CONNECTORS if k != phase["connector"]][0]
+    other = _other(phase["connector"])
     if phase["connector"] not in got or other not in got:
         return "-"
     return f"{got[phase['connector']]:.1f} / {got[other]:.1f}"
@@ -506,7 +509,7 @@ class Options:
     serve: bool
     json_path: str | None
     keep: bool
-    pause_idle: bool = True
+    pause_idle: bool
 
 
 def options(argv: list[str] | None = None) -> Options:

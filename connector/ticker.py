@@ -40,10 +40,10 @@ few, then every 1000th) and the thread goes on; it never dies silently.
 its wait, or the ``wake()``), which is time the thread was not scheduled or
 waited for the lock.  ``longest_step_ms``: the longest a step took, its
 ``after_step`` included: a thread descheduled inside its step (once 118 s
-where ``longest_late_ms`` read 6.5 s).  A rank's stall is the larger.  Heartbeats and lease expiries are that late too: on
-an overloaded machine a worker process that gets no CPU for longer than a
-lease's slack lets leases expire although nothing else is wrong
-(docs/parity.md, "TP").
+where ``longest_late_ms`` read 6.5 s).  A rank's stall is the larger.
+Heartbeats and lease expiries are that late too: on an overloaded machine
+a worker process that gets no CPU for longer than a lease's slack lets
+leases expire although nothing else is wrong (docs/parity.md, "TP").
 """
 from __future__ import annotations
 
@@ -178,9 +178,6 @@ class Ticker:
                 if work:
                     self.steps_with_work += 1
                 timeout = MIN_WAIT if work else self._idle_timeout()
-                # stepped_at was read under this lock: a thread descheduled inside
-                # its step shows here, where longest_late_ms does not see it.
-                self._note_step(self.stepped_at)
                 # Set under the lock: a deadline the engine arms after this is compared with it.
                 self._sleep_ends = time.monotonic() + timeout
             if self.after_step is not None:
@@ -188,7 +185,10 @@ class Ticker:
                     self.after_step()
                 except Exception as exc:  # counted and logged like a failed step
                     self._failed("after_step", exc)
-                self._note_step(self.stepped_at)
+            # The step and its after_step: a thread descheduled inside them shows
+            # here, where longest_late_ms does not see it (only this thread writes
+            # stepped_at).
+            self._note_step(self.stepped_at)
 
     def _failed(self, what: str, exc: Exception) -> None:
         """Count a failure and log it: the first few, then every 1000th (a

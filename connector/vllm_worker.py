@@ -285,8 +285,9 @@ class VllmWorkerSide:
             self._status_at = time.monotonic()
             status = {"engine_id": self.engine_id, "rank": self.rank, "pid": os.getpid(), "time": time.time(),
                       "counts": counts, "gauges": gauges, "closed": self.closed,
-                      # longest_late_ms: the longest this rank's plane went unstepped past a
-                      # deadline (a starved process: its heartbeats were that late too).
+                      # longest_late_ms / longest_step_ms: the longest this rank's plane went
+                      # unstepped past a deadline, or inside a step (a starved process: its
+                      # heartbeats were that late too).
                       "ticker": self.ticker.stats(),
                       "plane_held": [[k, str(key), s, list(h)] for k, key, s, h in self.driver.plane.held()]}
         # The file outside the lock: the engine's calls do not wait for the disk.
