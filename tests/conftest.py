@@ -27,6 +27,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 FILE_KINDS: dict[str, str | None] = {
     "test_bench_connector.py": "core",
     "test_vllm_engine_stop.py": "core",
+    "test_vllm_amx.py": "core",
     "test_bench_smoke.py": "e2e",
     "test_bench_targets.py": "core",
     "test_block_sizes.py": "nixl",

@@ -1,0 +1,38 @@
+"""vLLM's AMX attention needs the AMX tile state asked for in each engine
+process (app/vllm/amx.py): kvplane's vLLM plugin asks; on a CPU without AMX
+it changes nothing."""
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from kvplane.app.vllm.amx import request_amx_state
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cpu_has_amx() -> bool:
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return "amx_tile" in flags.split()
+
+
+def test_the_plugin_is_registered_where_vllm_looks():
+    plugins = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvplane_amx"]
+    assert len(plugins) == 1, "reinstall kvplane (pip install -e .) to register its entry points"
+    assert plugins[0].load() is request_amx_state
+
+
+def test_a_fresh_process_gets_the_tile_state_only_where_the_cpu_has_amx():
+    code = ("from kvplane.app.vllm.amx import amx_permitted, request_amx_state\n"
+            "before = amx_permitted()\n"
+            "print(before, request_amx_state(), request_amx_state(), amx_permitted())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}).stdout.split()
+    amx = str(_cpu_has_amx())
+    # Not inherited from this process (a new process starts without it), granted once asked, asked twice harmlessly.
+    assert out == ["False", amx, amx, amx], out
