@@ -72,7 +72,7 @@ class RemoteKV:
         return f"tcp://{self.remote_host}:{self.remote_port}"
 
     def to_dict(self) -> dict[str, Any]:
-        d = attrs.asdict(self)
+        d = attrs.asdict(self, recurse=False)  # its tuples become lists below (recursing costs 5x)
         del d["remote_public_key"]  # ours, never on the wire
         d["remote_block_ids"] = list(self.remote_block_ids)
         d["remote_ranks"] = list(self.remote_ranks)
@@ -81,13 +81,14 @@ class RemoteKV:
         return d
 
     @classmethod
-    def from_dict(cls, d: Any) -> "RemoteKV":
+    def from_dict(cls, d: Any, *, public_key: bytes | None = None) -> "RemoteKV":
         """Validate ``kv_transfer_params`` from the proxy: every wrong type,
         value or size raises BadTransferParams naming the field, never a bare
         TypeError.  The ids and counts must be ones a notification can carry
         (transport.wire's bounds), so nothing accepted here fails later when
         the READ's completion is encoded.  Keys kvplane does not use (vLLM's
-        do_remote_prefill, push, ...) are ignored."""
+        do_remote_prefill, push, ...) are ignored.  ``public_key``: the
+        reader's own ``remote_public_key`` (never read from ``d``)."""
         if not isinstance(d, dict):
             raise BadTransferParams(f"kv_transfer_params must be a dict, got {type(d).__name__}")
         for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids"):
@@ -149,6 +150,7 @@ class RemoteKV:
             remote_request_id=d["remote_request_id"], remote_block_ids=d["remote_block_ids"],
             remote_ranks=ranks, expected_consumers=consumers,
             remote_expiry=None if expiry is None else float(expiry), remote_renewable=renewable,
+            remote_public_key=public_key,
         )
 
 

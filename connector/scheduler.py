@@ -42,7 +42,7 @@ from kvplane.statemachines.machines import LOGGED_MACHINES
 from kvplane.statemachines.machines.engine_request import EngineRequest, EngineState
 from kvplane.statemachines.plane import ControlPlane
 from kvplane.statemachines.rank_results import Outcome, RankResults
-from kvplane.statemachines.tp_mapping import TpMapping, TpMismatch
+from kvplane.statemachines.tp_mapping import TpMapping, TpMismatch, tp_mapping
 
 from .engine_report import EngineReport
 from .params import BadTransferParams, RemoteKV
@@ -187,11 +187,12 @@ class ConnectorScheduler:
 
     # ------------------------------------------------------------ requests
     def on_new_request(self, request_id: str, kv_transfer_params: dict | None, *,
-                       server_public_key: bytes | None = None, serve: bool = False,
+                       remote: RemoteKV | None = None, serve: bool = False,
                        remote_groups: tuple[tuple[int, ...], ...] = (), recompute_below: int = 0) -> None:
         """Register a request.  One with remote KV is sent to every rank in
-        the next metadata, and its heartbeats start there (at the side
-        channel that proves ``server_public_key``, when given).  ``serve``:
+        the next metadata, and its heartbeats start there.  ``remote``: the
+        params as the embedder already parsed them (``RemoteKV.from_dict``, with
+        the key the holder's side channel must prove); not parsed again.  ``serve``:
         it also serves a remote decode once finished (P's turn 2: it reads
         D's held prefix, then leases its blocks for D's read-back).
         ``recompute_below``: a read of fewer tokens is declined (computed
@@ -202,13 +203,13 @@ class ConnectorScheduler:
                 self._feed(C.EngineNewRequest(request_id=request_id, remote_decode=True),
                            RequestInputs(push=bool(params.get("push"))))
             return
-        rk = attrs.evolve(RemoteKV.from_dict(params), remote_public_key=server_public_key)
+        rk = remote if remote is not None else RemoteKV.from_dict(params)
         if self.pp_size > 1:
             # Our ranks hold a layer slice each: a read needs the whole model on every rank.
             raise BadTransferParams(f"this engine runs pipeline parallel size {self.pp_size}: it serves reads "
                                     "but reads only at PP 1 (as NixlConnector)")
         try:
-            mapping = TpMapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv, holder_pp=rk.pp_size)
+            mapping = tp_mapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv, holder_pp=rk.pp_size)
         except TpMismatch as exc:
             raise BadTransferParams(f"kv_transfer_params: 'tp_size': {exc}") from None
         if rk.expected_consumers < mapping.consumers_per_holder_rank:
@@ -316,8 +317,8 @@ class ConnectorScheduler:
             self.request_finished(request_id, (), normal=False)
 
     def _grant(self, request_id: str, block_ids: tuple, push: bool) -> LeaseGrant:
-        mapping = TpMapping(self.tp_size, self._reader_tp or self.tp_size, replicated=self.replicated_kv,
-                            holder_pp=self.pp_size)
+        mapping = tp_mapping(self.tp_size, self._reader_tp or self.tp_size, replicated=self.replicated_kv,
+                             holder_pp=self.pp_size)
         self._lease_ranks.expect(request_id)
         lost = [o for rank in self._lost if (o := self._lease_ranks.report(rank, request_id)) is not None]
         # The lease's unguessable name: only who is handed the params can act on it.

@@ -90,6 +90,16 @@ def scheduler_log_path(template: str) -> str:
 
 
 @attrs.frozen
+class Accepted:
+    """A reader's accepted params: what it registers."""
+
+    params: dict[str, Any]  # in the engine's transfer mode
+    # Those params parsed; its remote_public_key is the key P's side channel must prove (None unsigned).
+    remote: RemoteKV
+    groups: Groups  # a hybrid model's remote lists per group (empty: one group)
+
+
+@attrs.frozen
 class SchedulerStep:
     """What the workers get each step: the plane's records and the dumps."""
 
@@ -158,9 +168,9 @@ class VllmSchedulerSide:
             self.counters["prompts_backed_off"] += 1
         try:
             if remote or turn2:
-                translated, server_key, groups = self._accept(request, params, turn2=turn2)
-                self.sched.on_new_request(request.request_id, translated, server_public_key=server_key,
-                                          serve=turn2, remote_groups=groups,
+                accepted = self._accept(request, params, turn2=turn2)
+                self.sched.on_new_request(request.request_id, accepted.params, remote=accepted.remote,
+                                          serve=turn2, remote_groups=accepted.groups,
                                           recompute_below=self.settings.kv_recompute_threshold if turn2 else 0)
             else:
                 # Only the engine decides push or pull (a client's "push" key is not read).
@@ -189,11 +199,10 @@ class VllmSchedulerSide:
             self.counters["turn2_refused_computed"] += 1
             self.sched.on_new_request(request.request_id, {"do_remote_decode": True})
 
-    def _accept(self, request: Any, params: dict, *, turn2: bool = False) -> tuple[dict, bytes | None, Groups]:
-        """(the params to register, the CURVE key P's side channel must
-        prove, a hybrid model's remote lists per group) for D's remote prefill, or P's read of a decoder's hold
-        (``turn2``); BadTransferParams when refused.  With a deployment
-        secret only P's signed fields are read."""
+    def _accept(self, request: Any, params: dict, *, turn2: bool = False) -> Accepted:
+        """What D registers for its remote prefill, or P for its read of a
+        decoder's hold (``turn2``); BadTransferParams when refused.  With a
+        deployment secret only P's signed fields are read."""
         if params.get("do_remote_decode") and not turn2:
             raise BadTransferParams("kv_transfer_params: do_remote_prefill and do_remote_decode both set")
         translated = from_vllm(params, transfer_mode=self.transfer_mode, groups=self.groups.count)
@@ -225,7 +234,8 @@ class VllmSchedulerSide:
                                     f"remote {remote_block} a block")
             if turn2:  # read as a remote prefill of the held prefix
                 translated = self._whole_blocks(dict(translated, do_remote_prefill=True, do_remote_decode=False))
-            return receive_params(translated, push=self.push), None, groups
+            return Accepted(params=receive_params(translated, push=self.push), remote=RemoteKV.from_dict(translated),
+                            groups=groups)
         vouched = verify(translated, keys)
         check_for_request(vouched, prompt_token_ids=getattr(request, "prompt_token_ids", None),
                           num_prompt_tokens=request.num_prompt_tokens if turn2 else self._read_tokens(request),
@@ -237,9 +247,9 @@ class VllmSchedulerSide:
             registered, groups = _flatten(registered)
         if turn2:
             registered = self._whole_blocks(registered)
-        RemoteKV.from_dict(registered)  # well formed before its lease name is spent
+        remote = RemoteKV.from_dict(registered, public_key=vouched.key.curve_public)  # before its lease name is spent
         self.consumed.consume(vouched.lease_name, vouched.term, self.sched.clock())
-        return receive_params(registered, push=self.push), vouched.key.curve_public, groups
+        return Accepted(params=receive_params(registered, push=self.push), remote=remote, groups=groups)
 
     def update_state_after_alloc_groups(self, request: Any, local: Groups, num_external_tokens: int) -> None:
         """A hybrid model's D: ``local`` is vLLM's new blocks per group (its
@@ -334,7 +344,8 @@ class VllmSchedulerSide:
         whole ones)."""
         rid = request.request_id
         params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
-        normal = getattr(request.status, "name", str(request.status)) in FINISHED_NORMALLY
+        status = request.status
+        normal = (status.name if hasattr(status, "name") else str(status)) in FINISHED_NORMALLY
         inst = self.sched.request(rid)
         if inst is None:  # no remote KV (or refused params): vLLM frees as usual
             return self._maybe_dump(request, block_ids, params, normal, groups=groups)

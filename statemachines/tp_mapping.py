@@ -33,6 +33,8 @@ by heads).  Reader rank ``r`` then reads whole blocks from ONE holder rank,
 """
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 # Ranks of one engine (TP x PP) a request may be spread over.
@@ -142,3 +144,12 @@ class TpMapping:
             raise TpMismatch(f"holder rank {holder_rank!r} out of range [0, {self.holder_ranks})")
         return tuple(r for r in range(self.reader_tp)
                      if any(s.holder_rank == holder_rank for s in self.sources(r)))
+
+
+@functools.lru_cache(maxsize=64)
+def tp_mapping(holder_tp: int, reader_tp: int, *, replicated: bool = False, holder_pp: int = 1) -> TpMapping:
+    """``TpMapping(...)`` made once per set of sizes: the connector asks for
+    one per request, and a mapping never changes (TpMismatch is raised each
+    time, never kept).  The sizes must be hashable (ints, as validated params
+    give them)."""
+    return TpMapping(holder_tp, reader_tp, replicated=replicated, holder_pp=holder_pp)

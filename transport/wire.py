@@ -21,6 +21,7 @@ CRC before NIXL ever sees the bytes.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 import re
@@ -138,6 +139,13 @@ def host_problem(host: Any) -> str | None:
     """Why ``host`` is not a hostname, an IPv4 or an IPv6 address, or None."""
     if not isinstance(host, str):
         return f"host must be str, got {type(host).__name__}"
+    return _str_host_problem(host)
+
+
+@functools.lru_cache(maxsize=256)
+def _str_host_problem(host: str) -> str | None:
+    """host_problem of a str, kept for the few hosts an engine hears of
+    (``ipaddress`` is a tenth of a reader's accept, asked twice per request)."""
     if not host or len(host) > MAX_HOST_BYTES + 2:
         return f"host must be 1 to {MAX_HOST_BYTES} characters"
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
