@@ -269,7 +269,10 @@ class ConnectorScheduler:
 
     def build_connector_meta(self) -> StepMeta:
         self.tick()
-        m, self._meta = self._meta, _empty_meta()
+        m = self._meta
+        if not any(m.values()):  # most engine steps: nothing for the ranks (one record for all of them)
+            return NO_STEP_META
+        self._meta = _empty_meta()
         return StepMeta(new_requests=m["new_requests"], loads=m["loads"], running=m["running"],
                         finished=m["finished"], grants=m["grants"], aborts=m["aborts"],
                         lease_aborts=m["lease_aborts"])
@@ -410,7 +413,7 @@ class ConnectorScheduler:
     def get_finished(self) -> EngineReport:
         """What the engine is told since the last call (the outbox, emptied)."""
         self._flush_lease_done()
-        report, self._outbox = self._outbox, EngineReport()
+        report, self._outbox = self._outbox, NO_REPORT  # immutable: each addition makes a new one
         return report
 
     # ------------------------------------------------------------ reports
@@ -435,6 +438,11 @@ class ConnectorScheduler:
     def waiting_on(self, request_id: str) -> tuple[int, ...]:
         """The ranks that have not ended the request's lease yet."""
         return self._lease_ranks.waiting_on(request_id)
+
+
+# What most engine steps carry: nothing (frozen records, shared).
+NO_STEP_META = StepMeta()
+NO_REPORT = EngineReport()
 
 
 def _empty_meta() -> dict[str, list]:

@@ -239,7 +239,9 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler_side is not None:
-            return KVPlaneStats(data=vllm_stats.scheduler_stats_data(self.scheduler_side.stats()))
+            counts = self.scheduler_side.stats()
+            # Nothing new (most steps): None, which vLLM reads as it reads an empty one.
+            return KVPlaneStats(data=vllm_stats.scheduler_stats_data(counts)) if counts else None
         if self.worker_side is None:
             return None
         counts, gauges = self.worker_side.stats()

@@ -133,7 +133,7 @@ class VllmSchedulerSide:
         self.groups = groups
         self.warn = warn
         self.consumed = ConsumedLeases()
-        self._last_stats: dict[str, int] = {}
+        self._last_stats: tuple[int, ...] = (0,) * len(STAT_KEYS)
         self._dumps: list[DumpKV] = []  # this step's, for the workers
         self.counters: Counter = Counter()
         # What the scheduler half told the engine at the last step (for tests and debugging; vLLM acts on
@@ -312,7 +312,9 @@ class VllmSchedulerSide:
     def build_step(self, scheduled_ids: list[str]) -> SchedulerStep:
         for rid in scheduled_ids:
             self.sched.request_running(rid)
-        dumps, self._dumps = tuple(self._dumps), []
+        dumps: tuple[DumpKV, ...] = ()
+        if self._dumps:
+            dumps, self._dumps = tuple(self._dumps), []
         step = SchedulerStep(meta=self.sched.build_connector_meta(), dumps=dumps)
         now = time.monotonic()
         if self.log_writer is not None and now - self._log_flushed_at >= LOG_FLUSH_EVERY_S:
@@ -485,10 +487,12 @@ class VllmSchedulerSide:
     def stats(self) -> dict[str, int]:
         """The scheduler half's counts since the last call (vLLM's
         scheduler-side get_kv_connector_stats)."""
-        now = {k: self.counters[k] for k in STAT_KEYS}
-        delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()}
-        self._last_stats = now
-        return {k: v for k, v in delta.items() if v}
+        counters = self.counters
+        now = tuple([counters.get(k, 0) for k in STAT_KEYS])
+        last, self._last_stats = self._last_stats, now
+        if now == last:  # most steps
+            return {}
+        return {k: n - was for k, n, was in zip(STAT_KEYS, now, last) if n != was}
 
     # ------------------------------------------------------------ worker results
     def update_from_workers(self, reports: list[WorkerReport]) -> None:
