@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
+import tempfile
 import time
 
 from kvplane.statemachines import events as E
@@ -114,16 +116,102 @@ def lease_recorded(n: int) -> int:
     return _requests(lease_events, True, n // 6)
 
 
-# (name, function, events handed to it): each returns how many units it did (events or requests).
+# ---------------------------------------------------------------- the vLLM connector's scheduler halves
+# (no vLLM: a stand-in for what the connector reads of vLLM's Request; a deployment secret, as shipped)
+PROMPT_TOKENS = 40  # 3 blocks of 16
+
+
+class _Status:
+    name = "FINISHED_LENGTH_CAPPED"
+
+
+class _Request:
+    def __init__(self, request_id: str, params: dict, computed: int) -> None:
+        self.request_id, self.kv_transfer_params = request_id, params
+        self.num_prompt_tokens, self.num_computed_tokens = PROMPT_TOKENS, computed
+        self.status = _Status()
+        self.prompt_token_ids = self.all_token_ids = list(range(7, 7 + PROMPT_TOKENS))
+
+
+def _scheduler_half(name: str, secret: str):
+    from kvplane.connector.records import RankInfo
+    from kvplane.connector.vllm_scheduler import VllmSchedulerSide
+    from kvplane.connector.vllm_settings import settings_from
+
+    side = VllmSchedulerSide(name, settings_from({"kvplane_secret_file": secret}, environ={}),
+                             warn=lambda *args: None)
+    side.add_ranks({0: RankInfo(rank=0, engine_id=f"{name}/tp0", side_channel_port=5700, public_key=None)})
+    return side
+
+
+_SECRETS = tempfile.TemporaryDirectory(prefix="kvplane-probe-")  # removed when the probe exits
+
+
+def _secret() -> str:
+    path = os.path.join(_SECRETS.name, "kvplane.secret")
+    with open(path, "w") as f:
+        f.write("a" * 64 + "\n")
+    return path
+
+
+def _grants(p, n: int, tag: str) -> list[_Request]:
+    """n requests P served: each its on_new_request, then request_finished (lease, signed params)."""
+    out = []
+    for i in range(n):
+        req = _Request(f"{tag}{i}", {"do_remote_decode": True}, PROMPT_TOKENS)
+        p.on_new_request(req)
+        out.append(req)
+    return out
+
+
+def connector_p_grant(n: int) -> tuple[int, float]:
+    """P's request_finished per request: the lease granted, the params signed (µs/request)."""
+    p = _scheduler_half("prefill-0", _secret())
+    reqs = _grants(p, n, "g")
+    t0 = time.process_time()
+    for req in reqs:
+        p.request_finished(req, (4, 5, 6))
+    return n, time.process_time() - t0
+
+
+def connector_d_accept(n: int) -> tuple[int, float]:
+    """D's on_new_request per request: P's signed params checked and registered (µs/request)."""
+    secret = _secret()
+    p, d = _scheduler_half("prefill-0", secret), _scheduler_half("decode-0", secret)
+    reqs = [_Request(f"a{i}", p.request_finished(req, (4, 5, 6))[1] or {}, 0)
+            for i, req in enumerate(_grants(p, n, "x"))]
+    t0 = time.process_time()
+    for req in reqs:
+        d.on_new_request(req)
+    return n, time.process_time() - t0
+
+
+def connector_empty_step(n: int) -> tuple[int, float]:
+    """A scheduler step with nothing to tell: build_step, stats, the workers' empty reports (µs/step)."""
+    p = _scheduler_half("prefill-0", _secret())
+    build, stats, update = p.build_step, p.stats, p.update_from_workers
+    t0 = time.process_time()
+    for _ in range(n):
+        build([])
+        stats()
+        update([])
+    return n, time.process_time() - t0
+
+
+# (name, function): each returns how many units it did (events, requests or steps), or (units, CPU
+# seconds) when it times only part of its work itself.
 WORKLOADS = (("machine_heartbeat", machine_heartbeat), ("plane_heartbeat", plane_heartbeat),
              ("machine_lifecycle", machine_lifecycle), ("plane_lifecycle", plane_lifecycle),
-             ("decode_request_recorded", decode_request_recorded), ("lease_recorded", lease_recorded))
+             ("decode_request_recorded", decode_request_recorded), ("lease_recorded", lease_recorded),
+             ("connector_d_accept", connector_d_accept), ("connector_p_grant", connector_p_grant),
+             ("connector_empty_step", connector_empty_step))
 
 
 def per_unit(fn, n: int) -> float:
     t0 = time.process_time()
-    units = fn(n)
-    return (time.process_time() - t0) / units * 1e6
+    done = fn(n)
+    units, seconds = done if isinstance(done, tuple) else (done, time.process_time() - t0)
+    return seconds / units * 1e6
 
 
 def explorer_states_per_cpu_s() -> float:

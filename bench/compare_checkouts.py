@@ -13,7 +13,10 @@ The workloads: a lease heartbeat and a decode lifecycle through
 ``Machine.handle`` and ``ControlPlane.handle`` (µs per event), and a decode
 request and a lease through a recording plane (µs per request: an
 EventLogWriter attached, the configuration that ships); events are built
-inside the timed loops, the same on both sides.  ``--explorer`` adds the
+inside the timed loops, the same on both sides.  Then the vLLM connector's
+scheduler halves with a deployment secret (no vLLM: a stand-in request):
+D's ``on_new_request`` of P's signed params, P's ``request_finished`` (the
+lease and the signature), and an engine step with nothing to tell.  ``--explorer`` adds the
 explorer's default profile (states per CPU second; its ratio is this /
 other too, so above 1 is faster here).  Make OTHER with
 ``git worktree add --detach /tmp/old REV``.
@@ -32,7 +35,9 @@ HERE = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).resolve().parent / "checkout_probe.py"
 LABELS = ("lease heartbeat, Machine.handle (µs/event)", "lease heartbeat, ControlPlane.handle (µs/event)",
           "decode lifecycle, Machine.handle (µs/event)", "decode lifecycle, ControlPlane.handle (µs/event)",
-          "decode request, recording on (µs/request)", "lease + 4 HB + done, recording on (µs/request)")
+          "decode request, recording on (µs/request)", "lease + 4 HB + done, recording on (µs/request)",
+          "connector D accepts signed params (µs/request)", "connector P grants, signs (µs/request)",
+          "connector empty step, scheduler half (µs/step)")
 EXPLORER_LABEL = "explorer default profile (states/CPU-s)"
 
 
