@@ -145,7 +145,7 @@ def host_problem(host: Any) -> str | None:
 @functools.lru_cache(maxsize=256)
 def _str_host_problem(host: str) -> str | None:
     """host_problem of a str, kept for the few hosts an engine hears of
-    (``ipaddress`` is a tenth of a reader's accept, asked twice per request)."""
+    (``ipaddress`` was a tenth of a reader's accept of params, per request)."""
     if not host or len(host) > MAX_HOST_BYTES + 2:
         return f"host must be 1 to {MAX_HOST_BYTES} characters"
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
