@@ -1,6 +1,6 @@
 """vLLM's AMX attention needs the AMX tile state asked for in each engine
 process (app/vllm/amx.py): kvplane's vLLM plugin asks; on a CPU without AMX
-it changes nothing."""
+it changes nothing.  The job's engines keep vLLM off its AMX kernels."""
 from __future__ import annotations
 
 import platform
@@ -9,7 +9,10 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from kvplane.app.vllm.amx import request_amx_state
+import pytest
+
+from kvplane.app.vllm.amx import AMX_ENV, request_amx_state
+from kvplane.app.vllm.engines import EngineSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,3 +39,21 @@ def test_a_fresh_process_gets_the_tile_state_only_where_the_cpu_has_amx():
     amx = str(_cpu_has_amx())
     # Not inherited from this process (a new process starts without it), granted once asked, asked twice harmlessly.
     assert out == ["False", amx, amx, amx], out
+
+
+def test_off_keeps_vllm_off_its_amx_kernels():
+    """KVPLANE_VLLM_AMX=off (the job's engines): vLLM is told the CPU has
+    no AMX, whatever it has, so its attention takes its AVX-512 path, whose
+    bytes do not depend on the batch (the KV check compares bytes)."""
+    pytest.importorskip("torch")
+    code = ("import torch\n"
+            "from kvplane.app.vllm.amx import amx_permitted, request_amx_state\n"
+            "print(request_amx_state(), torch.cpu._is_amx_tile_supported(), amx_permitted())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "KVPLANE_VLLM_AMX": "off"}).stdout
+    assert out.split() == ["False", "False", "False"], out
+
+
+def test_the_jobs_engines_run_with_amx_off():
+    spec = EngineSpec(name="D", engine_id="decode-0", http_port=8100, side_channel_port=5600, connector="kvplane")
+    assert spec.env()[AMX_ENV] == "off"

@@ -12,10 +12,15 @@ of the job, NixlConnector's too).  Registered as a ``vllm.general_plugins``
 entry point (pyproject.toml), which vLLM calls in every process it starts,
 before a model runs.  On other CPUs and systems the request is refused or not
 made: nothing changes.
+
+``KVPLANE_VLLM_AMX=off`` (set by the job's engines, app/vllm/engines.py)
+tells vLLM the CPU has no AMX instead: its AMX kernels' KV bytes depend on
+the batch, and the job's KV check compares bytes (docs/vllm.md, "AMX").
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import sys
 
@@ -24,6 +29,9 @@ _SYS_ARCH_PRCTL = 158
 _ARCH_GET_XCOMP_PERM = 0x1022
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
+
+# "off": vLLM's kernels never take their AMX path in this process (what the job's engines set).
+AMX_ENV = "KVPLANE_VLLM_AMX"
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -48,7 +56,13 @@ def amx_permitted() -> bool:
 
 def request_amx_state() -> bool:
     """Ask for the AMX tile state (vLLM's plugin hook); whether it is
-    permitted now.  A CPU without AMX refuses the request: not an error."""
+    permitted now.  A CPU without AMX refuses the request: not an error.
+    With ``KVPLANE_VLLM_AMX=off`` vLLM is told the CPU has no AMX instead."""
+    if os.environ.get(AMX_ENV) == "off":
+        import torch
+
+        torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's kernels ask only this
+        return False
     libc = _libc()
     if libc is None:
         return False
