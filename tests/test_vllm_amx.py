@@ -54,6 +54,21 @@ def test_off_keeps_vllm_off_its_amx_kernels():
     assert out.split() == ["False", "False", "False"], out
 
 
-def test_the_jobs_engines_run_with_amx_off():
-    spec = EngineSpec(name="D", engine_id="decode-0", http_port=8100, side_channel_port=5600, connector="kvplane")
-    assert spec.env()[AMX_ENV] == "off"
+def test_the_jobs_engines_compute_the_same_bytes_whatever_the_batch():
+    """In the job's engines' environment a bf16 linear layer (torch's, on
+    oneDNN) gives each row the same bytes whatever else is in the batch: the
+    KV check's premise.  (With AMX it did not, on the Xeon: 8 batch sizes of
+    12 differed.)"""
+    pytest.importorskip("torch")
+    env = EngineSpec(name="D", engine_id="decode-0", http_port=8100, side_channel_port=5600,
+                     connector="kvplane").env()
+    assert env[AMX_ENV] == "off"
+    code = ("import torch\n"
+            "torch.manual_seed(0)\n"
+            "w, x = torch.randn(1024, 512, dtype=torch.bfloat16), torch.randn(300, 512, dtype=torch.bfloat16)\n"
+            "full = torch.nn.functional.linear(x, w)\n"
+            "print(sum(not torch.equal(torch.nn.functional.linear(x[:m], w), full[:m])\n"
+            "          for m in (1, 2, 3, 7, 16, 17, 32, 33, 64, 100, 128, 200)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env=env).stdout
+    assert out.split() == ["0"], out

@@ -13,9 +13,10 @@ entry point (pyproject.toml), which vLLM calls in every process it starts,
 before a model runs.  On other CPUs and systems the request is refused or not
 made: nothing changes.
 
-``KVPLANE_VLLM_AMX=off`` (set by the job's engines, app/vllm/engines.py)
-tells vLLM the CPU has no AMX instead: its AMX kernels' KV bytes depend on
-the batch, and the job's KV check compares bytes (docs/vllm.md, "AMX").
+``KVPLANE_VLLM_AMX=off`` (set by the job's engines, app/vllm/engines.py,
+with oneDNN capped below AMX: ``BATCH_INVARIANT_ENV``) tells vLLM the CPU
+has no AMX instead: with AMX a prompt's KV bytes depend on the batch, and the
+job's KV check compares bytes (docs/vllm.md, "AMX").
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ _XFEATURE_XTILEDATA = 18
 
 # "off": vLLM's kernels never take their AMX path in this process (what the job's engines set).
 AMX_ENV = "KVPLANE_VLLM_AMX"
+# An engine whose KV bytes must not depend on the batch (the job's KV check compares bytes): vLLM's
+# attention and oneDNN's bf16 matmuls (torch's linear layers) both off AMX.  With AMX a bf16 linear's
+# rows differed with the batch's size in 8 of 12 sizes, capped at AVX-512 BF16 in none (2026-12-07).
+BATCH_INVARIANT_ENV = {AMX_ENV: "off", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
 
 
 def _libc() -> ctypes.CDLL | None:

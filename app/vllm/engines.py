@@ -23,7 +23,7 @@ import attrs
 
 from kvplane.connector.secret import write_secret_file
 
-from .amx import AMX_ENV
+from .amx import BATCH_INVARIANT_ENV
 
 # Seconds vLLM's API server waits for its engine core (and so the workers' connector shutdown) on a stop,
 # well inside EngineProcess.stop's SIGKILL timeout.
@@ -133,7 +133,7 @@ class EngineSpec:
                     "UCX_NET_DEVICES": self.ucx_net_devices or env.get("UCX_NET_DEVICES", "lo"),
                     "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "ERROR"),
                     "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                    AMX_ENV: "off"})
+                    **BATCH_INVARIANT_ENV})
         if self.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
             if self.cpus == UNBOUND:

@@ -26,8 +26,8 @@ nothing: D recomputed it; its blocks are still compared with the recompute.
 Measured on a normal run: P's KV and D's recompute are byte-identical for
 every prompt (vLLM's AVX-512 CPU kernels give the same bytes for the same
 prompt whatever the batch), so the check needs no tolerance.  Its AMX
-kernels do not (every block of a prompt differed), so the job's engines
-keep vLLM off them (``amx.AMX_ENV``).
+kernels, and oneDNN's, do not (every block of a prompt differed), so the
+job's engines keep both off them (``amx.BATCH_INVARIANT_ENV``).
 
 A hybrid model (several KV cache groups) is checked group by group, each
 on its own blocks (a sliding-window group moves only its window's tail:
