@@ -27,7 +27,7 @@ from typing import Any, Sized
 from kvplane.statemachines import events as E
 from kvplane.statemachines.actions import ReportRecv
 from kvplane.statemachines.observe import CaptureObserver
-from kvplane.statemachines.tp_mapping import TpMapping
+from kvplane.statemachines.tp_mapping import TpMapping, tp_mapping
 
 from .driver import PlaneDriver
 from .ranks import rank_engine_id
@@ -183,8 +183,8 @@ class ConnectorWorker:
             return
         if self.pp_size > 1:  # the scheduler refuses these first; a rank holding a layer slice never reads
             raise ValueError(f"a rank of a pipeline-parallel engine (PP {self.pp_size}) reads nothing")
-        sources = TpMapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv,
-                            holder_pp=rk.pp_size).sources(self.rank)
+        sources = tp_mapping(rk.tp_size, self.tp_size, replicated=self.replicated_kv,
+                             holder_pp=rk.pp_size).sources(self.rank)
         subs = []
         for src in sources:
             sub = rid if len(sources) == 1 else f"{rid}@tp{src.holder_rank}"
