@@ -178,8 +178,12 @@ def connector_d_accept(n: int) -> tuple[int, float]:
     """D's on_new_request per request: P's signed params checked and registered (µs/request)."""
     secret = _secret()
     p, d = _scheduler_half("prefill-0", secret), _scheduler_half("decode-0", secret)
-    reqs = [_Request(f"a{i}", p.request_finished(req, (4, 5, 6))[1] or {}, 0)
-            for i, req in enumerate(_grants(p, n, "x"))]
+    reqs = []
+    for i, req in enumerate(_grants(p, n, "x")):
+        params = p.request_finished(req, (4, 5, 6))[1]
+        if params is None:  # D would register nothing: the figure would time a no-op
+            raise RuntimeError(f"P granted no params for {req.request_id}")
+        reqs.append(_Request(f"a{i}", params, 0))
     t0 = time.process_time()
     for req in reqs:
         d.on_new_request(req)
