@@ -72,3 +72,12 @@ def test_the_jobs_engines_compute_the_same_bytes_whatever_the_batch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env=env).stdout
     assert out.split() == ["0"], out
+
+
+def test_any_other_value_is_named_in_one_warning_and_changes_nothing():
+    code = "from kvplane.app.vllm.amx import request_amx_state\nprint(request_amx_state())"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", AMX_ENV: "of"})
+    assert proc.stdout.split() == [str(_cpu_has_amx())], proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "KVPLANE_VLLM_AMX='of'" in lines[0] and "Traceback" not in proc.stderr, proc.stderr

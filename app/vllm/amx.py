@@ -21,6 +21,7 @@ job's KV check compares bytes (docs/vllm.md, "AMX").
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 import sys
@@ -63,7 +64,11 @@ def request_amx_state() -> bool:
     """Ask for the AMX tile state (vLLM's plugin hook); whether it is
     permitted now.  A CPU without AMX refuses the request: not an error.
     With ``KVPLANE_VLLM_AMX=off`` vLLM is told the CPU has no AMX instead."""
-    if os.environ.get(AMX_ENV) == "off":
+    setting = os.environ.get(AMX_ENV, "")
+    if setting not in ("", "off"):  # a typo must not pass for the default silently
+        logging.getLogger(__name__).warning("kvplane: %s=%r is not 'off' (or unset): ignored; vLLM may use AMX",
+                                            AMX_ENV, setting[:40])
+    if setting == "off":
         import torch
 
         torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's kernels ask only this
